@@ -1,0 +1,184 @@
+"""Gated DeltaNet: the linear-attention layer of the hybrid, with explicit state.
+
+Per value head the layer keeps a matrix ``S [Dk, Dv]`` updated by the gated delta
+rule ``S <- exp(g) S + k (beta (v - k^T exp(g) S))`` and reads ``q^T S``. Two
+evaluations of the same recurrence:
+
+* `chunked_delta_rule` — the chunk-parallel (WY) form over 64-token chunks: prefill
+  and training, where a token-by-token scan would serialise thousands of steps;
+* `recurrent_delta_rule` — a token-by-token scan that also returns the state after
+  every step: decode and speculative verify, which must be able to keep the state
+  at whichever position acceptance stops (no recompute).
+
+Masked positions (padding of a ragged batch) leave the state untouched: their key,
+``beta`` and log-decay are zeroed, which makes their update the identity.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtp.config import ModelConfig
+from mtp.model.layers import dense, gated_rms_norm
+
+CHUNK = 64
+
+
+def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def project(p, x: jax.Array, cfg: ModelConfig):
+    """Input projections, in HF's grouped layout, to ``mixed_qkv, z, b, a``.
+
+    ``in_proj_qkvz`` is laid out per key-head group as ``[q, k, v.., z..]``; this
+    regroups it into the conv's channel order ``[q (all heads), k, v]``.
+    """
+    lead = x.shape[:-1]
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
+    qkvz = dense(x, p["in_proj_qkvz"]["weight"]).reshape(*lead, nk, 2 * dk + 2 * r * dv)
+    q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
+    v = qkvz[..., 2 * dk : 2 * dk + r * dv]
+    z = qkvz[..., 2 * dk + r * dv :].reshape(*lead, nv, dv)
+    ba = dense(x, p["in_proj_ba"]["weight"]).reshape(*lead, nk, 2 * r)
+    b = ba[..., :r].reshape(*lead, nv)
+    a = ba[..., r:].reshape(*lead, nv)
+    mixed = jnp.concatenate([q.reshape(*lead, -1), k.reshape(*lead, -1), v.reshape(*lead, -1)], axis=-1)
+    return mixed, z, b, a
+
+
+def conv_windows(p, conv_state: jax.Array, mixed: jax.Array) -> jax.Array:
+    """Causal depthwise conv + SiLU over ``[conv_state, mixed]``: ``[B, T, C]`` out."""
+    w = p["conv1d"]["weight"][:, 0, :]  # [C, K]
+    kern = w.shape[-1]
+    full = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
+    t = mixed.shape[1]
+    out = sum(full[:, i : i + t, :].astype(jnp.float32) * w[:, i].astype(jnp.float32) for i in range(kern))
+    return jax.nn.silu(out).astype(mixed.dtype)
+
+
+def split_heads(mixed: jax.Array, b: jax.Array, a: jax.Array, p, cfg: ModelConfig):
+    """Conv output to per-value-head ``q, k`` (l2-normalised, f32), ``v``, ``beta``, ``g``."""
+    lead = mixed.shape[:-1]
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    kd = cfg.linear_key_dim
+    q = mixed[..., :kd].reshape(*lead, nk, -1)
+    k = mixed[..., kd : 2 * kd].reshape(*lead, nk, -1)
+    v = mixed[..., 2 * kd :].reshape(*lead, nv, -1).astype(jnp.float32)
+    r = nv // nk
+    q = _l2norm(jnp.repeat(q, r, axis=-2).astype(jnp.float32))
+    k = _l2norm(jnp.repeat(k, r, axis=-2).astype(jnp.float32))
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
+    return q, k, v, beta, g
+
+
+def chunked_delta_rule(q, k, v, beta, g, state):
+    """Chunk-parallel gated delta rule.
+
+    q, k: ``[B, T, H, Dk]``; v: ``[B, T, H, Dv]``; beta, g: ``[B, T, H]``;
+    state: ``[B, H, Dk, Dv]``. Returns ``(out [B, T, H, Dv], final_state)``.
+    Within a chunk the rank-one updates compose into ``(I + L)^-1`` (L strictly
+    lower triangular), solved as a triangular system rather than a Python loop.
+    """
+    bsz, t, h, dk = q.shape
+    pad = (-t) % CHUNK
+    padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, beta, g = map(padt, (q, k, v, beta, g))
+    n = (t + pad) // CHUNK
+    # -> [B, H, n, C, ...]
+    to_chunks = lambda x: jnp.moveaxis(x.reshape(bsz, n, CHUNK, h, *x.shape[3:]), 3, 1)
+    q, k, v, beta, g = map(to_chunks, (q, k, v, beta, g))
+    q = q * dk**-0.5
+    g = jnp.cumsum(g, axis=-1)  # [B, H, n, C]
+    tril = jnp.tril(jnp.ones((CHUNK, CHUNK), bool))
+    decay = jnp.where(tril, jnp.exp(jnp.where(tril, g[..., :, None] - g[..., None, :], 0.0)), 0.0)
+    k_beta = k * beta[..., None]
+    lower = jnp.where(jnp.tril(tril, -1), jnp.einsum("...id,...jd->...ij", k_beta, k) * decay, 0.0)
+    eye = jnp.eye(CHUNK, dtype=jnp.float32)
+    solve = lambda m: jax.scipy.linalg.solve_triangular(eye + m, jnp.broadcast_to(eye, m.shape), lower=True)
+    tmat = solve(lower)  # (I + L)^-1
+    v_w = tmat @ (v * beta[..., None])
+    k_cumdecay = tmat @ (k_beta * jnp.exp(g)[..., None])
+
+    def step(s, xs):
+        q_i, k_i, v_i, kc_i, g_i, dec_i = xs  # [B, H, C, ...]
+        attn = jnp.where(tril, q_i @ jnp.swapaxes(k_i, -1, -2) * dec_i, 0.0)
+        v_new = v_i - kc_i @ s
+        out = (q_i * jnp.exp(g_i)[..., None]) @ s + attn @ v_new
+        g_last = g_i[..., -1]
+        s = s * jnp.exp(g_last)[..., None, None] + jnp.swapaxes(
+            k_i * jnp.exp(g_last[..., None] - g_i)[..., None], -1, -2) @ v_new
+        return s, out
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (q, k, v_w, k_cumdecay, g, decay))
+    state, out = jax.lax.scan(step, state.astype(jnp.float32), xs)
+    out = jnp.moveaxis(out, 0, 2).reshape(bsz, h, n * CHUNK, -1)[:, :, :t]
+    return jnp.swapaxes(out, 1, 2), state
+
+
+def recurrent_delta_rule(q, k, v, beta, g, state):
+    """Token-by-token gated delta rule; also returns the state after every step.
+
+    Shapes as in `chunked_delta_rule`; returns ``(out, final_state, states [B, T, H, Dk, Dv])``.
+    """
+    scale = q.shape[-1] ** -0.5
+
+    def step(s, xs):
+        q_t, k_t, v_t, b_t, g_t = xs  # [B, H, ...]
+        s = s * jnp.exp(g_t)[..., None, None]
+        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
+        delta = (v_t - kv_mem) * b_t[..., None]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        out = jnp.einsum("bhkv,bhk->bhv", s, q_t * scale)
+        return s, (out, s)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, beta, g))
+    state, (out, states) = jax.lax.scan(step, state.astype(jnp.float32), xs)
+    return jnp.moveaxis(out, 0, 1), state, jnp.moveaxis(states, 0, 1)
+
+
+def mask_updates(k, beta, g, valid):
+    """Zero the update of masked positions so they leave the state as it was."""
+    m = valid[..., None]
+    return jnp.where(m[..., None], k, 0.0), jnp.where(m, beta, 0.0), jnp.where(m, g, 0.0)
+
+
+def output(p, core: jax.Array, z: jax.Array, x_dtype, cfg: ModelConfig) -> jax.Array:
+    y = gated_rms_norm(core.astype(x_dtype), z, p["norm"]["weight"], cfg.rms_norm_eps)
+    return dense(y.reshape(*y.shape[:-2], -1), p["out_proj"]["weight"])
+
+
+def conv_state_after(conv_state: jax.Array, mixed: jax.Array, counts: jax.Array) -> jax.Array:
+    """The last ``K - 1`` conv inputs after consuming ``counts[b]`` of ``mixed[b]``."""
+    keep = conv_state.shape[1]
+    full = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)
+    return jax.vmap(lambda f, c: jax.lax.dynamic_slice_in_dim(f, c, keep, axis=0))(full, counts)
+
+
+def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bool):
+    """One Gated DeltaNet layer over ``x [B, T, H]``.
+
+    ``valid [B, T]`` marks the real tokens, which are a prefix of each row. With
+    ``per_step`` (verify) the state after every position is returned as well.
+    Returns ``(y, new_conv, new_rec, step_states)``.
+    """
+    mixed, z, b, a = project(p, x, cfg)
+    mixed = jnp.where(valid[..., None], mixed, 0)
+    conv_out = conv_windows(p, conv_state, mixed)
+    q, k, v, beta, g = split_heads(conv_out, b, a, p, cfg)
+    k, beta, g = mask_updates(k, beta, g, valid)
+    counts = jnp.sum(valid, axis=1).astype(jnp.int32)
+    if per_step:
+        core, new_rec, rec_steps = recurrent_delta_rule(q, k, v, beta, g, rec_state)
+        conv_steps = jnp.stack([conv_state_after(conv_state, mixed, jnp.full_like(counts, i + 1))
+                                for i in range(x.shape[1])], axis=1)
+        steps = (conv_steps, rec_steps)
+    else:
+        core, new_rec = chunked_delta_rule(q, k, v, beta, g, rec_state)
+        steps = None
+    new_conv = conv_state_after(conv_state, mixed, counts)
+    return output(p, core, z, x.dtype, cfg), new_conv, new_rec, steps

@@ -1,0 +1,130 @@
+"""Building blocks of the Qwen3-Next hybrid: norms, RoPE, gated attention, FFNs.
+
+Each block is a plain function of ``(params_subtree, inputs)``; parameter subtrees
+are the checkpoint's own nesting. Numerics follow the Hugging Face implementation
+(norms in float32 and cast back, f32 softmax, f32 matmul accumulation).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtp.config import ModelConfig
+
+
+def dense(x: jax.Array, w) -> jax.Array:
+    """``x @ w.T`` for a HF ``[out, in]`` weight, plain or quantized (`mtp.quant`)."""
+    if isinstance(w, jax.Array):
+        y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        return y.astype(x.dtype)
+    from mtp import quant  # quantized MTP projections only; the target is never quantized
+
+    return quant.linear(x, w)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Qwen3-Next RMSNorm: scale by ``(1 + w)``, so a zero-initialised ``w`` is identity."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """The Gated DeltaNet output norm: plain ``w`` scale (not ``1 + w``), then ``silu(z)``."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = w * y.astype(x.dtype)
+    return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Partial rotary embedding on the first ``rotary_dim`` channels of each head.
+
+    x: ``[..., T, H, D]``; positions: ``[..., T]`` (sequence space, any integer).
+    """
+    rd = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, rd, 2, dtype=jnp.float32) / rd))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, rd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., T, 1, rd]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    rot, keep = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([rot * cos + rotated * sin, keep], axis=-1)
+
+
+# ------------------------------------------------------------------ gated attention
+def attention_qkv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
+    """Project to rotated ``q [.., T, Hq, D]``, ``k, v [.., T, Hkv, D]`` and the output gate."""
+    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    lead = x.shape[:-1]
+    qg = dense(x, p["q_proj"]["weight"]).reshape(*lead, hq, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:]
+    q = rms_norm(q, p["q_norm"]["weight"], cfg.rms_norm_eps)
+    k = rms_norm(dense(x, p["k_proj"]["weight"]).reshape(*lead, hkv, d), p["k_norm"]["weight"], cfg.rms_norm_eps)
+    v = dense(x, p["v_proj"]["weight"]).reshape(*lead, hkv, d)
+    return rope(q, positions, cfg), rope(k, positions, cfg), v, gate
+
+
+def attention_kv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
+    """Only the rotated keys and values: all a drafter prefill needs (no queries)."""
+    d, hkv = cfg.head_dim, cfg.num_key_value_heads
+    lead = x.shape[:-1]
+    k = rms_norm(dense(x, p["k_proj"]["weight"]).reshape(*lead, hkv, d), p["k_norm"]["weight"], cfg.rms_norm_eps)
+    v = dense(x, p["v_proj"]["weight"]).reshape(*lead, hkv, d)
+    return rope(k, positions, cfg), v
+
+
+def attention_out(p, attn: jax.Array) -> jax.Array:
+    """``o_proj`` over the (already gated) per-head outputs ``[.., T, Hq, D]``."""
+    return dense(attn.reshape(*attn.shape[:-2], -1), p["o_proj"]["weight"])
+
+
+def causal_attention(q, k, v, gate) -> jax.Array:
+    """Dense causal GQA attention over a whole sequence, ``[B, T, H, D]`` each.
+
+    The no-cache reference path and training use it; decode uses the paged kernel.
+    """
+    b, t, hq, d = q.shape
+    g = hq // k.shape[2]
+    qf = q.astype(jnp.float32).reshape(b, t, k.shape[2], g, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qf, k.astype(jnp.float32)) * d**-0.5
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    s = jnp.where(mask, s, -jnp.inf)
+    o = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(s, axis=-1), v.astype(jnp.float32))
+    o = o.reshape(b, t, hq, d) * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return o.astype(q.dtype)
+
+
+# ------------------------------------------------------------------ FFNs
+def mlp(p, x: jax.Array) -> jax.Array:
+    return dense(jax.nn.silu(dense(x, p["gate_proj"]["weight"])) * dense(x, p["up_proj"]["weight"]),
+                 p["down_proj"]["weight"])
+
+
+def moe(p, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Softmax top-k routing over all experts, plus the sigmoid-gated shared expert.
+
+    Every expert is evaluated densely and weighted by its (mostly zero) routing
+    weight: exact, shape-static and cheap at the expert counts of the models run
+    here; a grouped-GEMM dispatch is the place to change for large expert counts.
+    """
+    logits = dense(x, p["gate"]["weight"]).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    routing = jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=jnp.float32) * top_w[..., None], axis=-2)
+    routing = routing.astype(x.dtype).astype(jnp.float32)  # HF casts the weights to the activation dtype
+    out = jnp.zeros(x.shape, jnp.float32)
+    for e in range(cfg.num_experts):
+        out = out + routing[..., e : e + 1] * mlp(p["experts"][str(e)], x).astype(jnp.float32)
+    if "shared_expert" in p:
+        shared = mlp(p["shared_expert"], x).astype(jnp.float32)
+        out = out + jax.nn.sigmoid(dense(x, p["shared_expert_gate"]["weight"]).astype(jnp.float32)) * shared
+    return out.astype(x.dtype)
+
+
+def ffn(p, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return moe(p, x, cfg) if "gate" in p else mlp(p, x)

@@ -1,0 +1,223 @@
+"""The target model's entry points: no-cache forward, prefill, and verify/decode.
+
+All three run the same decoder stack; they differ only in where attention reads
+keys from (the sequence itself, or the paged cache) and which Gated DeltaNet
+evaluation they use (chunked for long spans, per-step for verify). Every function
+takes the static `ModelConfig` first and returns new state rather than mutating.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from mtp.cache.state import LinearState, TargetCache, write_pages
+from mtp.config import ModelConfig
+from mtp.model import gated_deltanet as gdn
+from mtp.model.layers import (attention_out, attention_qkv, causal_attention, ffn, rms_norm)
+from mtp.model.params import Params
+from mtp.pallas.paged_attention import paged_attention
+
+
+@struct.dataclass
+class StepOutput:
+    """What the target hands on: logits and both views of its final hidden."""
+
+    logits: jax.Array  # [B, T, V] (or [B, 1, V] when only the last is asked for)
+    hidden_pre: jax.Array  # [B, T, H] residual stream before the final norm
+    hidden_post: jax.Array  # [B, T, H] after the final norm (what the LM head reads)
+
+    def mtp_hidden(self, source: str) -> jax.Array:
+        """The hidden the MTP head consumes (`ModelConfig.mtp_hidden_source`)."""
+        return self.hidden_post if source == "post_norm" else self.hidden_pre
+
+
+@struct.dataclass
+class VerifyOutput(StepOutput):
+    """A verify step also returns the Gated DeltaNet state after every new position."""
+
+    conv_steps: tuple[jax.Array, ...] = ()  # per linear layer [B, Q, K-1, C]
+    rec_steps: tuple[jax.Array, ...] = ()  # per linear layer [B, Q, Hv, Dk, Dv]
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return jnp.take(params["model"]["embed_tokens"]["weight"], tokens, axis=0)
+
+
+def lm_head(cfg: ModelConfig, params: Params, hidden_post: jax.Array) -> jax.Array:
+    w = params["model"]["embed_tokens"]["weight"] if cfg.tie_word_embeddings else params["lm_head"]["weight"]
+    return jnp.einsum("...h,vh->...v", hidden_post, w.astype(hidden_post.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer) -> jax.Array:
+    """Pre-norm residual block; ``mixer`` is the layer's token mixer on normed input."""
+    x = x + mixer(rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps))
+    return x + ffn(p["mlp"], rms_norm(x, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps), cfg)
+
+
+def paged_attention_mixer(cfg, p, positions, k_pages, v_pages, block_tables, write, attn_lengths, impl):
+    """Gated attention that writes this step's K/V into pages, then attends over them.
+
+    Returns ``(mixer, result)``: after the mixer has run, ``result`` holds the
+    updated ``(k_pages, v_pages)``. The MTP head's layer uses it too.
+    """
+    result = {}
+
+    def mixer(h):
+        q, k, v, gate = attention_qkv(p["self_attn"], h, positions, cfg)
+        kp = write_pages(k_pages, k, block_tables, positions, write)
+        vp = write_pages(v_pages, v, block_tables, positions, write)
+        result["kv"] = (kp, vp)
+        o = paged_attention(q, kp, vp, block_tables, attn_lengths, gate=gate, impl=impl)
+        return attention_out(p["self_attn"], o)
+
+    return mixer, result
+
+
+def _final(cfg, params, x, last_only: jax.Array | None) -> StepOutput:
+    post = rms_norm(x, params["model"]["norm"]["weight"], cfg.rms_norm_eps)
+    head_in = post if last_only is None else jnp.take_along_axis(post, last_only[:, None, None], axis=1)
+    return dict(logits=lm_head(cfg, params, head_in), hidden_pre=x, hidden_post=post)
+
+
+# ------------------------------------------------------------------ reference path
+def forward_with_hiddens(cfg: ModelConfig, params: Params, tokens: jax.Array,
+                         gdn_mode: str = "chunked") -> StepOutput:
+    """The whole sequence from an empty state, no cache: the reference path (and training)."""
+    b, t = tokens.shape
+    x = embed(params, tokens)
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    valid = jnp.ones((b, t), bool)
+    zeros = LinearState.zeros(cfg, b, x.dtype)
+    for i, kind in enumerate(cfg.layer_types):
+        p = params["model"]["layers"][str(i)]
+        if kind == "full_attention":
+            def mixer(h, p=p):
+                q, k, v, gate = attention_qkv(p["self_attn"], h, positions, cfg)
+                return attention_out(p["self_attn"], causal_attention(q, k, v, gate))
+        else:
+            def mixer(h, p=p):
+                return gdn.gdn_layer(p["linear_attn"], h, cfg, zeros.conv[0], zeros.recurrent[0],
+                                     valid, per_step=gdn_mode == "recurrent")[0]
+        x = decoder_layer(cfg, p, x, mixer)
+    return StepOutput(**_final(cfg, params, x, None))
+
+
+def forward(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """Logits ``[B, T, vocab]`` of the whole sequence with no cache."""
+    return forward_with_hiddens(cfg, params, tokens).logits
+
+
+# ------------------------------------------------------------------ cached paths
+def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, attn_lengths,
+                per_step: bool, impl: str, linear_init: LinearState):
+    """Shared body of prefill and verify: the stack over cached state."""
+    b, t = tokens.shape
+    positions = start[:, None] + jnp.arange(t)[None, :]
+    x = embed(params, tokens)
+    ks, vs, convs, recs, conv_steps, rec_steps = [], [], [], [], [], []
+    for i, kind in enumerate(cfg.layer_types):
+        p = params["model"]["layers"][str(i)]
+        if kind == "full_attention":
+            j = len(ks)
+            mixer, res = paged_attention_mixer(cfg, p, positions, cache.kv.k[j], cache.kv.v[j],
+                                               cache.block_tables, write, attn_lengths, impl)
+            x = decoder_layer(cfg, p, x, mixer)
+            ks.append(res["kv"][0])
+            vs.append(res["kv"][1])
+        else:
+            j = len(convs)
+            res = {}
+
+            def mixer(h, p=p, j=j, res=res):
+                y, c, r, steps = gdn.gdn_layer(p["linear_attn"], h, cfg, linear_init.conv[j],
+                                               linear_init.recurrent[j], valid, per_step)
+                res.update(conv=c, rec=r, steps=steps)
+                return y
+
+            x = decoder_layer(cfg, p, x, mixer)
+            convs.append(res["conv"])
+            recs.append(res["rec"])
+            if per_step:
+                conv_steps.append(res["steps"][0])
+                rec_steps.append(res["steps"][1])
+    kv = cache.kv.replace(k=tuple(ks), v=tuple(vs))
+    linear = LinearState(conv=tuple(convs), recurrent=tuple(recs))
+    return x, kv, linear, (tuple(conv_steps), tuple(rec_steps))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "all_logits"), donate_argnames=("cache",))
+def prefill(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array,
+            start: jax.Array, num_new: jax.Array, write_from: jax.Array | None = None, *,
+            impl: str = "auto", all_logits: bool = True) -> tuple[TargetCache, StepOutput]:
+    """Prefill ``num_new[b]`` tokens of ``tokens[b]`` at positions ``start[b]...`` of each slot.
+
+    A slot with ``start > 0`` continues from the cache's Gated DeltaNet state (a
+    restored snapshot) and attends to the KV already in its pages (a cached
+    prefix); ``start == 0`` begins from an empty state. K/V are written only for
+    positions ``>= write_from[b]``: a prefix shared with other sequences is read,
+    never rewritten. Slots with ``num_new == 0`` are left as they were.
+    Returns logits for every position (or only each slot's last, with
+    ``all_logits=False``) and the hiddens of every position.
+    """
+    b, t = tokens.shape
+    write_from = start if write_from is None else write_from
+    valid = jnp.arange(t)[None, :] < num_new[:, None]
+    positions = start[:, None] + jnp.arange(t)[None, :]
+    write = valid & (positions >= write_from[:, None])
+    zeros = LinearState.zeros(cfg, b, cache.linear.conv[0].dtype if cache.linear.conv else jnp.float32)
+    init = cache.linear.select_slots(start > 0, zeros)
+    x, kv, linear, _ = _run_cached(cfg, params, cache, tokens, start, valid, write,
+                                   start + t, False, impl, init)
+    active = num_new > 0
+    out = _final(cfg, params, x, None if all_logits else jnp.maximum(num_new - 1, 0))
+    new_cache = cache.replace(
+        kv=kv,
+        linear=linear.select_slots(active, cache.linear),
+        lengths=jnp.where(active, start + num_new, cache.lengths).astype(jnp.int32),
+    )
+    return new_cache, StepOutput(**out)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+def verify(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array, *,
+           impl: str = "auto") -> tuple[TargetCache, VerifyOutput]:
+    """Run ``Q`` new tokens per slot after its ``lengths[b]`` cached positions.
+
+    Writes their K/V but does not advance ``lengths`` or the Gated DeltaNet
+    state: the caller decides how many positions to keep (`commit`), choosing
+    among the per-position states returned here.
+    """
+    b, q = tokens.shape
+    valid = jnp.ones((b, q), bool)
+    x, kv, _, steps = _run_cached(cfg, params, cache, tokens, cache.lengths, valid, valid,
+                                  cache.lengths + q, True, impl, cache.linear)
+    out = _final(cfg, params, x, None)
+    return cache.replace(kv=kv), VerifyOutput(**out, conv_steps=steps[0], rec_steps=steps[1])
+
+
+def commit(cache: TargetCache, out: VerifyOutput, num_keep: jax.Array) -> TargetCache:
+    """Keep the first ``num_keep[b]`` verified positions of each slot (0 keeps none)."""
+    idx = jnp.maximum(num_keep - 1, 0)
+
+    def at(steps):
+        return jax.vmap(lambda s, i: s[i])(steps, idx)
+
+    chosen = LinearState(conv=tuple(at(s) for s in out.conv_steps),
+                         recurrent=tuple(at(s) for s in out.rec_steps))
+    return cache.replace(
+        linear=chosen.select_slots(num_keep > 0, cache.linear),
+        lengths=(cache.lengths + num_keep).astype(jnp.int32),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+def decode(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array, *,
+           impl: str = "auto") -> tuple[TargetCache, VerifyOutput]:
+    """One or more new tokens per slot, all kept: verify followed by a full commit."""
+    cache, out = verify(cfg, params, cache, tokens, impl=impl)
+    return commit(cache, out, jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)), out
