@@ -1,0 +1,42 @@
+"""The single switch that picks how the project's Pallas ops run.
+
+Every op in ``mtp.pallas`` takes ``impl="auto"`` and passes it through
+``resolve_impl`` so that the model, the tests and the benchmarks agree on one
+rule: compiled Pallas kernels on a GPU, the pure-JAX references everywhere else,
+and Pallas interpret mode when a test wants the kernel's own code on a CPU.
+The ``MTP_KERNELS`` environment variable overrides what ``"auto"`` means, so a
+whole run can be flipped (say, to the reference path on a GPU to rule a kernel
+out) without touching code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+CHOICES = ("auto", "reference", "pallas", "interpret")
+ENV_VAR = "MTP_KERNELS"
+
+
+def _check(impl: str, where: str) -> str:
+    if impl not in CHOICES:
+        raise ValueError(
+            f"{where}={impl!r} is not a kernel implementation; choose one of "
+            f"{', '.join(CHOICES)}"
+        )
+    return impl
+
+
+def resolve_impl(impl: str) -> str:
+    """Returns the concrete implementation ("reference", "pallas" or "interpret").
+
+    An explicit choice wins; "auto" first consults ``MTP_KERNELS`` and then the
+    default backend, so a CPU-only process never tries to compile a GPU kernel.
+    """
+    _check(impl, "impl")
+    if impl == "auto":
+        impl = _check(os.environ.get(ENV_VAR, "auto"), ENV_VAR)
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+    return impl

@@ -1,0 +1,338 @@
+"""Attention over paged KV for decode (Q = 1) and verify (Q = K new tokens).
+
+Decode and verify are memory-bound: every step streams each sequence's whole KV
+once while doing a few FLOPs per byte. The kernel therefore aims at one thing,
+reading each KV head's pages exactly once at close to copy bandwidth:
+
+* All G query heads of a KV head and all Q queries share one program, stacked
+  as the rows of a 64-row wgmma operand (row ``r = i * G + g``), so the pages of
+  that KV head are read once for all of them. Q = 4 then costs about what Q = 1
+  costs (the wgmma rows are there either way).
+* The sequence is split across programs (flash-decoding): grid
+  ``(splits, Hkv, B)``, each program walks a contiguous range of KV tiles with
+  an online softmax and writes an unnormalised-free partial (its normalised
+  output in bf16 plus a log2-sum-exp per row). A small XLA epilogue merges the
+  splits, applies the optional sigmoid output gate and restores the
+  ``[B, Q, Hq, D]`` layout; that epilogue reads ``splits * 64 * D`` values per
+  KV head, a few percent of the KV bytes.
+* KV tiles of ``block_kv`` tokens are gathered page by page with TMA straight
+  into swizzled shared memory (one copy per page, all completing on one
+  barrier), ``stages`` tiles in flight, so the copy engine keeps streaming
+  while the warpgroup runs the two wgmmas and the softmax of an earlier tile.
+
+Pages past a sequence's length are never read; the slots of the last, partial
+tile beyond the length are masked out of the scores. Their V rows still enter
+the P @ V product multiplied by exactly zero, so those page slots must hold
+finite values (any page the cache allocates does: it is zero-initialised or
+holds older tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mtp.pallas.backend import resolve_impl
+
+_ROWS = 64  # wgmma's M: query rows (G heads x Q queries, zero-padded) per program.
+_LOG2E = math.log2(math.e)
+_SMEM_BYTES = 227 * 1024  # Hopper's per-block shared memory limit (232,448 bytes).
+_MASKED_M = -1e30  # finite start for the running max, so empty rows never yield inf - inf.
+
+
+def _check_inputs(q, k_pages, v_pages, block_tables, lengths, gate):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, Q, Hq, D], got shape {q.shape}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(
+            "k_pages and v_pages must both be [num_pages, page_size, Hkv, D]; got "
+            f"{k_pages.shape} and {v_pages.shape}"
+        )
+    b, nq, hq, d = q.shape
+    _, _, hkv, dk = k_pages.shape
+    if dk != d:
+        raise ValueError(f"head dim of q ({d}) and of the KV pages ({dk}) differ")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b:
+        raise ValueError(f"block_tables must be [B={b}, max_blocks], got {block_tables.shape}")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must be [B={b}], got {lengths.shape}")
+    if gate is not None and gate.shape != q.shape:
+        raise ValueError(f"gate must have q's shape {q.shape}, got {gate.shape}")
+
+
+def paged_attention_reference(
+    q, k_pages, v_pages, block_tables, lengths, *, scale=None, gate=None, impl="reference"
+):
+    """Gathers every sequence's pages into a dense KV and runs masked softmax attention.
+
+    The definition the kernel is tested against; also the path the model takes on
+    CPU. ``impl`` is accepted (and ignored) so both functions share one signature.
+    """
+    del impl
+    _check_inputs(q, k_pages, v_pages, block_tables, lengths, gate)
+    b, nq, hq, d = q.shape
+    _, page, hkv, _ = k_pages.shape
+    g = hq // hkv
+    scale = d**-0.5 if scale is None else scale
+    k = k_pages[block_tables].reshape(b, -1, hkv, d)
+    v = v_pages[block_tables].reshape(b, -1, hkv, d)
+    qg = q.reshape(b, nq, hkv, g, d)
+    s = jnp.einsum("bqhgd,bthd->bqhgt", qg, k, preferred_element_type=jnp.float32) * scale
+    t = jnp.arange(k.shape[1])
+    pos = lengths[:, None] - nq + jnp.arange(nq)[None, :]  # [B, Q] absolute positions
+    valid = (t[None, None, :] <= pos[:, :, None]) & (t[None, None, :] < lengths[:, None, None])
+    valid = valid[:, :, None, None, :]
+    s = jnp.where(valid, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    o = jnp.einsum("bqhgt,bthd->bqhgd", p, v.astype(jnp.float32))
+    o = o.reshape(b, nq, hq, d)
+    if gate is not None:
+        o = o * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return o.astype(q.dtype)
+
+
+def _choose_block_kv(d: int, page: int) -> int:
+    """KV tokens per pipeline stage: 64 KiB of K+V per stage for D = 128 or 256."""
+    block = 128 if d <= 128 else 64
+    if page > block:
+        if page % block:
+            raise ValueError(f"page_size {page} must be a multiple of {block} or divide it")
+    elif block % page:
+        raise ValueError(f"page_size {page} must divide {block} (KV tokens per tile)")
+    return block
+
+
+def _choose_splits(b: int, hkv: int, max_tiles: int, num_sms: int) -> int:
+    """Enough programs to put about two on every multiprocessor, never an empty split."""
+    want = max(1, -(-2 * num_sms // (b * hkv)))
+    return max(1, min(want, max_tiles))
+
+
+def _num_sms() -> int:
+    try:
+        return jax.devices()[0].core_count or 132
+    except Exception:  # CPU devices have no core_count in some jaxlib builds.
+        return 132
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "stages", "splits"))
+def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, scale, gate,
+                            stages=None, splits=None):
+    b, nq, hq, d = q.shape
+    _, page, hkv, _ = k_pages.shape
+    g = hq // hkv
+    rows_used = nq * g
+    if rows_used > _ROWS:
+        raise ValueError(
+            f"Q * (Hq / Hkv) = {nq} * {g} = {rows_used} query rows per KV head exceeds the "
+            f"kernel's {_ROWS}; split the queries into several calls"
+        )
+    if d % 64 or d > 256:
+        raise ValueError(f"head dim {d} must be 64, 128, 192 or 256")
+    if q.dtype != k_pages.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"q and pages must share a 16-bit dtype, got {q.dtype}, {k_pages.dtype}")
+    block_kv = _choose_block_kv(d, page)
+    pages_per_tile = max(1, block_kv // page)
+    tiles_per_page = max(1, page // block_kv)
+
+    # Pad the block table to whole tiles so that the last tile's page ids are in range.
+    max_blocks = block_tables.shape[1]
+    padded = -(-max_blocks // pages_per_tile) * pages_per_tile
+    bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded - max_blocks)))
+    max_tiles = padded // pages_per_tile * tiles_per_page
+    num_splits = splits or _choose_splits(b, hkv, max_tiles, _num_sms())
+    tiles_per_split = -(-max_tiles // num_splits)
+    if stages is None:
+        fixed = (_ROWS * d + _ROWS * block_kv) * 2 + _ROWS * 4 + 1024
+        stages = max(1, min(4, (_SMEM_BYTES - fixed) // (2 * block_kv * d * 2)))
+    stages = max(1, min(stages, tiles_per_split))
+
+    # [B, Q, Hkv, G, D] -> [B, Hkv, Q*G (padded to 64), D]; row r holds query r // G, head r % G.
+    qr = q.reshape(b, nq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows_used, d)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, _ROWS - rows_used), (0, 0)))
+    scale_log2 = (d**-0.5 if scale is None else scale) * _LOG2E
+    dtype = q.dtype
+    d_chunk = min(d, 128)
+
+    def kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, lse_ref,
+               q_smem, k_smem, v_smem, p_smem, lse_smem, q_bar, k_bar, v_bar):
+        split = lax.axis_index("split")
+        h = lax.axis_index("head")
+        bi = lax.axis_index("batch")
+        length = len_ref[bi]
+        n_tiles = lax.div(length + (block_kv - 1), jnp.int32(block_kv))
+        t0 = split * tiles_per_split
+        n = jnp.clip(n_tiles - t0, 0, tiles_per_split)
+
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, h], q_smem, q_bar.at[0])
+
+        def issue(step, slot):
+            tile = t0 + step
+            if tiles_per_page == 1:
+                for j in range(pages_per_tile):
+                    pid = bt_ref[bi, tile * pages_per_tile + j]
+                    dst = pl.ds(j * page, page)
+                    plgpu.copy_gmem_to_smem(k_ref.at[pid, :, h, :], k_smem.at[slot, dst], k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[pid, :, h, :], v_smem.at[slot, dst], v_bar.at[slot])
+            else:
+                pid = bt_ref[bi, lax.div(tile, jnp.int32(tiles_per_page))]
+                src = pl.ds(lax.rem(tile, jnp.int32(tiles_per_page)) * block_kv, block_kv)
+                plgpu.copy_gmem_to_smem(k_ref.at[pid, src, h, :], k_smem.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[pid, src, h, :], v_smem.at[slot], v_bar.at[slot])
+
+        for s in range(stages):
+            @pl.when(s < n)
+            def _prologue():
+                issue(jnp.int32(s), s)
+
+        plgpu.barrier_wait(q_bar.at[0])
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        m_i = plgpu.layout_cast(jnp.full((_ROWS,), _MASKED_M, jnp.float32), row_layout)
+        l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32), row_layout)
+        # The output accumulator lives in column chunks of at most 128 so that each P @ V
+        # wgmma result can be added in without holding two full [64, 256] f32 arrays.
+        acc = tuple(
+            plgpu.layout_cast(jnp.full((_ROWS, d_chunk), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            for _ in range(d // d_chunk)
+        )
+        # Query row r sits at position length - Q + r // G and sees kv <= that position:
+        # kv - (length - Q) <= r // G  <=>  G * (kv - length + Q) <= r.
+        row_ids = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
+        col_ids = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+
+        def body(step, carry):
+            acc, m_i, l_i = carry
+            slot = lax.rem(step, jnp.int32(stages))
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk_scope(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk_scope, plgpu.ACC((_ROWS, block_kv), jnp.float32))
+            kv0 = (t0 + step) * block_kv
+            rel = col_ids + (kv0 - length + nq)
+            mask = ((rel * g) <= row_ids) & (col_ids < length - kv0)
+            s = jnp.where(mask, s * scale_log2, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            # P goes through shared memory: the wgmma reads both operands from there, which
+            # is also the form Pallas' GPU interpreter can run on a CPU.
+            p_smem[...] = p.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_bar.at[slot])
+            new_acc = []
+            for c, acc_c in enumerate(acc):
+                def pv_scope(acc_ref, c=c):
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot, :, pl.ds(c * d_chunk, d_chunk)])
+                    return acc_ref[...]
+
+                pv = pl.run_scoped(pv_scope, plgpu.ACC((_ROWS, d_chunk), jnp.float32))
+                new_acc.append(acc_c * lax.broadcast_in_dim(alpha, acc_c.shape, [0]) + pv)
+            acc = tuple(new_acc)
+
+            @pl.when(step + stages < n)
+            def _refill():
+                issue(step + stages, slot)
+
+            return acc, m_new, l_i
+
+        acc, m_i, l_i = lax.fori_loop(0, n, body, (acc, m_i, l_i))
+        empty = l_i == 0.0
+        l_safe = jnp.where(empty, 1.0, l_i)
+        inv_l = 1.0 / l_safe
+        for c, acc_c in enumerate(acc):
+            out_c = acc_c * lax.broadcast_in_dim(inv_l, acc_c.shape, [0])
+            q_smem[:, pl.ds(c * d_chunk, d_chunk)] = out_c.astype(dtype)
+        lse_smem[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log(l_safe) * _LOG2E)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[bi, h, split])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, h, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    swizzle = 128
+    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    arrivals = pages_per_tile if tiles_per_page == 1 else 1
+    call = plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((b, hkv, num_splits, _ROWS, d), dtype),
+            jax.ShapeDtypeStruct((b, hkv, num_splits, _ROWS), jnp.float32),
+        ),
+        grid=(num_splits, hkv, b),
+        grid_names=("split", "head", "batch"),
+        scratch_types=dict(
+            q_smem=plgpu.SMEM((_ROWS, d), dtype, transforms=transforms),
+            k_smem=plgpu.SMEM((stages, block_kv, d), dtype, transforms=transforms),
+            v_smem=plgpu.SMEM((stages, block_kv, d), dtype, transforms=transforms),
+            p_smem=plgpu.SMEM((_ROWS, block_kv), dtype, transforms=transforms),
+            lse_smem=plgpu.SMEM((_ROWS,), jnp.float32),
+            q_bar=plgpu.Barrier(num_barriers=1),
+            k_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
+            v_bar=plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
+        ),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    o_part, lse_part = call(qr, k_pages, v_pages, bt, lengths.astype(jnp.int32))
+    return _merge_splits(o_part, lse_part, q, gate)
+
+
+def _merge_splits(o_part, lse_part, q, gate):
+    """Combines the per-split partials (log2 domain) and applies the output gate."""
+    b, nq, hq, d = q.shape
+    hkv = o_part.shape[1]
+    g = hq // hkv
+    rows = nq * g
+    lse = lse_part[..., :rows]  # [B, Hkv, S, R]
+    o = o_part[..., :rows, :].astype(jnp.float32)
+    top = jnp.maximum(jnp.max(lse, axis=2, keepdims=True), _MASKED_M)
+    w = jnp.exp2(lse - top)  # zero for empty splits and empty rows
+    denom = jnp.sum(w, axis=2)
+    o = jnp.sum(o * w[..., None], axis=2) / jnp.where(denom == 0, 1.0, denom)[..., None]
+    o = o.reshape(b, hkv, nq, g, d).transpose(0, 2, 1, 3, 4).reshape(b, nq, hq, d)
+    if gate is not None:
+        o = o * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return o.astype(q.dtype)
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, gate=None,
+                    impl="auto"):
+    """Causal attention of Q new tokens per sequence over its paged KV.
+
+    q: [B, Q, Hq, D]; k_pages, v_pages: [num_pages, page_size, Hkv, D];
+    block_tables: [B, max_blocks] int32; lengths: [B] int32, the KV tokens of each
+    sequence including the Q new ones. Query i of sequence b sits at position
+    ``lengths[b] - Q + i``; one with a negative position (an idle slot) returns
+    zeros. ``gate`` ([B, Q, Hq, D]) multiplies the output by ``sigmoid(gate)``.
+    Returns [B, Q, Hq, D] in q's dtype; softmax and accumulation in f32.
+
+    ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas interpreter
+    (CPU tests); call it eagerly then, since interpret mode is switched on around
+    this call's own lowering.
+    """
+    mode = resolve_impl(impl)
+    if mode == "reference":
+        return _reference_jit(q, k_pages, v_pages, block_tables, lengths, scale=scale,
+                              gate=gate)
+    _check_inputs(q, k_pages, v_pages, block_tables, lengths, gate)
+    args = (q, k_pages, v_pages, block_tables, lengths)
+    if mode == "interpret":
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            return _paged_attention_pallas(*args, scale=scale, gate=gate)
+    return _paged_attention_pallas(*args, scale=scale, gate=gate)
+
+
+_reference_jit = jax.jit(paged_attention_reference, static_argnames=("scale", "impl"))

@@ -1,0 +1,121 @@
+"""Paged attention: the Mosaic GPU kernel (interpret mode) against the reference,
+and the reference against a plain dense attention written in numpy."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from mtp.pallas import backend
+from mtp.pallas.paged_attention import paged_attention, paged_attention_reference
+
+
+def _inputs(seed, b, nq, hq, hkv, d, page, lengths, max_blocks, num_pages, gate=False):
+    """Random q/pages and a random, non-contiguous block table (a page may repeat)."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, nq, hq, d), np.float32)
+    k = rng.standard_normal((num_pages, page, hkv, d), np.float32)
+    v = rng.standard_normal((num_pages, page, hkv, d), np.float32)
+    bt = rng.integers(0, num_pages, (b, max_blocks), dtype=np.int32)
+    g = rng.standard_normal((b, nq, hq, d), np.float32) if gate else None
+    cast = lambda x: None if x is None else jnp.asarray(x, jnp.bfloat16)
+    return (cast(q), cast(k), cast(v), jnp.asarray(bt), jnp.asarray(lengths, jnp.int32)), cast(g)
+
+
+def _dense_numpy(q, k_pages, v_pages, bt, lengths, scale, gate):
+    q, kp, vp = (np.asarray(x, np.float32) for x in (q, k_pages, v_pages))
+    b, nq, hq, d = q.shape
+    hkv = kp.shape[2]
+    out = np.zeros_like(q)
+    for bi in range(b):
+        k = kp[np.asarray(bt)[bi]].reshape(-1, hkv, d)
+        v = vp[np.asarray(bt)[bi]].reshape(-1, hkv, d)
+        for i in range(nq):
+            pos = int(lengths[bi]) - nq + i
+            if pos < 0:
+                continue
+            for h in range(hq):
+                kh = h // (hq // hkv)
+                s = k[: pos + 1, kh] @ q[bi, i, h] * scale
+                p = np.exp(s - s.max())
+                out[bi, i, h] = (p / p.sum()) @ v[: pos + 1, kh]
+    if gate is not None:
+        out = out / (1.0 + np.exp(-np.asarray(gate, np.float32)))
+    return out
+
+
+def _rel_err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize(
+    "b,nq,hq,hkv,d,page,lengths,max_blocks,num_pages,gate",
+    [
+        # Analogue of (32, 8, 128): G = 4. Ragged lengths, partial last pages, Q = 1.
+        (3, 1, 8, 2, 64, 16, [37, 130, 5], 9, 24, False),
+        # Same heads, verify width Q = 3 (causal inside the block), gated output.
+        (2, 3, 8, 2, 64, 16, [150, 19], 10, 24, True),
+        # Analogue of (16, 2, 256): G = 8, Q = 2; one sequence spans several kernel splits.
+        (2, 2, 8, 1, 128, 16, [260, 33], 17, 40, False),
+        # Pages larger than a KV tile (several tiles read from one page), D = 256.
+        (1, 2, 4, 1, 256, 128, [201], 2, 5, True),
+    ],
+)
+def test_kernel_matches_reference(b, nq, hq, hkv, d, page, lengths, max_blocks, num_pages, gate):
+    args, g = _inputs(len(lengths) * 7 + nq, b, nq, hq, hkv, d, page, lengths, max_blocks,
+                      num_pages, gate)
+    out = paged_attention(*args, gate=g, impl="interpret")
+    ref = paged_attention_reference(*args, gate=g)
+    assert out.shape == ref.shape == (b, nq, hq, d) and out.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert _rel_err(out, ref) < 1e-2
+
+
+def test_kernel_custom_scale_and_idle_slots():
+    """An idle slot (length 0) and a query before position 0 return zeros, not NaN."""
+    args, _ = _inputs(3, 3, 2, 8, 2, 64, 16, [0, 1, 40], 4, 8)
+    out = np.asarray(paged_attention(*args, scale=0.3, impl="interpret"), np.float32)
+    ref = np.asarray(paged_attention_reference(*args, scale=0.3), np.float32)
+    assert np.isfinite(out).all()
+    assert np.all(out[0] == 0) and np.all(out[1, 0] == 0)
+    assert np.any(out[1, 1] != 0)
+    assert _rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("nq,gate", [(1, False), (4, True)])
+def test_reference_matches_dense_numpy(nq, gate):
+    args, g = _inputs(11, 3, nq, 6, 2, 32, 8, [29, 3, 0], 5, 12, gate)
+    ref = paged_attention_reference(*args, scale=0.2, gate=g)
+    want = _dense_numpy(*args, 0.2, g)
+    assert np.isfinite(np.asarray(ref, np.float32)).all()
+    np.testing.assert_allclose(np.asarray(ref, np.float32), want, atol=3e-2, rtol=3e-2)
+    assert np.all(np.asarray(ref, np.float32)[2] == 0)
+
+
+def test_bad_impl_flag_names_the_choices(monkeypatch):
+    args, _ = _inputs(0, 1, 1, 2, 1, 64, 16, [4], 1, 2)
+    with pytest.raises(ValueError, match="auto, reference, pallas, interpret"):
+        paged_attention(*args, impl="triton")
+    monkeypatch.setenv(backend.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="MTP_KERNELS"):
+        paged_attention(*args)
+    monkeypatch.setenv(backend.ENV_VAR, "reference")
+    assert backend.resolve_impl("auto") == "reference"
+    assert backend.resolve_impl("interpret") == "interpret"
+    monkeypatch.delenv(backend.ENV_VAR)
+    expected = "pallas" if jax.default_backend() == "gpu" else "reference"
+    assert backend.resolve_impl("auto") == expected
+
+
+def test_shape_errors_are_named():
+    args, _ = _inputs(0, 2, 1, 6, 4, 64, 16, [4, 4], 1, 2)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        paged_attention_reference(*args)
+    args, _ = _inputs(0, 2, 1, 4, 2, 64, 16, [4, 4], 1, 2)
+    with pytest.raises(ValueError, match="lengths"):
+        paged_attention_reference(*args[:4], jnp.zeros((3,), jnp.int32))
+    q = jnp.zeros((2, 17, 8, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="query rows"):
+        paged_attention(q, *args[1:], impl="interpret")
