@@ -1,0 +1,319 @@
+"""Checks and times the project's Pallas kernels on a GPU against XLA and JAX's own kernel.
+
+Each kernel is first compared with its pure-JAX reference on the GPU (relative
+error), then timed. Timing is device time from CUPTI (``mosaic.gpu.profiler``:
+the sum of the kernels one call launches), median over many calls, rotating
+among input sets whose total exceeds the 50 MB L2 so that no call reads a warm
+cache; if CUPTI is unavailable, the mean of a back-to-back loop of calls is used
+and the table says so.
+
+  PYTHONPATH=. python3 experiments/bench_kernels.py --out_dir $OUT [--quick]
+
+Writes ``kernels.json`` and ``kernels.md`` under ``--out_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+import traceback
+import warnings
+
+from absl import app, flags, logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp.pallas import fc_gemm as fcmod
+from mtp.pallas import paged_attention as pamod
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("quick", False, "Correctness plus the goal shapes only.")
+flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_kernels"), "Where results go.")
+flags.DEFINE_integer("reps", 30, "Timed calls per variant.")
+flags.DEFINE_integer("page_size", 16, "KV page size in tokens.")
+
+L2_BYTES = 50 * 2**20
+ROTATE_BYTES = 4 * L2_BYTES
+_CUPTI = {"ok": None}
+
+
+def _time(fn, arg_sets, reps):
+    """Median device time (s) of fn over rotating argument sets; (time, method)."""
+    for a in arg_sets[:2]:
+        jax.block_until_ready(fn(*a))
+    if _CUPTI["ok"] is not False:
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+
+            times = []
+            for i in range(reps):
+                _, t = profiler.measure(fn)(*arg_sets[i % len(arg_sets)])
+                times.append(t * 1e-3)
+            _CUPTI["ok"] = True
+            return statistics.median(times), "cupti"
+        except Exception as e:  # noqa: BLE001 - any profiler failure means: fall back
+            logging.warning("CUPTI timing unavailable (%s); using wall-clock loops", e)
+            _CUPTI["ok"] = False
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(reps):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / reps)
+    return statistics.median(samples), "wall"
+
+
+def _rel_err(a, b):
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def _safe(fn, *args, **kw):
+    try:
+        return fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001 - a failing variant must not end the run
+        logging.error("%s failed: %s", getattr(fn, "__name__", fn), e)
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+# ------------------------------------------------------------------ fc GEMM
+
+
+def bench_fc(m, h, reps, variants=None):
+    key = jax.random.key(m * 7 + h)
+    ks = jax.random.split(key, 6)
+    w_bytes = 2 * h * h * 2
+    set_bytes = w_bytes + 2 * m * h * 2
+    n_sets = max(1, min(8, math.ceil(ROTATE_BYTES / set_bytes)))
+    sets = []
+    for s in range(n_sets):
+        kk = jax.random.split(ks[s % 6], 5)
+        e = jax.random.normal(kk[0], (m, h), jnp.bfloat16)
+        hd = (2.0 * jax.random.normal(kk[1], (m, h))).astype(jnp.bfloat16)
+        ne = (0.1 * jax.random.normal(kk[2], (h,))).astype(jnp.bfloat16)
+        nh = (0.1 * jax.random.normal(kk[3], (h,))).astype(jnp.bfloat16)
+        w = (jax.random.normal(kk[4], (h, 2 * h)) / math.sqrt(2 * h)).astype(jnp.bfloat16)
+        sets.append((e, hd, ne, nh, w))
+    eps = 1e-6
+    flops = 2.0 * m * (2 * h) * h
+    floor_bytes = w_bytes + 2 * m * h * 2 + m * h * 2
+    res = {"M": m, "H": h, "flops": flops, "min_bytes": floor_bytes}
+
+    ref_fn = jax.jit(lambda e, hd, ne, nh, w: fcmod.fc_gemm_reference(e, hd, ne, nh, w, eps=eps))
+    ours = lambda e, hd, ne, nh, w, **kw: fcmod._fc_gemm_pallas(e, hd, ne, nh, w, eps=eps, **kw)
+    out = ours(*sets[0])
+    res["rel_err"] = _rel_err(out, ref_fn(*sets[0]))
+    # XLA's dot alone, on an input already normalised and concatenated (not counted).
+    xs = [(jnp.concatenate([fcmod._rms_norm(s[0], s[2], eps), fcmod._rms_norm(s[1], s[3], eps)],
+                           -1), s[4]) for s in sets]
+    dot_fn = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+                     .astype(jnp.bfloat16))
+    t_ours, method = _time(ours, sets, reps)
+    t_dot, _ = _time(dot_fn, xs, reps)
+    t_ref, _ = _time(ref_fn, sets, reps)
+    res.update(t_ours=t_ours, t_xla_dot=t_dot, t_xla_unfused=t_ref, timing=method)
+    for name, kw in (variants or {}).items():
+        r = _safe(lambda: (_rel_err(ours(*sets[0], **kw), ref_fn(*sets[0])),
+                           _time(lambda *a: ours(*a, **kw), sets, reps)[0]))
+        res[f"variant {name}"] = r if isinstance(r, dict) else {"rel_err": r[0], "t": r[1]}
+    del sets, xs
+    return res
+
+
+# ------------------------------------------------------------------ paged attention
+
+
+def _pa_sets(b, ctx, nq, hq, hkv, d, page):
+    pages_per_seq = ctx // page
+    need = b * pages_per_seq
+    page_bytes = 2 * page * hkv * d * 2  # K and V
+    n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / (need * page_bytes))))
+    num_pages = need * n_sets
+    key = jax.random.key(b * 1000 + ctx + nq)
+    ks = jax.random.split(key, 4 + n_sets)
+    k_pages = jax.random.normal(ks[0], (num_pages, page, hkv, d), jnp.bfloat16)
+    v_pages = jax.random.normal(ks[1], (num_pages, page, hkv, d), jnp.bfloat16)
+    perm = jax.random.permutation(ks[2], num_pages).astype(jnp.int32)
+    lengths = jnp.full((b,), ctx, jnp.int32)
+    sets = []
+    for s in range(n_sets):
+        bt = perm[s * need:(s + 1) * need].reshape(b, pages_per_seq)
+        q = jax.random.normal(ks[4 + s], (b, nq, hq, d), jnp.bfloat16)
+        sets.append((q, k_pages, v_pages, bt, lengths))
+    return sets
+
+
+def bench_pa(b, ctx, nq, hq, hkv, d, page, reps, with_jax=True, split_sweep=()):
+    sets = _pa_sets(b, ctx, nq, hq, hkv, d, page)
+    kv_bytes = 2.0 * b * ctx * hkv * d * 2
+    res = {"B": b, "ctx": ctx, "Q": nq, "Hq": hq, "Hkv": hkv, "D": d, "kv_bytes": kv_bytes}
+    ref_fn = jax.jit(pamod.paged_attention_reference)
+    ours = lambda *a, **kw: pamod._paged_attention_pallas(*a, scale=None, gate=None, **kw)
+    res["rel_err"] = _rel_err(ours(*sets[0]), ref_fn(*sets[0]))
+    res["t_ours"], res["timing"] = _time(ours, sets, reps)
+    res["t_xla_ref"] = _safe(lambda: _time(ref_fn, sets, reps)[0])
+    if with_jax and nq == 1:
+        def jax_kernel_run():
+            from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                kt = jnp.transpose(sets[0][1], (2, 0, 1, 3))
+                vt = jnp.transpose(sets[0][2], (2, 0, 1, 3))
+                jsets = [(s[0][:, 0], kt, vt, s[3], s[4]) for s in sets]
+                fn = jax.jit(jpa.paged_attention)
+                err = _rel_err(fn(*jsets[0]), ref_fn(*sets[0])[:, 0])
+                t = _time(fn, jsets, reps)[0]
+                del kt, vt
+                return {"rel_err": err, "t": t}
+        res["jax_pallas"] = _safe(jax_kernel_run)
+    for sp in split_sweep:
+        r = _safe(lambda: _time(lambda *a: ours(*a, splits=sp), sets, reps)[0])
+        res[f"t_splits_{sp}"] = r
+    del sets
+    return res
+
+
+def check_pa_ragged(reps):
+    """Correctness on ragged lengths, partial pages, idle slots, Q > 1 and the gate."""
+    out = []
+    for (hq, hkv, d) in ((16, 2, 256), (32, 8, 128)):
+        for nq in (1, 4):
+            b, page, max_blocks = 6, FLAGS.page_size, 160
+            key = jax.random.split(jax.random.key(hq + nq), 6)
+            num_pages = b * max_blocks
+            q = jax.random.normal(key[0], (b, nq, hq, d), jnp.bfloat16)
+            g = jax.random.normal(key[5], (b, nq, hq, d), jnp.bfloat16)
+            kp = jax.random.normal(key[1], (num_pages, page, hkv, d), jnp.bfloat16)
+            vp = jax.random.normal(key[2], (num_pages, page, hkv, d), jnp.bfloat16)
+            bt = jax.random.randint(key[3], (b, max_blocks), 0, num_pages, jnp.int32)
+            lengths = jnp.array([0, 2, 17, 1000, 2047, 2560], jnp.int32)
+            o = pamod.paged_attention(q, kp, vp, bt, lengths, gate=g, impl="pallas")
+            r = pamod.paged_attention_reference(q, kp, vp, bt, lengths, gate=g)
+            of = np.asarray(o, np.float32)
+            out.append({"Hq": hq, "Hkv": hkv, "D": d, "Q": nq, "rel_err": _rel_err(o, r),
+                        "finite": bool(np.isfinite(of).all()), "idle_zero": bool((of[0] == 0).all())})
+    return out
+
+
+# ------------------------------------------------------------------ report
+
+
+def _fmt_us(t):
+    return f"{t * 1e6:.1f}" if isinstance(t, float) else "fail"
+
+
+def render(results):
+    lines = [f"Device: {results['device']}; timing: {results.get('timing')}; "
+             f"date: {results['date']}", ""]
+    lines += ["### fc GEMM (fused norm + concat + dot)", "",
+              "| M | H | rel err | ours µs | ours TFLOP/s | XLA dot µs | XLA norm+concat+dot µs "
+              "| ours / XLA dot (speed) | ours / unfused (speed) |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in results["fc"]:
+        if "error" in r:
+            lines.append(f"| {r.get('M')} | {r.get('H')} | {r['error'][:80]} |")
+            continue
+        lines.append(
+            f"| {r['M']} | {r['H']} | {r['rel_err']:.1e} | {_fmt_us(r['t_ours'])} | "
+            f"{r['flops'] / r['t_ours'] / 1e12:.1f} | {_fmt_us(r['t_xla_dot'])} | "
+            f"{_fmt_us(r['t_xla_unfused'])} | {r['t_xla_dot'] / r['t_ours']:.2f}x | "
+            f"{r['t_xla_unfused'] / r['t_ours']:.2f}x |")
+    lines += ["", "### paged attention (TB/s = K+V bytes read / time)", "",
+              "| B | ctx | Q | Hq,Hkv,D | rel err | ours µs | ours TB/s | XLA ref TB/s | "
+              "JAX Pallas TB/s | ours / JAX | ours / XLA |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["pa"]:
+        if "error" in r:
+            lines.append(f"| {r.get('B')} | {r.get('ctx')} | {r.get('Q')} | | {r['error'][:80]} |")
+            continue
+        tb = lambda t: f"{r['kv_bytes'] / t / 1e12:.2f}" if isinstance(t, float) else "fail"
+        jp = r.get("jax_pallas", {})
+        tj = jp.get("t") if isinstance(jp, dict) else None
+        tx = r["t_xla_ref"]
+        lines.append(
+            f"| {r['B']} | {r['ctx']} | {r['Q']} | {r['Hq']},{r['Hkv']},{r['D']} | "
+            f"{r['rel_err']:.1e} | {_fmt_us(r['t_ours'])} | {tb(r['t_ours'])} | {tb(tx)} | "
+            f"{tb(tj) if tj else '-'} | {f'{tj / r['t_ours']:.2f}x' if tj else '-'} | "
+            f"{f'{tx / r['t_ours']:.2f}x' if isinstance(tx, float) else '-'} |")
+    if results.get("pa_checks"):
+        lines += ["", "### paged attention on ragged lengths (0, 2, 17, 1000, 2047, 2560), gated",
+                  "", "| Hq,Hkv,D | Q | rel err | finite | idle slot zero |", "|---|---|---|---|---|"]
+        for c in results["pa_checks"]:
+            lines.append(f"| {c['Hq']},{c['Hkv']},{c['D']} | {c['Q']} | {c['rel_err']:.1e} | "
+                         f"{c['finite']} | {c['idle_zero']} |")
+    if results.get("extra"):
+        lines += ["", "### sweeps", "", "```", json.dumps(results["extra"], indent=1), "```"]
+    return "\n".join(lines)
+
+
+def main(_):
+    reps = FLAGS.reps
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    dev = jax.devices()[0]
+    results = {"device": f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}",
+               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "fc": [], "pa": [], "extra": {}}
+    page = FLAGS.page_size
+
+    def save():
+        results["timing"] = "cupti" if _CUPTI["ok"] else "wall"
+        with open(os.path.join(FLAGS.out_dir, "kernels.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        with open(os.path.join(FLAGS.out_dir, "kernels.md"), "w") as f:
+            f.write(render(results) + "\n")
+
+    logging.info("paged attention correctness on ragged lengths")
+    results["pa_checks"] = _safe(check_pa_ragged, reps)
+    if isinstance(results["pa_checks"], dict):
+        results["extra"]["pa_checks_error"] = results.pop("pa_checks")
+    save()
+
+    # Goal shapes first, so that a quick run answers the goals.
+    pa_shapes = [(8, 8192, 1, 32, 8, 128), (8, 8192, 4, 32, 8, 128),
+                 (8, 8192, 1, 16, 2, 256), (8, 8192, 4, 16, 2, 256)]
+    fc_shapes = [(8, 4096), (12288, 4096)]
+    if not FLAGS.quick:
+        for hq, hkv, d in ((32, 8, 128), (16, 2, 256)):
+            for b in (1, 8, 32):
+                for ctx in (2048, 8192, 32768):
+                    for nq in (1, 4):
+                        if (b, ctx, nq, hq, hkv, d) not in pa_shapes:
+                            pa_shapes.append((b, ctx, nq, hq, hkv, d))
+        fc_shapes += [(m, h) for h in (2048, 4096) for m in (1, 8, 32, 2048, 12288)
+                      if (m, h) not in fc_shapes]
+    for i, (b, ctx, nq, hq, hkv, d) in enumerate(pa_shapes):
+        logging.info("paged attention B=%d ctx=%d Q=%d heads=%s", b, ctx, nq, (hq, hkv, d))
+        sweep = (1, 2, 4, 8, 16) if i == 0 else ()
+        r = _safe(bench_pa, b, ctx, nq, hq, hkv, d, page, reps, split_sweep=sweep)
+        if "error" in r:
+            r.update(B=b, ctx=ctx, Q=nq)
+        results["pa"].append(r)
+        print(json.dumps(r, default=str), flush=True)
+        save()
+    for i, (m, h) in enumerate(fc_shapes):
+        logging.info("fc GEMM M=%d H=%d", m, h)
+        variants = {}
+        if m >= 2048 and h == 4096:
+            variants = {"stages4": dict(stages=4), "tm64": dict(tile_m=64, tile_n=128)}
+        elif m <= 32 and h == 4096:
+            variants = {"splits2": dict(k_splits=2), "splits8": dict(k_splits=8)}
+        r = _safe(bench_fc, m, h, reps, variants)
+        if "error" in r:
+            r.update(M=m, H=h)
+        results["fc"].append(r)
+        print(json.dumps(r, default=str), flush=True)
+        save()
+    save()
+    print(render(results), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
