@@ -59,18 +59,22 @@ def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer) -> jax.Array:
     return x + ffn(p["mlp"], rms_norm(x, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps), cfg)
 
 
-def paged_attention_mixer(cfg, p, positions, k_pages, v_pages, block_tables, write, attn_lengths, impl):
+def paged_attention_mixer(cfg, p, rope_positions, slots, k_pages, v_pages, block_tables, write,
+                          attn_lengths, impl):
     """Gated attention that writes this step's K/V into pages, then attends over them.
 
-    Returns ``(mixer, result)``: after the mixer has run, ``result`` holds the
-    updated ``(k_pages, v_pages)``. The MTP head's layer uses it too.
+    ``rope_positions`` are sequence positions; ``slots`` are where the K/V land in
+    the pages. They coincide for the target; the drafter's rows are compacted, so
+    its slots are row indices while RoPE stays in sequence space.
+    Returns ``(mixer, result)``: after the mixer has run, ``result["kv"]`` holds
+    the updated ``(k_pages, v_pages)``.
     """
     result = {}
 
     def mixer(h):
-        q, k, v, gate = attention_qkv(p["self_attn"], h, positions, cfg)
-        kp = write_pages(k_pages, k, block_tables, positions, write)
-        vp = write_pages(v_pages, v, block_tables, positions, write)
+        q, k, v, gate = attention_qkv(p["self_attn"], h, rope_positions, cfg)
+        kp = write_pages(k_pages, k, block_tables, slots, write)
+        vp = write_pages(v_pages, v, block_tables, slots, write)
         result["kv"] = (kp, vp)
         o = paged_attention(q, kp, vp, block_tables, attn_lengths, gate=gate, impl=impl)
         return attention_out(p["self_attn"], o)
@@ -124,7 +128,7 @@ def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, at
         p = params["model"]["layers"][str(i)]
         if kind == "full_attention":
             j = len(ks)
-            mixer, res = paged_attention_mixer(cfg, p, positions, cache.kv.k[j], cache.kv.v[j],
+            mixer, res = paged_attention_mixer(cfg, p, positions, positions, cache.kv.k[j], cache.kv.v[j],
                                                cache.block_tables, write, attn_lengths, impl)
             x = decoder_layer(cfg, p, x, mixer)
             ks.append(res["kv"][0])

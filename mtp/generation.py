@@ -1,0 +1,107 @@
+"""One-shot batched generation: prompts in, tokens and acceptance metrics out.
+
+This is the host side of a single turn with no prefix reuse: allocate pages,
+prefill the target (capturing every position's hidden), prefill the drafter from
+those hiddens, then run one jitted decode loop. The multi-turn session engine
+(`mtp.engine`) reuses the same steps with prefix caching and the drafter carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp import quant
+from mtp.cache.pages import PageAllocator, block_table_row
+from mtp.cache.state import TargetCache
+from mtp.config import ModelConfig
+from mtp.metrics import AcceptanceStats
+from mtp.model import target
+from mtp.model.params import Params
+from mtp.mtp_head import DrafterCache, prefill_drafter, quantize_head
+from mtp.speculative import SpecConfig, greedy_loop, speculative_loop
+
+PREFILL_BUCKET = 64  # prompt lengths are padded to a multiple of this: few compiles
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]
+    stats: AcceptanceStats | None  # None for plain decoding
+
+
+def bucket(n: int, multiple: int = PREFILL_BUCKET) -> int:
+    return max(multiple, math.ceil(n / multiple) * multiple)
+
+
+def pad_batch(seqs: Sequence[Sequence[int]], length: int) -> np.ndarray:
+    out = np.zeros((len(seqs), length), np.int32)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = s
+    return out
+
+
+def first_from_prefill(out: target.StepOutput, lengths: jax.Array, source: str, temperature: float, rng):
+    """The prefill's output token and the hidden that produced it, per slot."""
+    last = jnp.maximum(lengths - 1, 0)
+    logits = out.logits[:, -1] if out.logits.shape[1] == 1 else jnp.take_along_axis(
+        out.logits, last[:, None, None], axis=1)[:, 0]
+    if temperature == 0:
+        tok = jnp.argmax(logits, axis=-1)
+    else:
+        tok = jax.random.categorical(rng, logits / temperature, axis=-1)
+    hidden = jnp.take_along_axis(out.mtp_hidden(source), last[:, None, None], axis=1)[:, 0]
+    return tok.astype(jnp.int32), hidden
+
+
+def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], spec: SpecConfig,
+             *, speculative: bool = True, drafter_prefill: bool = True, mtp_quant: str = "bf16",
+             page_size: int = 16, seed: int = 0, draft_vocab=None) -> GenerationResult:
+    """Generate for a batch of prompts; ``speculative=False`` is plain decoding of the target."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if speculative and not cfg.has_mtp:
+        raise ValueError("speculative decoding needs a checkpoint with an MTP head (num_nextn_predict_layers=1)")
+    b = len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    t = bucket(int(lengths.max()))
+    capacity = t + spec.max_new_tokens + spec.verify_width + 1
+    if capacity > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({lengths.max()} tokens) + max_new_tokens ({spec.max_new_tokens}) exceeds "
+                         f"max_position_embeddings={cfg.max_position_embeddings}")
+    blocks = math.ceil(capacity / page_size)
+    dtype = params["model"]["embed_tokens"]["weight"].dtype
+    pool = PageAllocator(b * blocks + 1, page_size, "target")
+    tables = np.stack([block_table_row(pool.allocate(blocks), blocks) for _ in range(b)])
+    cache = TargetCache.create(cfg, b, pool.num_pages, page_size, blocks, dtype).replace(
+        block_tables=jnp.asarray(tables))
+    rng = jax.random.key(seed)
+    rng, k0 = jax.random.split(rng)
+    tokens = jnp.asarray(pad_batch(prompts, t))
+    zeros = jnp.zeros((b,), jnp.int32)
+    cache, out = target.prefill(cfg, params, cache, tokens, zeros, jnp.asarray(lengths), impl=spec.impl,
+                                all_logits=False)
+    first, hidden = first_from_prefill(out, jnp.asarray(lengths), cfg.mtp_hidden_source, spec.temperature, k0)
+    budget = jnp.full((b,), spec.max_new_tokens, jnp.int32)
+    if not speculative:
+        cache, toks, n = greedy_loop(cfg, params, cache, first, budget, spec, rng)
+        return GenerationResult(_to_lists(toks, n), None)
+    head_params = quantize_head(params, mtp_quant)
+    dcache = DrafterCache.create(cfg, b, pool.num_pages, page_size, blocks, dtype).replace(
+        block_tables=jnp.asarray(tables))
+    if drafter_prefill and quant.supports_drafter_prefill(mtp_quant):
+        dcache = prefill_drafter(cfg, head_params, dcache, tokens, out.mtp_hidden(cfg.mtp_hidden_source),
+                                 zeros, np.maximum(lengths - 1, 0), impl=spec.impl)
+    cache, dcache, toks, n, metrics = speculative_loop(cfg, head_params, cache, dcache, first, hidden, budget,
+                                                       spec, rng, draft_vocab)
+    return GenerationResult(_to_lists(toks, n), AcceptanceStats.from_metrics(metrics))
+
+
+def _to_lists(toks, n) -> list[list[int]]:
+    toks, n = np.asarray(toks), np.asarray(n)
+    return [toks[i, : n[i]].tolist() for i in range(len(n))]

@@ -1,0 +1,203 @@
+"""The MTP head: one decoder layer that drafts the token after next.
+
+Input of pair key ``k`` is ``concat(norm_e(embed(t[k+1])), norm_h(hidden[k]))``
+(embedding first) -> ``fc`` (2H -> H) -> one gated-attention decoder layer ->
+``mtp.norm`` -> the target's shared LM head; it predicts ``t[k+2]``.
+
+The drafter keeps its own paged KV with **compacted rows**: row ``r`` is a dense
+slot, while the key it holds is rotated at its sequence position ``k + 1``. Rows
+are appended (drafter prefill, carry append, refeed catch-up, each proposed draft)
+and trimmed from the tail after verify; gaps in keys are normal.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from mtp import quant
+from mtp.cache.state import NULL_PAGE, PagedKV, write_pages
+from mtp.config import ModelConfig
+from mtp.model.layers import attention_kv, attention_out, attention_qkv, causal_attention, dense, rms_norm
+from mtp.model.params import Params
+from mtp.model.target import decoder_layer, embed, lm_head, paged_attention_mixer
+from mtp.pallas.fc_gemm import fc_gemm
+
+PREFILL_CHUNK = 512  # drafter-prefill rows per call, as in the reference system
+
+
+@struct.dataclass
+class DrafterCache:
+    """The drafter's single-layer paged KV and its row bookkeeping, per batch slot."""
+
+    kv: PagedKV  # one layer
+    block_tables: jax.Array  # [B, max_blocks] int32
+    rows: jax.Array  # [B] int32 resident rows
+    last_pair_key: jax.Array  # [B] int32 key of the newest row, -1 when empty
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, batch: int, num_pages: int, page_size: int,
+               max_blocks_per_seq: int, dtype) -> "DrafterCache":
+        return cls(
+            kv=PagedKV.create(1, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim, dtype),
+            block_tables=jnp.zeros((batch, max_blocks_per_seq), jnp.int32),
+            rows=jnp.zeros((batch,), jnp.int32),
+            last_pair_key=jnp.full((batch,), -1, jnp.int32),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.block_tables.shape[1] * self.kv.page_size
+
+    def trim(self, count: jax.Array, last_pair_key: jax.Array) -> "DrafterCache":
+        """Drop the ``count`` newest rows; the caller knows which key is newest after that.
+
+        (Keys may have gaps, so it cannot be derived from the count.)
+        """
+        return self.replace(rows=self.rows - count, last_pair_key=last_pair_key)
+
+
+def quantize_head(params: Params, mtp_quant: str) -> Params:
+    """The params with the MTP head's projections at ``mtp_quant`` (the target untouched)."""
+    mtp_quant = quant.parse_quant(mtp_quant)
+    if mtp_quant == "bf16":
+        return params
+    head = quant.quantize_params({"mtp": params["mtp"]}, mtp_quant,
+                                 lambda name: quant.is_projection_weight(name) and not name.endswith("mlp.gate.weight"))
+    return {**params, "mtp": head["mtp"]}
+
+
+def fc_input(cfg: ModelConfig, params: Params, next_tokens: jax.Array, hidden: jax.Array,
+             impl: str) -> jax.Array:
+    """``fc(concat(norm_e(embed(t)), norm_h(hidden)))`` for any leading shape."""
+    m = params["mtp"]
+    e = embed(params, next_tokens).astype(hidden.dtype)
+    w = m["fc"]["weight"]
+    ne, nh = m["pre_fc_norm_embedding"]["weight"], m["pre_fc_norm_hidden"]["weight"]
+    if not isinstance(w, jax.Array):  # quantized fc: no fused kernel for it
+        x = jnp.concatenate([rms_norm(e, ne, cfg.rms_norm_eps), rms_norm(hidden, nh, cfg.rms_norm_eps)], -1)
+        return dense(x, w)
+    lead = hidden.shape[:-1]
+    flat = lambda a: a.reshape(-1, a.shape[-1])
+    out = fc_gemm(flat(e), flat(hidden), ne, nh, w.astype(hidden.dtype), eps=cfg.rms_norm_eps, impl=impl)
+    return out.reshape(*lead, -1)
+
+
+def _head_out(cfg, params, x, draft_vocab):
+    """Final norm, logits over the (optionally reduced) draft vocabulary, chained hidden."""
+    post = rms_norm(x, params["mtp"]["norm"]["weight"], cfg.rms_norm_eps)
+    if draft_vocab is None:
+        logits = lm_head(cfg, params, post)
+    else:
+        w = params["model"]["embed_tokens"]["weight"] if cfg.tie_word_embeddings else params["lm_head"]["weight"]
+        logits = jnp.einsum("...h,vh->...v", post, jnp.take(w, draft_vocab, axis=0).astype(post.dtype),
+                            preferred_element_type=jnp.float32)
+    chained = post if cfg.mtp_hidden_source == "post_norm" else x
+    return logits, chained
+
+
+def forward_sequence(cfg: ModelConfig, params: Params, tokens: jax.Array, hidden: jax.Array,
+                     impl: str = "reference"):
+    """All pair keys of whole sequences at once (training, and the test reference).
+
+    tokens ``[B, T]``, hidden ``[B, T, H]`` (the target's, per `mtp_hidden_source`).
+    Returns logits ``[B, T-1, V]`` where entry ``k`` predicts ``tokens[:, k+2]``.
+    """
+    b, t = tokens.shape
+    x = fc_input(cfg, params, tokens[:, 1:], hidden[:, :-1], impl)
+    positions = jnp.broadcast_to(jnp.arange(1, t), (b, t - 1))
+    p = params["mtp"]["layers"]["0"]
+
+    def mixer(h):
+        q, k, v, gate = attention_qkv(p["self_attn"], h, positions, cfg)
+        return attention_out(p["self_attn"], causal_attention(q, k, v, gate))
+
+    x = decoder_layer(cfg, p, x, mixer)
+    return _head_out(cfg, params, x, None)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("dcache",))
+def append_rows(cfg: ModelConfig, params: Params, dcache: DrafterCache, next_tokens: jax.Array,
+                hiddens: jax.Array, first_key: jax.Array, count: jax.Array, *,
+                impl: str = "auto") -> DrafterCache:
+    """Write rows for pair keys ``first_key[b] + i`` (``i < count[b]``) after the resident rows.
+
+    ``next_tokens[b, i]`` is ``t[key + 1]`` and ``hiddens[b, i]`` is ``hidden[key]``.
+    A single-layer drafter's K/V depend only on its input pair, so this is fc,
+    norms, k/v projections, k_norm, RoPE at ``key + 1`` and the cache write — no
+    attention. Drafter prefill, the carry's tail append and the refeed catch-up
+    are all this call.
+    """
+    t = next_tokens.shape[1]
+    i = jnp.arange(t)[None, :]
+    valid = i < count[:, None]
+    keys = first_key[:, None] + i
+    x = fc_input(cfg, params, next_tokens, hiddens, impl)
+    p = params["mtp"]["layers"]["0"]
+    k, v = attention_kv(p["self_attn"], rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps),
+                        keys + 1, cfg)
+    slots = dcache.rows[:, None] + i
+    kv = dcache.kv.replace(
+        k=(write_pages(dcache.kv.k[0], k, dcache.block_tables, slots, valid),),
+        v=(write_pages(dcache.kv.v[0], v, dcache.block_tables, slots, valid),),
+    )
+    some = count > 0
+    return dcache.replace(
+        kv=kv,
+        rows=dcache.rows + count,
+        last_pair_key=jnp.where(some, first_key + count - 1, dcache.last_pair_key),
+    )
+
+
+def draft_step(cfg: ModelConfig, params: Params, dcache: DrafterCache, token: jax.Array,
+               hidden: jax.Array, pair_key: jax.Array, active: jax.Array, impl: str,
+               draft_vocab: jax.Array | None = None):
+    """One draft for every slot: pair ``(token, hidden)`` at key ``pair_key`` -> next token.
+
+    Appends the pair's row (where ``active``) and attends over all resident rows.
+    Returns ``(dcache, logits [B, V'], chained_hidden [B, H])``.
+    """
+    p = params["mtp"]["layers"]["0"]
+    x = fc_input(cfg, params, token[:, None], hidden[:, None, :], impl)
+    rows = dcache.rows[:, None]
+    mixer, res = paged_attention_mixer(cfg, p, pair_key[:, None] + 1, rows, dcache.kv.k[0], dcache.kv.v[0],
+                                       dcache.block_tables, active[:, None],
+                                       jnp.where(active, dcache.rows + 1, 0), impl)
+    x = decoder_layer(cfg, p, x, mixer)
+    logits, chained = _head_out(cfg, params, x[:, 0], draft_vocab)
+    kp, vp = res["kv"]
+    step = active.astype(jnp.int32)
+    dcache = dcache.replace(kv=dcache.kv.replace(k=(kp,), v=(vp,)), rows=dcache.rows + step,
+                            last_pair_key=jnp.where(active, pair_key, dcache.last_pair_key))
+    return dcache, logits, chained
+
+
+def prefill_drafter(cfg: ModelConfig, params: Params, dcache: DrafterCache, tokens, hiddens,
+                    first_key, count, *, impl: str = "auto", chunk: int = PREFILL_CHUNK) -> DrafterCache:
+    """Host-side driver: append pair keys in fixed-size chunks so one compile serves all.
+
+    ``tokens [B, L]`` and ``hiddens [B, L, H]`` are in sequence space; keys
+    ``first_key[b] ... first_key[b] + count[b] - 1`` are written (key k reads
+    ``tokens[k + 1]`` and ``hiddens[k]``).
+    """
+    import numpy as np
+
+    first_key = np.asarray(first_key, np.int32)
+    count = np.asarray(count, np.int32)
+    b, length = tokens.shape
+    for off in range(0, int(count.max(initial=0)), chunk):
+        n = np.clip(count - off, 0, chunk).astype(np.int32)
+        keys = first_key[:, None] + off + np.arange(chunk)[None, :]
+        tok_idx = np.clip(keys + 1, 0, length - 1)
+        hid_idx = np.clip(keys, 0, length - 1)
+        nt = jnp.take_along_axis(tokens, jnp.asarray(tok_idx), axis=1)
+        hs = jnp.take_along_axis(hiddens, jnp.asarray(hid_idx)[..., None], axis=1)
+        dcache = append_rows(cfg, params, dcache, nt, hs, jnp.asarray(first_key + off), jnp.asarray(n), impl=impl)
+    return dcache
+
+
+__all__ = ["DrafterCache", "PREFILL_CHUNK", "NULL_PAGE", "append_rows", "draft_step", "fc_input",
+           "forward_sequence", "prefill_drafter", "quantize_head"]

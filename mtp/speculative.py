@@ -1,0 +1,295 @@
+"""Decode loops: plain greedy decoding of the target, and MTP speculative decoding.
+
+Both run a whole turn inside one ``jax.lax.while_loop`` over a batch of slots, so
+the host is reached once per turn, not per token. The speculative step is
+
+    propose (K-1 drafts) -> verify (one target forward over K tokens)
+    -> accept (longest greedy match, or rejection sampling) -> commit target state
+    -> trim drafter rows (-> refeed catch-up)
+
+with ``K`` static per compile and the accepted count dynamic per slot (masking).
+
+Invariant shared by both loops: the target cache holds every token of a slot
+except the last emitted one (``last_token``), and ``last_hidden`` is the target's
+hidden at the position that produced it. So the next drafter pair key is
+``p0 = lengths - 1`` = ``(embed(last_token), last_hidden)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from mtp.cache.state import TargetCache
+from mtp.carry import mtp_rows_to_trim
+from mtp.config import ModelConfig
+from mtp.model import target
+from mtp.model.params import Params
+from mtp.mtp_head import DrafterCache, append_rows, draft_step
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Static knobs of one compiled decode loop (hashable: a jit static argument)."""
+
+    verify_width: int = 2  # K: one verify over [last token, K-1 drafts]
+    max_new_tokens: int = 128  # output buffer per slot
+    temperature: float = 0.0  # 0 = greedy
+    refeed_accepted: bool = False
+    draft_conf_tau: float = 0.0  # D-Cut: stop a chain once its min top-1 prob < tau
+    eos_id: int = -1  # -1 = no EOS
+    impl: str = "auto"  # kernel backend (mtp.pallas.backend)
+
+    def __post_init__(self):
+        if not 2 <= self.verify_width <= 8:
+            raise ValueError(f"verify_width K={self.verify_width} must be in 2..8 (drafts D = K - 1 in 1..7)")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not 0 <= self.draft_conf_tau < 1:
+            raise ValueError(f"draft_conf_tau={self.draft_conf_tau} must be in [0, 1)")
+
+    @property
+    def num_drafts(self) -> int:
+        return self.verify_width - 1
+
+
+@struct.dataclass
+class DecodeMetrics:
+    """Per-slot acceptance counters with the serving definitions of DESIGN §2."""
+
+    steps: jax.Array  # [B] verify steps
+    draft_tokens: jax.Array  # [B] drafts proposed
+    accepted: jax.Array  # [B] drafts accepted (bonus excluded)
+    accepted_at_least: jax.Array  # [B, D] steps with >= i+1 accepted
+
+    @classmethod
+    def zeros(cls, batch: int, num_drafts: int) -> "DecodeMetrics":
+        z = jnp.zeros((batch,), jnp.int32)
+        return cls(z, z, z, jnp.zeros((batch, max(num_drafts, 1)), jnp.int32))
+
+
+@struct.dataclass
+class LoopState:
+    cache: TargetCache
+    dcache: DrafterCache | None
+    last_token: jax.Array  # [B]
+    last_hidden: jax.Array  # [B, H] (per mtp_hidden_source)
+    out: jax.Array  # [B, max_new] emitted tokens
+    num_out: jax.Array  # [B]
+    budget: jax.Array  # [B] max tokens this turn
+    done: jax.Array  # [B]
+    rng: jax.Array
+    metrics: DecodeMetrics
+
+
+def _emit(state: LoopState, new: jax.Array, count: jax.Array, eos_id: int):
+    """Append ``new[b, :count[b]]`` to each slot's output, stopping at EOS and the budget."""
+    n = new.shape[1]
+    j = jnp.arange(n)[None, :]
+    room = state.budget - state.num_out
+    take = jnp.minimum(count, room)
+    if eos_id >= 0:
+        is_eos = (new == eos_id) & (j < take[:, None])
+        first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, n + 1)
+        take = jnp.minimum(take, first_eos)
+        hit_eos = first_eos <= take
+    else:
+        hit_eos = jnp.zeros_like(state.done)
+    take = jnp.where(state.done, 0, take)
+    cols = state.num_out[:, None] + j
+    cols = jnp.where(j < take[:, None], cols, state.out.shape[1])  # out of range -> dropped
+    out = state.out.at[jnp.arange(new.shape[0])[:, None], cols].set(new, mode="drop")
+    num_out = state.num_out + take
+    done = state.done | (num_out >= state.budget) | hit_eos
+    return out, num_out, done
+
+
+def _initial_state(cfg, cache, dcache, first_token, first_hidden, budget, spec: SpecConfig, rng, batch):
+    out = jnp.zeros((batch, spec.max_new_tokens), jnp.int32)
+    state = LoopState(cache=cache, dcache=dcache, last_token=first_token.astype(jnp.int32),
+                      last_hidden=first_hidden, out=out, num_out=jnp.zeros((batch,), jnp.int32),
+                      budget=jnp.minimum(budget, spec.max_new_tokens).astype(jnp.int32),
+                      done=budget <= 0, rng=rng, metrics=DecodeMetrics.zeros(batch, spec.num_drafts))
+    # The first token came from prefill; it is output like any other.
+    out, num_out, done = _emit(state, first_token[:, None].astype(jnp.int32), jnp.ones((batch,), jnp.int32),
+                               spec.eos_id)
+    return state.replace(out=out, num_out=num_out, done=done)
+
+
+def _pick(logits: jax.Array, temperature: float, key) -> jax.Array:
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+
+# ------------------------------------------------------------------ plain greedy
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache",))
+def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_token: jax.Array,
+                budget: jax.Array, spec: SpecConfig, rng: jax.Array | None = None):
+    """Plain decoding of the target (greedy, or sampled at ``spec.temperature``).
+
+    ``first_token [B]`` is the token the prefill produced; ``budget [B]`` the
+    number of tokens to emit per slot (0 = idle). Returns ``(cache, out, num_out)``.
+    """
+    b = first_token.shape[0]
+    rng = jax.random.key(0) if rng is None else rng
+    state = _initial_state(cfg, cache, None, first_token, jnp.zeros((b, cfg.hidden_size), jnp.float32),
+                           budget, spec, rng, b)
+
+    def body(s: LoopState) -> LoopState:
+        rng, key = jax.random.split(s.rng)
+        cache, vout = target.verify(cfg, params, s.cache, s.last_token[:, None], impl=spec.impl)
+        cache = target.commit(cache, vout, jnp.where(s.done, 0, 1))
+        nxt = _pick(vout.logits[:, 0], spec.temperature, key)
+        out, num_out, done = _emit(s, nxt[:, None], jnp.ones_like(nxt), spec.eos_id)
+        return s.replace(cache=cache, last_token=nxt, out=out, num_out=num_out, done=done, rng=rng)
+
+    state = jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
+    return state.cache, state.out, state.num_out
+
+
+# ------------------------------------------------------------------ speculative
+def _propose(cfg, params, spec: SpecConfig, s: LoopState, active, draft_vocab, key):
+    """K-1 chained drafts per slot. Returns drafts, their count after D-Cut, and q."""
+    d = spec.num_drafts
+    p0 = s.cache.lengths - 1
+    dcache, tok, hidden = s.dcache, s.last_token, s.last_hidden
+    drafts, qs, confs = [], [], []
+    keys = jax.random.split(key, d)
+    for i in range(d):
+        dcache, logits, hidden = draft_step(cfg, params, dcache, tok, hidden.astype(s.last_hidden.dtype),
+                                            p0 + i, active, spec.impl, draft_vocab)
+        probs = jax.nn.softmax(logits / (spec.temperature or 1.0), axis=-1)
+        local = _pick(logits, spec.temperature, keys[i])
+        tok = local if draft_vocab is None else draft_vocab[local]
+        drafts.append(tok)
+        qs.append(probs)
+        confs.append(jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1))
+    drafts = jnp.stack(drafts, axis=1)
+    if spec.draft_conf_tau > 0:
+        chain_min = jax.lax.cummin(jnp.stack(confs, axis=1), axis=1)
+        num_drafted = jnp.sum(chain_min >= spec.draft_conf_tau, axis=1).astype(jnp.int32)
+    else:
+        num_drafted = jnp.full(drafts.shape[:1], d, jnp.int32)
+    return dcache, drafts, num_drafted, jnp.stack(qs, axis=1)
+
+
+def _accept_greedy(target_logits, drafts, num_drafted):
+    tgt = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K]
+    d = drafts.shape[1]
+    ok = (drafts == tgt[:, :d]) & (jnp.arange(d)[None, :] < num_drafted[:, None])
+    accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+    bonus = jnp.take_along_axis(tgt, accepted[:, None], axis=1)[:, 0]
+    return accepted, bonus
+
+
+def _full_vocab(q, draft_vocab, vocab_size):
+    if draft_vocab is None:
+        return q
+    return jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., draft_vocab].set(q)
+
+
+def _accept_sampled(target_logits, drafts, num_drafted, q, temperature, key, draft_vocab):
+    """Rejection sampling (Leviathan et al. / Chen et al.): output ~ the target's distribution.
+
+    Draft ``i`` is accepted with probability ``min(1, p_i(x) / q_i(x))``; at the first
+    rejection the token is resampled from ``norm(max(p_i - q_i, 0))``; after ``n``
+    acceptances the bonus is drawn from ``p_n``.
+    """
+    b, k, vocab = target_logits.shape
+    d = drafts.shape[1]
+    p = jax.nn.softmax(target_logits / temperature, axis=-1)
+    q = _full_vocab(q, draft_vocab, vocab)
+    ku, kr = jax.random.split(key)
+    p_d = jnp.take_along_axis(p[:, :d], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(ku, (b, d))
+    ok = (u * q_d < p_d) & (jnp.arange(d)[None, :] < num_drafted[:, None])
+    accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+    # Residual at the stop position: after a rejection, max(p - q, 0); past the drafts, p itself.
+    q_pad = jnp.concatenate([q, jnp.zeros((b, 1, vocab), q.dtype)], axis=1)
+    q_stop = jnp.take_along_axis(q_pad, accepted[:, None, None], axis=1)[:, 0]
+    q_stop = jnp.where((accepted < num_drafted)[:, None], q_stop, 0.0)
+    p_stop = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(p_stop - q_stop, 0.0)
+    resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, p_stop)
+    bonus = jax.random.categorical(kr, jnp.log(resid), axis=-1).astype(jnp.int32)
+    return accepted, bonus
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache", "dcache"))
+def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcache: DrafterCache,
+                     first_token: jax.Array, first_hidden: jax.Array, budget: jax.Array,
+                     spec: SpecConfig, rng: jax.Array | None = None,
+                     draft_vocab: jax.Array | None = None):
+    """MTP speculative decoding of one turn for every slot of the batch.
+
+    ``first_token [B]``/``first_hidden [B, H]``: the prefill's output token and the
+    target hidden that produced it (per ``cfg.mtp_hidden_source``). The drafter
+    cache must already hold whatever context the policy gave it (prefill, carry,
+    or nothing). Returns ``(cache, dcache, out, num_out, metrics)``.
+    """
+    b = first_token.shape[0]
+    d = spec.num_drafts
+    rng = jax.random.key(0) if rng is None else rng
+    state = _initial_state(cfg, cache, dcache, first_token, first_hidden, budget, spec, rng, b)
+
+    def body(s: LoopState) -> LoopState:
+        rng, kp, ka = jax.random.split(s.rng, 3)
+        active = ~s.done
+        p0 = s.cache.lengths - 1
+        prev_last_key = s.dcache.last_pair_key
+        dcache, drafts, num_drafted, q = _propose(cfg, params, spec, s, active, draft_vocab, kp)
+        verify_tokens = jnp.concatenate([s.last_token[:, None], drafts], axis=1)
+        cache, vout = target.verify(cfg, params, s.cache, verify_tokens, impl=spec.impl)
+        if spec.temperature == 0:
+            accepted, bonus = _accept_greedy(vout.logits, drafts, num_drafted)
+        else:
+            accepted, bonus = _accept_sampled(vout.logits, drafts, num_drafted, q, spec.temperature, ka,
+                                              draft_vocab)
+        accepted = jnp.where(active, accepted, 0)
+        cache = target.commit(cache, vout, jnp.where(active, accepted + 1, 0))
+        emitted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        emitted = emitted.at[jnp.arange(b), accepted].set(bonus)
+        out, num_out, done = _emit(s, emitted, accepted + 1, spec.eos_id)
+
+        # Drafter rows: this step wrote keys p0 .. p0+D-1 (rows for undrafted D-Cut
+        # positions included); keep the prefix the rule allows.
+        written = jnp.where(active, d, 0)
+        trim = (d - num_drafted) + mtp_rows_to_trim(num_drafted, accepted, spec.refeed_accepted)
+        trim = jnp.where(active, trim, 0)
+        kept = written - trim
+        dcache = dcache.trim(trim, jnp.where(kept > 0, p0 + kept - 1, prev_last_key))
+        hiddens = vout.mtp_hidden(cfg.mtp_hidden_source)
+        if spec.refeed_accepted:
+            # Catch-up: rebuild keys p0+kept .. p0+accepted from the target's true hiddens.
+            seq_tokens = verify_tokens  # key p0+j reads t[p0+j+1] = verify_tokens[j]
+            seq_hidden = jnp.concatenate([s.last_hidden[:, None].astype(hiddens.dtype), hiddens[:, :d]], axis=1)
+            shift = kept
+            idx = jnp.clip(shift[:, None] + jnp.arange(d + 1)[None, :], 0, d)
+            count = jnp.where(active, accepted - kept + 1, 0)
+            dcache = append_rows(cfg, params, dcache, jnp.take_along_axis(seq_tokens, idx, axis=1),
+                                 jnp.take_along_axis(seq_hidden, idx[..., None], axis=1),
+                                 p0 + kept, count, impl=spec.impl)
+        new_hidden = jnp.take_along_axis(hiddens, accepted[:, None, None], axis=1)[:, 0]
+        m = s.metrics
+        steps = active.astype(jnp.int32)
+        metrics = DecodeMetrics(
+            steps=m.steps + steps,
+            draft_tokens=m.draft_tokens + steps * num_drafted,
+            accepted=m.accepted + accepted,
+            accepted_at_least=m.accepted_at_least
+            + (steps[:, None] * (accepted[:, None] > jnp.arange(max(d, 1))[None, :])).astype(jnp.int32),
+        )
+        return s.replace(cache=cache, dcache=dcache,
+                         last_token=jnp.where(active, bonus, s.last_token),
+                         last_hidden=jnp.where(active[:, None], new_hidden.astype(s.last_hidden.dtype),
+                                               s.last_hidden),
+                         out=out, num_out=num_out, done=done, rng=rng, metrics=metrics)
+
+    state = jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
+    return state.cache, state.dcache, state.out, state.num_out, state.metrics
