@@ -1,0 +1,324 @@
+"""Hugging Face checkpoint I/O: ``config.json`` + ``*.safetensors`` (single or sharded).
+
+The checkpoint's tensor names are the parameter tree's dotted paths
+(`mtp.model.params`), so loading is a validation against `param_shapes` rather than
+a renaming. Every problem a checkpoint can have -- a tensor missing, misshapen, of
+an unsupported dtype or unexpected, a shard missing or cut short -- is reported as a
+`CheckpointError` that names the tensor and the file, because the usual cause is a
+config.json that does not match its weights, and the name is what points at it.
+
+Loading reads one tensor at a time and hands it to a ``place`` callback, so a
+sharded loader can put each tensor straight onto its devices without the whole
+model ever sitting in host memory. Saving is atomic: a checkpoint directory either
+is the complete old one or the complete new one, never a mixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from mtp.config import ConfigError, ModelConfig
+from mtp.model.params import Params, flatten, param_shapes, unflatten
+
+CONFIG_NAME = "config.json"
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+# safetensors dtype tag -> numpy dtype, for the float formats the model computes in.
+SUPPORTED_DTYPES: dict[str, np.dtype] = {
+    "F32": np.dtype(np.float32),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
+}
+# Files a checkpoint directory usually carries beside its weights, worth keeping on re-save.
+DEFAULT_EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                       "generation_config.json", "README.md")
+_RESERVED = (CONFIG_NAME, SINGLE_NAME, INDEX_NAME)
+
+Place = Callable[[str, np.ndarray], jax.Array]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config or cannot be read; names tensor and file."""
+
+
+# ====================================================================== loading
+def load_pretrained(path: str | os.PathLike, dtype=None, place: Place | None = None
+                    ) -> tuple[ModelConfig, Params]:
+    """Read a Hugging Face checkpoint directory into ``(config, nested params)``.
+
+    Each tensor keeps its file dtype (F32, BF16 or F16) unless ``dtype`` is given.
+    ``place(name, array)`` turns each host array into a device array as soon as it
+    is read (default `jnp.asarray`). All headers are checked against the config
+    before any tensor data is read, so a mismatch fails fast and names everything
+    needed to find it.
+    """
+    root = pathlib.Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a checkpoint directory")
+    try:
+        cfg = ModelConfig.from_hf(root)
+    except ConfigError as e:
+        raise CheckpointError(f"{root / CONFIG_NAME}: {e}") from e
+    cast = None if dtype is None else np.dtype(dtype)
+    if cast is not None and cast not in SUPPORTED_DTYPES.values():
+        raise CheckpointError(f"load dtype {cast} is not one of {sorted(map(str, SUPPORTED_DTYPES.values()))}")
+    place = place or (lambda name, a: jnp.asarray(a))
+
+    locations = _locate_tensors(root)
+    _check_against_config(cfg, root, locations)
+
+    by_file: dict[pathlib.Path, list[str]] = {}
+    for name, (file, _, _) in locations.items():
+        by_file.setdefault(file, []).append(name)
+    flat: dict[str, jax.Array] = {}
+    for file, names in by_file.items():
+        with _open(file) as f:
+            for name in names:
+                try:
+                    array = f.get_tensor(name)
+                except SafetensorError as e:
+                    raise CheckpointError(f"{file}: cannot read tensor {name!r}: {e}") from e
+                flat[name] = place(name, array if cast is None else array.astype(cast))
+    order = list(param_shapes(cfg))
+    return cfg, unflatten({name: flat[name] for name in order if name in flat})
+
+
+def _open(file: pathlib.Path):
+    try:
+        return safe_open(str(file), framework="numpy")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file (truncated or corrupt?): {e}") from e
+
+
+def _locate_tensors(root: pathlib.Path) -> dict[str, tuple[pathlib.Path, str, tuple[int, ...]]]:
+    """Every tensor of the checkpoint -> (file, safetensors dtype tag, shape), headers only."""
+    index = root / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from e
+        wanted: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            wanted.setdefault(shard, []).append(name)
+        for shard, names in wanted.items():
+            if not (root / shard).is_file():
+                raise CheckpointError(
+                    f"{index}: tensor {names[0]!r} (and {len(names) - 1} more) is mapped to shard "
+                    f"{shard!r}, which does not exist in {root}")
+        files = [root / s for s in wanted]
+    elif (root / SINGLE_NAME).exists():
+        weight_map, files = None, [root / SINGLE_NAME]
+    else:
+        files = sorted(root.glob("*.safetensors"))
+        weight_map = None
+        if not files:
+            raise CheckpointError(f"{root}: no {SINGLE_NAME}, no {INDEX_NAME} and no *.safetensors files")
+
+    out: dict[str, tuple[pathlib.Path, str, tuple[int, ...]]] = {}
+    for file in files:
+        with _open(file) as f:
+            for name in f.keys():
+                if weight_map is not None and weight_map.get(name) != file.name:
+                    raise CheckpointError(
+                        f"{file}: holds tensor {name!r}, which {INDEX_NAME} maps to "
+                        f"{weight_map.get(name)!r} instead")
+                if name in out:
+                    raise CheckpointError(f"{file}: tensor {name!r} is also in {out[name][0].name}")
+                sl = f.get_slice(name)
+                out[name] = (file, sl.get_dtype(), tuple(sl.get_shape()))
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            if name not in out:
+                raise CheckpointError(f"{root / shard}: tensor {name!r} is listed in {INDEX_NAME} but absent")
+    return out
+
+
+def _check_against_config(cfg: ModelConfig, root: pathlib.Path, locations) -> None:
+    expected = param_shapes(cfg, include_mtp=True)
+    config_file = root / CONFIG_NAME
+    for name, shape in expected.items():
+        if name not in locations:
+            files = ", ".join(sorted({f.name for f, _, _ in locations.values()})) or "the weight files"
+            raise CheckpointError(
+                f"{root}: tensor {name!r} (shape {shape}) required by {config_file.name} is missing from {files}")
+        file, tag, got = locations[name]
+        if got != shape:
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has shape {got}, but {config_file.name} implies {shape}")
+        if tag not in SUPPORTED_DTYPES:
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has dtype {tag}; supported: {', '.join(SUPPORTED_DTYPES)}")
+    for name, (file, _, got) in locations.items():
+        if name not in expected:
+            hint = (" (num_nextn_predict_layers is 0 in config.json)"
+                    if name.startswith("mtp.") and not cfg.has_mtp else "")
+            raise CheckpointError(f"{file}: unexpected tensor {name!r} with shape {got}{hint}")
+
+
+# ====================================================================== saving
+def save_pretrained(path: str | os.PathLike, cfg: ModelConfig, params: Params,
+                    max_shard_bytes: int | None = None, metadata: Mapping[str, str] | None = None,
+                    extra_files: Mapping[str, str | bytes | os.PathLike] | None = None) -> pathlib.Path:
+    """Write ``cfg`` and ``params`` as a Hugging Face checkpoint directory, atomically.
+
+    Tensors go to one ``model.safetensors``, or, when their total exceeds
+    ``max_shard_bytes``, to ``model-0000i-of-0000n.safetensors`` shards with a
+    ``model.safetensors.index.json``. ``metadata`` is stored in each safetensors
+    header. ``extra_files`` maps a file name to its content: ``str`` is written as
+    UTF-8 text, ``bytes`` as is, and an ``os.PathLike`` is copied from that path.
+
+    Everything is written and fsynced in a temporary directory beside ``path`` and
+    then renamed into place; an existing checkpoint at ``path`` is replaced only
+    once the new one is complete, and survives unchanged if anything fails.
+    """
+    target = pathlib.Path(path).absolute()
+    flat = flatten(params)
+    _check_params(cfg, flat)
+    extra = dict(extra_files or {})
+    for name, content in extra.items():
+        if name in _RESERVED or name.endswith(".safetensors") or pathlib.PurePath(name).name != name:
+            raise CheckpointError(f"extra file name {name!r} is reserved or not a plain file name")
+        if not isinstance(content, (str, bytes, os.PathLike)):
+            raise CheckpointError(f"extra file {name!r}: content must be str, bytes or a path, "
+                                  f"got {type(content).__name__}")
+        if isinstance(content, os.PathLike) and not os.path.isfile(content):
+            raise CheckpointError(f"extra file {name!r}: {os.fspath(content)} is not a file")
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{target}: exists and is not a directory")
+    target.parent.mkdir(parents=True, exist_ok=True)
+
+    header = {"format": "pt", **dict(metadata or {})}
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _write_json(tmp / CONFIG_NAME, cfg.to_hf())
+        shards = _plan_shards(flat, max_shard_bytes)
+        n = len(shards)
+        weight_map = {}
+        for i, names in enumerate(shards):
+            file = SINGLE_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            save_file({name: _to_numpy(flat[name]) for name in names}, str(tmp / file), metadata=header)
+            _fsync_file(tmp / file)
+            weight_map.update({name: file for name in names})
+        if n > 1:
+            total = sum(_nbytes(v) for v in flat.values())
+            _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        for name, content in extra.items():
+            dest = tmp / name
+            if isinstance(content, os.PathLike):
+                shutil.copyfile(content, dest)
+            else:
+                dest.write_bytes(content.encode() if isinstance(content, str) else content)
+            _fsync_file(dest)
+        _fsync_dir(tmp)
+        _swap_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def extra_files_from(src: str | os.PathLike, names=DEFAULT_EXTRA_FILES) -> dict[str, pathlib.Path]:
+    """The tokenizer / model-card files present in ``src``, as ``extra_files`` for a re-save."""
+    root = pathlib.Path(src)
+    return {n: root / n for n in names if (root / n).is_file()}
+
+
+def _check_params(cfg: ModelConfig, flat: Mapping[str, Any]) -> None:
+    expected = param_shapes(cfg, include_mtp=True)
+    for name, shape in expected.items():
+        if name not in flat:
+            raise CheckpointError(f"params: tensor {name!r} (shape {shape}) required by the config is missing")
+        value = flat[name]
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise CheckpointError(f"params: tensor {name!r} is a {type(value).__name__}, not an array")
+        got = tuple(value.shape)
+        if got != shape:
+            raise CheckpointError(f"params: tensor {name!r} has shape {got}, the config implies {shape}")
+        dt = np.dtype(value.dtype)
+        if dt not in SUPPORTED_DTYPES.values():
+            raise CheckpointError(f"params: tensor {name!r} has dtype {dt}; supported: float32, bfloat16, float16")
+    for name in flat:
+        if name not in expected:
+            raise CheckpointError(f"params: unexpected tensor {name!r} (not in the config's parameter set)")
+
+
+def _nbytes(value) -> int:
+    return int(np.prod(value.shape)) * np.dtype(value.dtype).itemsize
+
+
+def _plan_shards(flat: Mapping[str, Any], max_shard_bytes: int | None) -> list[list[str]]:
+    """Greedy in checkpoint order; a tensor larger than the limit gets a shard of its own."""
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise CheckpointError(f"max_shard_bytes={max_shard_bytes} must be positive")
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, value in flat.items():
+        nb = _nbytes(value)
+        if max_shard_bytes is not None and shards[-1] and size + nb > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nb
+    return shards
+
+
+def _to_numpy(value) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(jax.device_get(value)))
+
+
+def _write_json(file: pathlib.Path, obj) -> None:
+    file.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    _fsync_file(file)
+
+
+def _fsync_file(file: pathlib.Path) -> None:
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(directory: pathlib.Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_into_place(tmp: pathlib.Path, target: pathlib.Path) -> None:
+    """Rename ``tmp`` to ``target``; an old ``target`` is moved aside first and removed last.
+
+    Two renames on one filesystem: at every instant ``target`` is either absent
+    (between them, and then the old copy sits beside it under a ``.old-`` name) or
+    complete. If the second rename fails the old checkpoint is put back.
+    """
+    old = None
+    if target.exists():
+        old = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.rmdir(old)
+        os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        if old is not None:
+            os.rename(old, target)
+        raise
+    _fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
