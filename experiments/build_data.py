@@ -98,9 +98,9 @@ def main(argv):
         heldout, tok, spec, cfg.seed, cfg.num_sessions, cfg.sessions_per_file
     )
     preamble_only = sessions_lib.build_preamble_only_sessions(heldout, tok, spec, cfg.seed, cfg.num_preamble_only)
-    sessions_lib.write_preamble(sessions_dir / "preamble.txt", preamble)
-    sessions_lib.write_sessions(sessions_dir / "eval_sessions.jsonl", eval_sessions)
-    sessions_lib.write_sessions(sessions_dir / "preamble_only.jsonl", preamble_only)
+    sessions_lib.write_preamble(sessions_dir / sessions_lib.PREAMBLE_FILE, preamble)
+    sessions_lib.write_sessions(sessions_dir / sessions_lib.EVAL_SESSIONS_FILE, eval_sessions)
+    sessions_lib.write_sessions(sessions_dir / sessions_lib.PREAMBLE_ONLY_FILE, preamble_only)
     timings["sessions_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -110,7 +110,7 @@ def main(argv):
     timings["token_arrays_s"] = time.perf_counter() - t
     timings["total_s"] = time.perf_counter() - t_start
 
-    assets = [tokenizer_path] + [sessions_dir / n for n in ("preamble.txt", "eval_sessions.jsonl", "preamble_only.jsonl")]
+    assets = [tokenizer_path] + [sessions_dir / n for n in (sessions_lib.PREAMBLE_FILE, sessions_lib.EVAL_SESSIONS_FILE, sessions_lib.PREAMBLE_ONLY_FILE)]
     turns = [len(s.turns) for s in eval_sessions]
     summary = {
         "command": " ".join([pathlib.Path(sys.executable).name, "-m", "experiments.build_data"] + sys.argv[1:]),

@@ -12,9 +12,8 @@ from hypothesis import strategies as st
 
 from mtp.data import corpus as corpus_lib
 from mtp.data import sessions as S
-from mtp.data.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
+from mtp.data.tokenizer import DEFAULT_TOKENIZER_PATH, SPECIAL_TOKENS, Tokenizer, train_tokenizer
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 # Modules present in every CPython 3.12 stdlib, long enough for several sessions.
 SAMPLE_MODULES = ("textwrap.py", "fnmatch.py", "shlex.py", "heapq.py", "bisect.py", "colorsys.py", "glob.py")
 SPEC = S.SessionSpec()
@@ -96,7 +95,9 @@ def test_load_corpus_rule_counts_and_disjoint_split(tmp_path):
     assert info.train_files + info.heldout_files == len(good)
     assert info.train_bytes == sum(len(good[p].encode()) for p in train)
     assert "% 100 < 30" in info.split_rule
-    json.dumps(info.to_dict())  # must be storable as checkpoint metadata
+    assert corpus_lib.CorpusInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info
+    with pytest.raises(ValueError, match="missing \\['fingerprint'\\]"):
+        corpus_lib.CorpusInfo.from_dict({k: v for k, v in info.to_dict().items() if k != "fingerprint"})
     again = corpus_lib.load_corpus(tmp_path, max_file_bytes=2000, heldout_percent=30)
     assert again.info.fingerprint == info.fingerprint
     no_tests = corpus_lib.load_corpus(tmp_path, max_file_bytes=2000, heldout_percent=30, include_tests=False)
@@ -305,23 +306,32 @@ def test_build_token_arrays(tmp_path, tok):
     n_chat = sum(is_chat for _, is_chat in expected)
     assert stats["train"]["chat_documents"] == n_chat
     assert sum(int(d[0]) == tok.system_id for d in docs) == n_chat
+    loaded = corpus_lib.load_token_array(tmp_path / "out" / "train.npy", tok.vocab_size)
+    assert np.array_equal(loaded, train)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        corpus_lib.load_token_array(tmp_path / "out" / "train.npy", int(train.max()))
+    np.save(tmp_path / "i32.npy", train.astype(np.int32))
+    with pytest.raises(ValueError, match="uint16"):
+        corpus_lib.load_token_array(tmp_path / "i32.npy", tok.vocab_size)
+    with pytest.raises(FileNotFoundError, match="build_data"):
+        corpus_lib.load_token_array(tmp_path / "missing.npy", tok.vocab_size)
 
 
 # --------------------------------------------------------------------------- shipped assets
 
 
 def test_shipped_assets_are_consistent():
-    tok = Tokenizer.load(REPO / "assets/tokenizer/tokenizer.json")
+    tok = Tokenizer.load(DEFAULT_TOKENIZER_PATH)
     assert tok.vocab_size == 8192 and tok.special_ids == {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    sess_dir = REPO / "assets/sessions"
-    preamble = S.load_preamble(sess_dir / "preamble.txt")
+    sess_dir = S.DEFAULT_SESSIONS_DIR
+    preamble = S.load_preamble(sess_dir / S.PREAMBLE_FILE)
     assert preamble == S.PREAMBLE
     assert 300 <= len(tok.encode(S.render_transcript(preamble, []))) <= 400
-    evals = S.load_sessions(sess_dir / "eval_sessions.jsonl")
+    evals = S.load_sessions(sess_dir / S.EVAL_SESSIONS_FILE)
     assert 95 <= len(evals) <= 110
     assert all(4 <= len(s.turns) <= 8 for s in evals)
     assert all(64 <= t.max_new_tokens <= 128 for s in evals for t in s.turns)
     assert all(40 <= len(tok.encode(t.user)) <= 120 for s in evals for t in s.turns)
     assert all(corpus_lib.is_heldout(s.source) for s in evals)
-    only = S.load_sessions(sess_dir / "preamble_only.jsonl")
+    only = S.load_sessions(sess_dir / S.PREAMBLE_ONLY_FILE)
     assert len(only) == 24 and len({s.source for s in only}) == 24 and all(len(s.turns) == 1 for s in only)

@@ -102,6 +102,15 @@ class CorpusInfo:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "CorpusInfo":
+        """Read back a record (from data_info.json or checkpoint metadata)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing, extra = names - d.keys(), d.keys() - names
+        if missing or extra:
+            raise ValueError(f"not a CorpusInfo record: missing {sorted(missing)}, unexpected {sorted(extra)}")
+        return cls(**d)
+
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
@@ -284,3 +293,23 @@ def build_token_arrays(
             "chat_tokens": chat_tokens,
         }
     return stats
+
+
+def load_token_array(path: str | pathlib.Path, vocab_size: int) -> np.ndarray:
+    """Memory-map a token array written by ``build_token_arrays`` and check it.
+
+    Catches a stream built with another tokenizer (ids past the vocabulary) before
+    it turns into an out-of-bounds embedding gather inside a jitted step.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no token array at {path}; run `python -m experiments.build_data` first")
+    arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    if arr.dtype != np.uint16 or arr.ndim != 1:
+        raise ValueError(f"{path}: expected a 1-D uint16 array, got {arr.dtype} with shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{path}: empty token array")
+    top = int(arr.max())
+    if top >= vocab_size:
+        raise ValueError(f"{path}: token id {top} is outside the vocabulary of {vocab_size}")
+    return arr

@@ -57,6 +57,12 @@ errors behind a bare except clause.
 - Keep functions small, return early instead of nesting deeply, and avoid global \
 mutable state."""
 
+# The shipped session files (built by experiments/build_data.py).
+DEFAULT_SESSIONS_DIR = pathlib.Path(__file__).resolve().parents[2] / "assets" / "sessions"
+EVAL_SESSIONS_FILE = "eval_sessions.jsonl"
+PREAMBLE_ONLY_FILE = "preamble_only.jsonl"
+PREAMBLE_FILE = "preamble.txt"
+
 # A session starts at a definition (a method counts: test modules keep everything inside
 # classes), so it begins at a natural boundary rather than mid-expression and rarely
 # inside a license header.

@@ -23,6 +23,9 @@ ASSISTANT_TOKEN = "<|assistant|>"
 # Order fixes the ids: <|endoftext|> must be 0 (the document separator in the token arrays).
 SPECIAL_TOKENS = (EOS_TOKEN, SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)
 DEFAULT_VOCAB_SIZE = 8192
+# The shipped tokenizer (built by experiments/build_data.py); found relative to the
+# source tree because the assets are data of the repository, not of the package.
+DEFAULT_TOKENIZER_PATH = pathlib.Path(__file__).resolve().parents[2] / "assets" / "tokenizer" / "tokenizer.json"
 
 
 class Tokenizer:
