@@ -39,7 +39,6 @@ NVFP4_BLOCK = 16
 # E2M1 magnitudes indexed by the low three code bits (2 exponent bits, 1 mantissa
 # bit, exponent bias 1); bit 3 is the sign.
 _E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-_E2M1_CODE_VALUES = np.concatenate([_E2M1_MAGNITUDES, -_E2M1_MAGNITUDES])
 
 
 def parse_quant(name: str) -> str:
@@ -130,8 +129,19 @@ def e2m1_encode(values: jax.Array) -> jax.Array:
 
 
 def e2m1_decode(codes: jax.Array) -> jax.Array:
-    """f32 values of 4-bit E2M1 codes."""
-    return jnp.asarray(_E2M1_CODE_VALUES)[codes.astype(jnp.int32)]
+    """f32 values of 4-bit E2M1 codes.
+
+    Integer arithmetic rather than a 16-entry table lookup: a gather does not fuse
+    into the GEMM's operand on GPU, an elementwise chain does. With exponent field
+    ``e`` and mantissa bit ``m``, the magnitude is ``((e > 0) * 2 + m) << max(e, 1)``
+    quarters, which covers the subnormal ``e == 0`` as well.
+    """
+    codes = codes.astype(jnp.int32)
+    exponent = (codes >> 1) & 3
+    mantissa = codes & 1
+    quarters = (jnp.where(exponent > 0, 2, 0) + mantissa) << jnp.maximum(exponent, 1)
+    magnitude = quarters.astype(jnp.float32) * 0.25
+    return jnp.where((codes & 8) != 0, -magnitude, magnitude)
 
 
 def pack_nibbles(codes: jax.Array) -> jax.Array:

@@ -179,8 +179,10 @@ def test_linear_matches_dequantized_matmul(quant):
     w = _normal(300, (48, 64), jnp.bfloat16)
     x = _normal(301, (2, 3, 64))
     wq = q.quantize(w, quant)
-    ref = x @ q.dequantize(wq).T
-    y = q.linear(x, wq)
+    # Full f32 matmuls on both sides: GPUs otherwise default to TF32 for f32 inputs.
+    with jax.default_matmul_precision("highest"):
+        ref = x @ q.dequantize(wq).T
+        y = q.linear(x, wq)
     assert y.shape == (2, 3, 48) and y.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
     # bf16 activations: the grid values are exact in bf16 and accumulation is f32, so
