@@ -175,9 +175,9 @@ def bench_pa(b, ctx, nq, hq, hkv, d, page, reps, with_jax=True, split_sweep=()):
                 del kt, vt
                 return {"rel_err": err, "t": t}
         res["jax_pallas"] = _safe(jax_kernel_run)
-    for sp in split_sweep:
-        r = _safe(lambda: _time(lambda *a: ours(*a, splits=sp), sets, reps)[0])
-        res[f"t_splits_{sp}"] = r
+    for name, kw in split_sweep:
+        r = _safe(lambda: _time(lambda *a: ours(*a, **kw), sets, reps)[0])
+        res[f"t_{name}"] = r
     del sets
     return res
 
@@ -280,6 +280,10 @@ def main(_):
     pa_shapes = [(8, 8192, 1, 32, 8, 128), (8, 8192, 4, 32, 8, 128),
                  (8, 8192, 1, 16, 2, 256), (8, 8192, 4, 16, 2, 256)]
     fc_shapes = [(8, 4096), (12288, 4096)]
+    sweeps = {0: [(f"splits{n}", dict(splits=n)) for n in (2, 4, 8, 16)]
+              + [("bkv64", dict(block_kv=64)), ("bkv64_s2", dict(block_kv=64, splits=2)),
+                 ("bkv128_s1st", dict(stages=1))],
+              2: [(f"splits{n}", dict(splits=n)) for n in (4, 16, 17, 32)]}
     if not FLAGS.quick:
         for hq, hkv, d in ((32, 8, 128), (16, 2, 256)):
             for b in (1, 8, 32):
@@ -291,8 +295,7 @@ def main(_):
                       if (m, h) not in fc_shapes]
     for i, (b, ctx, nq, hq, hkv, d) in enumerate(pa_shapes):
         logging.info("paged attention B=%d ctx=%d Q=%d heads=%s", b, ctx, nq, (hq, hkv, d))
-        sweep = (1, 2, 4, 8, 16) if i == 0 else ()
-        r = _safe(bench_pa, b, ctx, nq, hq, hkv, d, page, reps, split_sweep=sweep)
+        r = _safe(bench_pa, b, ctx, nq, hq, hkv, d, page, reps, split_sweep=sweeps.get(i, ()))
         if "error" in r:
             r.update(B=b, ctx=ctx, Q=nq)
         results["pa"].append(r)
@@ -302,9 +305,12 @@ def main(_):
         logging.info("fc GEMM M=%d H=%d", m, h)
         variants = {}
         if m >= 2048 and h == 4096:
-            variants = {"stages4": dict(stages=4), "tm64": dict(tile_m=64, tile_n=128)}
+            variants = {"tm64_s2": dict(tile_m=64, tile_n=128, stages=2),
+                        "tm64_s3": dict(tile_m=64, tile_n=128, stages=3),
+                        "tm64_n64_s4": dict(tile_m=64, tile_n=64, stages=4)}
         elif m <= 32 and h == 4096:
-            variants = {"splits2": dict(k_splits=2), "splits8": dict(k_splits=8)}
+            variants = {"s6": dict(stages=6), "n128_s4": dict(tile_n=128, stages=4),
+                        "n128_s4_k8": dict(tile_n=128, stages=4, k_splits=8)}
         r = _safe(bench_fc, m, h, reps, variants)
         if "error" in r:
             r.update(M=m, H=h)

@@ -102,9 +102,9 @@ def paged_attention_reference(
     return o.astype(q.dtype)
 
 
-def _choose_block_kv(d: int, page: int) -> int:
+def _choose_block_kv(d: int, page: int, block: int | None = None) -> int:
     """KV tokens per pipeline stage: 64 KiB of K+V per stage for D = 128 or 256."""
-    block = 128 if d <= 128 else 64
+    block = block or (128 if d <= 128 else 64)
     if page > block:
         if page % block:
             raise ValueError(f"page_size {page} must be a multiple of {block} or divide it")
@@ -114,9 +114,12 @@ def _choose_block_kv(d: int, page: int) -> int:
 
 
 def _choose_splits(b: int, hkv: int, max_tiles: int, num_sms: int) -> int:
-    """Enough programs to put about two on every multiprocessor, never an empty split."""
-    want = max(1, -(-2 * num_sms // (b * hkv)))
-    return max(1, min(want, max_tiles))
+    """As many splits as fill the multiprocessors in one wave (one program fits per SM).
+
+    Measured on the H200 (results/kernels_h200.md): at B=8, 8k, (16, 2, 256) a split
+    count giving 2.06 waves ran at 2.4 TB/s, the rest of the last wave idling.
+    """
+    return max(1, min(num_sms // (b * hkv), max_tiles))
 
 
 def _num_sms() -> int:
@@ -126,9 +129,9 @@ def _num_sms() -> int:
         return 132
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "stages", "splits"))
+@functools.partial(jax.jit, static_argnames=("scale", "stages", "splits", "block_kv"))
 def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, scale, gate,
-                            stages=None, splits=None):
+                            stages=None, splits=None, block_kv=None):
     b, nq, hq, d = q.shape
     _, page, hkv, _ = k_pages.shape
     g = hq // hkv
@@ -142,7 +145,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, scale
         raise ValueError(f"head dim {d} must be 64, 128, 192 or 256")
     if q.dtype != k_pages.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"q and pages must share a 16-bit dtype, got {q.dtype}, {k_pages.dtype}")
-    block_kv = _choose_block_kv(d, page)
+    block_kv = _choose_block_kv(d, page, block_kv)
     pages_per_tile = max(1, block_kv // page)
     tiles_per_page = max(1, page // block_kv)
 
@@ -154,7 +157,8 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, scale
     num_splits = splits or _choose_splits(b, hkv, max_tiles, _num_sms())
     tiles_per_split = -(-max_tiles // num_splits)
     if stages is None:
-        fixed = (_ROWS * d + _ROWS * block_kv) * 2 + _ROWS * 4 + 1024
+        # Barriers and Mosaic's own scratch take ~3 KB beyond the buffers listed here.
+        fixed = (_ROWS * d + _ROWS * block_kv) * 2 + _ROWS * 4 + 4096
         stages = max(1, min(4, (_SMEM_BYTES - fixed) // (2 * block_kv * d * 2)))
     stages = max(1, min(stages, tiles_per_split))
 
