@@ -32,7 +32,8 @@ PREFILL_BUCKET = 64  # prompt lengths are padded to a multiple of this: few comp
 @dataclasses.dataclass
 class GenerationResult:
     tokens: list[list[int]]
-    stats: AcceptanceStats | None  # None for plain decoding
+    stats: AcceptanceStats | None  # the whole batch; None for plain decoding
+    per_sequence: list[AcceptanceStats] | None = None
 
 
 def bucket(n: int, multiple: int = PREFILL_BUCKET) -> int:
@@ -99,7 +100,8 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
                                  zeros, np.maximum(lengths - 1, 0), impl=spec.impl)
     cache, dcache, toks, n, metrics = speculative_loop(cfg, head_params, cache, dcache, first, hidden, budget,
                                                        spec, rng, draft_vocab)
-    return GenerationResult(_to_lists(toks, n), AcceptanceStats.from_metrics(metrics))
+    per_sequence = [AcceptanceStats.from_metrics(metrics, [i]) for i in range(b)]
+    return GenerationResult(_to_lists(toks, n), AcceptanceStats.from_metrics(metrics), per_sequence)
 
 
 def _to_lists(toks, n) -> list[list[int]]:

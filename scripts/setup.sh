@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Creates .venv with Python 3.12 and installs the project (CPU JAX + test extras) on first
+# use, and again whenever pyproject.toml changes. Sourced by the other scripts.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+
+find_python() {
+  local c
+  for c in "${PYTHON:-}" python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12 /usr/local/bin/python3.12; do
+    [ -n "$c" ] || continue
+    if "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+      echo "$c"; return 0
+    fi
+  done
+  echo "error: Python 3.12 not found (set PYTHON=/path/to/python3.12)" >&2
+  return 1
+}
+
+stamp="$VENV/.installed-$(sha1sum "$ROOT/pyproject.toml" | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  py="$(find_python)"
+  echo "setup: creating $VENV with $py" >&2
+  rm -rf "$VENV"
+  "$py" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip >&2
+  "$VENV/bin/pip" install -q -e "$ROOT[test]" >&2
+  touch "$stamp"
+fi
+export PATH="$VENV/bin:$PATH"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

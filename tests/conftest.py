@@ -1,0 +1,31 @@
+"""Shared fixtures: the tiny test configs of configs/models with random weights."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import pytest
+
+from mtp.config import ModelConfig
+from mtp.model import params as P
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ("tiny_dense", "tiny_moe")
+
+
+def tiny_config(name: str) -> ModelConfig:
+    return ModelConfig.from_hf(ROOT / "configs" / "models" / f"{name}.json")
+
+
+def random_params(cfg: ModelConfig, seed: int = 0, dtype=None):
+    import jax.numpy as jnp
+
+    p = P.init_params(cfg, jax.random.key(seed), dtype or jnp.float32)
+    return P.perturb_norms(p, jax.random.key(seed + 1))
+
+
+@pytest.fixture(scope="session", params=TINY)
+def tiny(request):
+    cfg = tiny_config(request.param)
+    return cfg, random_params(cfg)

@@ -1,0 +1,180 @@
+"""The target model: cached paths against the no-cache reference, state per position."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp.cache.pages import PageAllocator, PagePoolExhausted, block_table_row
+from mtp.cache.state import TargetCache
+from mtp.config import ConfigError, ModelConfig
+from mtp.model import target
+from mtp.model import gated_deltanet as gdn
+from tests.conftest import tiny_config
+
+PAGE = 4
+
+
+def _cache(cfg, batch, blocks):
+    pool = PageAllocator(batch * blocks + 1, PAGE)
+    tables = np.stack([block_table_row(pool.allocate(blocks), blocks) for _ in range(batch)])
+    return TargetCache.create(cfg, batch, pool.num_pages, PAGE, blocks, jnp.float32).replace(
+        block_tables=jnp.asarray(tables))
+
+
+def test_chunked_delta_rule_matches_recurrent():
+    key = jax.random.key(3)
+    ks = jax.random.split(key, 6)
+    b, t, h, dk, dv = 2, 150, 3, 8, 5  # t spans several 64-token chunks, last one partial
+    q = gdn._l2norm(jax.random.normal(ks[0], (b, t, h, dk)))
+    k = gdn._l2norm(jax.random.normal(ks[1], (b, t, h, dk)))
+    v = jax.random.normal(ks[2], (b, t, h, dv))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (b, t, h)))
+    g = -jax.nn.softplus(jax.random.normal(ks[4], (b, t, h)))
+    s0 = jax.random.normal(ks[5], (b, h, dk, dv))
+    out_c, s_c = gdn.chunked_delta_rule(q, k, v, beta, g, s0)
+    out_r, s_r, steps = gdn.recurrent_delta_rule(q, k, v, beta, g, s0)
+    np.testing.assert_allclose(out_c, out_r, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(s_c, s_r, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(steps[:, -1], s_r, rtol=1e-6)
+
+
+def test_prefill_then_decode_equals_forward(tiny):
+    cfg, params = tiny
+    b, total = 3, 23
+    toks = jax.random.randint(jax.random.key(5), (b, total), 0, cfg.vocab_size)
+    ref = target.forward(cfg, params, toks)
+    ref_rec = target.forward_with_hiddens(cfg, params, toks, gdn_mode="recurrent").logits
+    np.testing.assert_allclose(ref, ref_rec, atol=2e-5)
+    lens = np.array([13, 6, 9], np.int32)  # ragged; pages of 4 so all cross page boundaries
+    cache = _cache(cfg, b, blocks=8)
+    cache, out = target.prefill(cfg, params, cache, toks[:, :16], jnp.zeros(b, jnp.int32), jnp.asarray(lens))
+    for i in range(b):
+        np.testing.assert_allclose(out.logits[i, : lens[i]], ref[i, : lens[i]], atol=2e-5)
+    np.testing.assert_array_equal(cache.lengths, lens)
+    for step in range(7):
+        nxt = toks[np.arange(b), lens + step][:, None]
+        cache, o = target.decode(cfg, params, cache, nxt)
+        np.testing.assert_allclose(o.logits[:, 0], ref[np.arange(b), lens + step], atol=3e-5)
+
+
+def test_prefill_continues_from_cached_prefix(tiny):
+    """A warm slot (start > 0) reuses KV pages and the Gated DeltaNet state left in the cache."""
+    cfg, params = tiny
+    toks = jax.random.randint(jax.random.key(6), (2, 20), 0, cfg.vocab_size)
+    ref = target.forward(cfg, params, toks)
+    cache = _cache(cfg, 2, blocks=6)
+    cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(2, jnp.int32), jnp.array([8, 5]))
+    tail = np.zeros((2, 12), np.int32)
+    tail[0, :12] = toks[0, 8:20]
+    tail[1, :10] = toks[1, 5:15]
+    cache, out = target.prefill(cfg, params, cache, jnp.asarray(tail), jnp.array([8, 5]), jnp.array([12, 10]))
+    np.testing.assert_allclose(out.logits[0], ref[0, 8:20], atol=3e-5)
+    np.testing.assert_allclose(out.logits[1, :10], ref[1, 5:15], atol=3e-5)
+
+
+def test_prefill_leaves_idle_slots_untouched(tiny):
+    cfg, params = tiny
+    toks = jax.random.randint(jax.random.key(7), (2, 8), 0, cfg.vocab_size)
+    cache = _cache(cfg, 2, blocks=4)
+    cache, _ = target.prefill(cfg, params, cache, toks, jnp.zeros(2, jnp.int32), jnp.array([8, 8]))
+    before = jax.tree.map(np.asarray, cache)
+    other = jax.random.randint(jax.random.key(8), (2, 8), 0, cfg.vocab_size)
+    cache, _ = target.prefill(cfg, params, cache, other, jnp.array([8, 0]), jnp.array([3, 0]))
+    np.testing.assert_array_equal(cache.lengths, [11, 8])
+    for a, b in zip(before.linear.recurrent, cache.linear.recurrent):
+        np.testing.assert_array_equal(a[1], b[1])
+        assert not np.allclose(a[0], b[0])
+
+
+def test_verify_states_equal_single_decodes(tiny):
+    cfg, params = tiny
+    b, k = 2, 4
+    toks = jax.random.randint(jax.random.key(9), (b, 10 + k), 0, cfg.vocab_size)
+    cache = _cache(cfg, b, blocks=6)
+    cache, _ = target.prefill(cfg, params, cache, toks[:, :10], jnp.zeros(b, jnp.int32), jnp.array([10, 7]))
+    snapshot = jax.tree.map(jnp.copy, cache)
+    lens = np.array([10, 7])
+    block = toks[np.arange(b)[:, None], lens[:, None] + np.arange(k)]
+    _, vout = target.verify(cfg, params, cache, block)
+    single = snapshot
+    for i in range(k):
+        single, o = target.decode(cfg, params, single, block[:, i : i + 1])
+        np.testing.assert_allclose(vout.logits[:, i], o.logits[:, 0], atol=3e-5)
+        for layer, (c, r) in enumerate(zip(single.linear.conv, single.linear.recurrent)):
+            np.testing.assert_allclose(vout.conv_steps[layer][:, i], c, atol=1e-5)
+            np.testing.assert_allclose(vout.rec_steps[layer][:, i], r, atol=1e-5)
+
+
+def test_commit_selects_the_state_at_the_kept_position(tiny):
+    cfg, params = tiny
+    toks = jax.random.randint(jax.random.key(10), (2, 12), 0, cfg.vocab_size)
+    ref = target.forward(cfg, params, toks)
+    cache = _cache(cfg, 2, blocks=6)
+    cache, _ = target.prefill(cfg, params, cache, toks[:, :6], jnp.zeros(2, jnp.int32), jnp.array([6, 6]))
+    cache, vout = target.verify(cfg, params, cache, toks[:, 6:10])
+    cache = target.commit(cache, vout, jnp.array([1, 3]))  # keep 1 and 3 of the 4 verified
+    np.testing.assert_array_equal(cache.lengths, [7, 9])
+    cache, o = target.decode(cfg, params, cache, jnp.stack([toks[0, 7:8], toks[1, 9:10]]))
+    np.testing.assert_allclose(o.logits[0, 0], ref[0, 7], atol=3e-5)
+    np.testing.assert_allclose(o.logits[1, 0], ref[1, 9], atol=3e-5)
+
+
+def test_jitted_entry_points_do_not_retrace():
+    cfg = tiny_config("tiny_dense")
+    from tests.conftest import random_params
+
+    params = random_params(cfg, seed=4)
+    traces = {"n": 0}
+
+    @jax.jit
+    def counted(cache, toks):
+        traces["n"] += 1
+        return target.decode(cfg, params, cache, toks)
+
+    cache = _cache(cfg, 2, blocks=4)
+    for i in range(3):
+        toks = jax.random.randint(jax.random.key(i), (2, 1), 0, cfg.vocab_size)
+        cache, _ = counted(cache, toks)
+    assert traces["n"] == 1
+    # The module-level jits too: a second call of the same shapes reuses the compile.
+    chex.clear_trace_counter()
+    before = target.verify._cache_size()
+    for i in range(2):
+        cache, _ = target.verify(cfg, params, cache, jnp.ones((2, 2), jnp.int32) * i)
+    assert target.verify._cache_size() - before <= 1
+
+
+def test_page_pool_exhaustion_is_a_clear_error():
+    pool = PageAllocator(5, 16)
+    pages = pool.allocate(4)
+    with pytest.raises(PagePoolExhausted, match="exhausted: asked for 1 pages"):
+        pool.allocate(1)
+    pool.release(pages[:1])
+    assert pool.allocate(1) == pages[:1]
+    with pytest.raises(ValueError, match="released more often"):
+        pool.release([pages[0], pages[0]])
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"model_type": "llama"}, "model_type"),
+    ({"layer_types": ["linear_attention"] * 3}, "layer_types"),
+    ({"layer_types": ["mamba"] * 4}, "unknown layer type"),
+    ({"num_key_value_heads": 3}, "num_attention_heads"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers"),
+    ({"rope_scaling": {"type": "yarn"}}, "rope_scaling"),
+])
+def test_bad_config_is_a_clear_error(change, match):
+    raw = tiny_config("tiny_dense").to_hf()
+    raw.update(change)
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf(raw)
+
+
+def test_config_round_trip():
+    for name in ("tiny_dense", "tiny_moe"):
+        cfg = tiny_config(name)
+        assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+        assert hash(cfg) == hash(ModelConfig.from_hf(cfg.to_hf()))

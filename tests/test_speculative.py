@@ -1,0 +1,153 @@
+"""Speculative decoding is lossless, and its acceptance bookkeeping is right."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp.generation import generate
+from mtp.mtp_head import DrafterCache, append_rows, draft_step, forward_sequence, prefill_drafter
+from mtp.model import target
+from mtp.model.params import flatten, unflatten
+from mtp.speculative import SpecConfig
+from tests.conftest import random_params, tiny_config
+
+MAX_NEW = 14
+
+
+def _prompts(cfg, seed, lengths=(5, 17, 9)):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, cfg.vocab_size, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference():
+    out = {}
+    for name in ("tiny_dense", "tiny_moe"):
+        cfg = tiny_config(name)
+        params = random_params(cfg, seed=11)
+        prompts = _prompts(cfg, 0)
+        base = generate(cfg, params, prompts, SpecConfig(max_new_tokens=MAX_NEW), speculative=False)
+        out[name] = (cfg, params, prompts, base.tokens)
+    return out
+
+
+# Each value of every axis appears at least once; a full product would cost minutes of compiles.
+CASES = [
+    ("tiny_dense", dict(verify_width=2), "bf16", "post_norm"),
+    ("tiny_dense", dict(verify_width=3, refeed_accepted=True), "fp8", "post_norm"),
+    ("tiny_dense", dict(verify_width=4, draft_conf_tau=0.05), "nvfp4", "pre_norm"),
+    ("tiny_moe", dict(verify_width=5, refeed_accepted=True, draft_conf_tau=0.05), "bf16", "pre_norm"),
+    ("tiny_moe", dict(verify_width=3), "nvfp4", "post_norm"),
+]
+
+
+@pytest.mark.parametrize("name, knobs, quant, source", CASES)
+def test_greedy_speculative_is_token_identical(greedy_reference, name, knobs, quant, source):
+    cfg, params, prompts, base = greedy_reference[name]
+    cfg = cfg.replace(mtp_hidden_source=source)
+    spec = SpecConfig(max_new_tokens=MAX_NEW, **knobs)
+    res = generate(cfg, params, prompts, spec, mtp_quant=quant)
+    assert res.tokens == base
+    s = res.stats
+    assert s.steps > 0 and 0 <= s.accepted <= s.draft_tokens <= s.steps * spec.num_drafts
+    per = s.per_position
+    assert all(a >= b for a, b in zip(per, per[1:]))
+
+
+def _oracle_head(cfg, params, agree: bool):
+    """An MTP head that reproduces (or contradicts) a target that only looks at the last token.
+
+    The target's mixers and FFNs are zeroed, so it predicts ``f(t_last)`` from the
+    embedding alone; the head's fc passes ``±embedding`` through and its layer is a
+    no-op, so it predicts ``f(t[k+1]) = t[k+2]`` exactly, or the opposite ranking.
+    """
+    flat = dict(flatten(params))
+    h = cfg.hidden_size
+    for name, w in flat.items():
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "shared_expert_gate.weight")):
+            flat[name] = jnp.zeros_like(w)
+        if w.ndim == 1 and "norm" in name and "linear_attn" not in name:
+            flat[name] = jnp.zeros_like(w)
+    eye = jnp.eye(h, dtype=jnp.float32)
+    flat["mtp.fc.weight"] = jnp.concatenate([eye if agree else -eye, jnp.zeros((h, h))], axis=1)
+    return unflatten(flat)
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_oracle_heads_give_acceptance_one_and_zero(agree):
+    cfg = tiny_config("tiny_dense")
+    params = _oracle_head(cfg, random_params(cfg, seed=2), agree)
+    prompts = _prompts(cfg, 3)
+    spec = SpecConfig(verify_width=3, max_new_tokens=MAX_NEW)
+    base = generate(cfg, params, prompts, spec, speculative=False)
+    res = generate(cfg, params, prompts, spec)
+    assert res.tokens == base.tokens
+    assert res.stats.draft_acceptance_rate == (1.0 if agree else 0.0)
+
+
+def test_drafter_prefill_rows_equal_step_by_step_drafts():
+    """Batch-filled drafter K/V equal what one draft step per pair key writes."""
+    cfg = tiny_config("tiny_moe")
+    params = random_params(cfg, seed=5)
+    b, length = 2, 11
+    toks = jax.random.randint(jax.random.key(1), (b, length), 0, cfg.vocab_size)
+    hid = target.forward_with_hiddens(cfg, params, toks).hidden_post
+    make = lambda: DrafterCache.create(cfg, b, 9, 4, 4, jnp.float32).replace(
+        block_tables=jnp.asarray(np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int32)))
+    batch = prefill_drafter(cfg, params, make(), toks, hid, [0, 0], [length - 1, 6], chunk=4)
+    step = make()
+    for k in range(length - 1):
+        active = jnp.array([True, k < 6])
+        step, logits, _ = draft_step(cfg, params, step, toks[:, k + 1], hid[:, k], jnp.full((b,), k), active,
+                                     "reference")
+        if k == length - 2:  # the last draft's logits equal the whole-sequence MTP forward
+            ref = forward_sequence(cfg, params, toks, hid)
+            np.testing.assert_allclose(logits[0], ref[0, k], atol=3e-5)
+    np.testing.assert_array_equal(batch.rows, [length - 1, 6])
+    np.testing.assert_array_equal(batch.last_pair_key, step.last_pair_key)
+    for a, s in ((batch.kv.k[0], step.kv.k[0]), (batch.kv.v[0], step.kv.v[0])):
+        np.testing.assert_allclose(a[1:], s[1:], atol=1e-5)
+
+
+def test_refeed_catch_up_keeps_a_perfect_head_perfect():
+    """Refeed drops accepted rows 2.. and rebuilds them from true hiddens every step; with a
+    head that always agrees, nothing it rebuilds may cost a single acceptance."""
+    cfg = tiny_config("tiny_dense")
+    params = _oracle_head(cfg, random_params(cfg, seed=8), agree=True)
+    prompt = _prompts(cfg, 4, lengths=(7,))
+    spec = SpecConfig(verify_width=3, max_new_tokens=9, refeed_accepted=True)
+    res = generate(cfg, params, prompt, spec)
+    assert res.stats.draft_acceptance_rate == 1.0
+    assert res.tokens == generate(cfg, params, prompt, spec, speculative=False).tokens
+
+
+@pytest.mark.parametrize("temperature", [0.8])
+def test_rejection_sampling_keeps_the_target_distribution(temperature):
+    """The first token after a one-step speculative decode is distributed as the target's."""
+    from mtp.speculative import _accept_sampled
+
+    vocab, d, n = 6, 2, 40000
+    key = jax.random.key(0)
+    k1, k2, k3 = jax.random.split(key, 3)
+    target_logits = jax.random.normal(k1, (1, d + 1, vocab)) * 1.5
+    q = jax.nn.softmax(jax.random.normal(k2, (1, d, vocab)) * 1.5, axis=-1)
+    keys = jax.random.split(k3, n)
+
+    def one(k):
+        kd, ka = jax.random.split(k)
+        drafts = jax.random.categorical(kd, jnp.log(q[0]), axis=-1)[None].astype(jnp.int32)
+        acc, bonus = _accept_sampled(target_logits, drafts, jnp.array([d]), q, temperature, ka, None)
+        first = jnp.where(acc[0] > 0, drafts[0, 0], bonus[0])
+        return first, acc[0]
+
+    first, acc = jax.vmap(one)(keys)
+    freq = np.bincount(np.asarray(first), minlength=vocab) / n
+    p = np.asarray(jax.nn.softmax(target_logits[0, 0] / temperature))
+    np.testing.assert_allclose(freq, p, atol=0.01)
+    assert 0 < float(jnp.mean(acc > 0)) < 1  # both branches were exercised
+
+
+def test_bad_verify_width_is_a_clear_error():
+    with pytest.raises(ValueError, match="verify_width K=9"):
+        SpecConfig(verify_width=9)
