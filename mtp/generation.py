@@ -24,7 +24,7 @@ from mtp.metrics import AcceptanceStats
 from mtp.model import target
 from mtp.model.params import Params
 from mtp.mtp_head import DrafterCache, prefill_drafter, quantize_head
-from mtp.speculative import SpecConfig, greedy_loop, speculative_loop
+from mtp.speculative import SpecConfig, greedy_loop, pick_token, speculative_loop
 
 PREFILL_BUCKET = 64  # prompt lengths are padded to a multiple of this: few compiles
 
@@ -52,12 +52,8 @@ def first_from_prefill(out: target.StepOutput, lengths: jax.Array, source: str, 
     last = jnp.maximum(lengths - 1, 0)
     logits = out.logits[:, -1] if out.logits.shape[1] == 1 else jnp.take_along_axis(
         out.logits, last[:, None, None], axis=1)[:, 0]
-    if temperature == 0:
-        tok = jnp.argmax(logits, axis=-1)
-    else:
-        tok = jax.random.categorical(rng, logits / temperature, axis=-1)
     hidden = jnp.take_along_axis(out.mtp_hidden(source), last[:, None, None], axis=1)[:, 0]
-    return tok.astype(jnp.int32), hidden
+    return pick_token(logits, temperature, rng), hidden
 
 
 def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], spec: SpecConfig,

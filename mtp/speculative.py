@@ -120,7 +120,8 @@ def _initial_state(cfg, cache, dcache, first_token, first_hidden, budget, spec: 
     return state.replace(out=out, num_out=num_out, done=done)
 
 
-def _pick(logits: jax.Array, temperature: float, key) -> jax.Array:
+def pick_token(logits: jax.Array, temperature: float, key) -> jax.Array:
+    """Greedy at temperature 0, else a sample at that temperature."""
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
@@ -144,7 +145,7 @@ def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_toke
         rng, key = jax.random.split(s.rng)
         cache, vout = target.verify(cfg, params, s.cache, s.last_token[:, None], impl=spec.impl)
         cache = target.commit(cache, vout, jnp.where(s.done, 0, 1))
-        nxt = _pick(vout.logits[:, 0], spec.temperature, key)
+        nxt = pick_token(vout.logits[:, 0], spec.temperature, key)
         out, num_out, done = _emit(s, nxt[:, None], jnp.ones_like(nxt), spec.eos_id)
         return s.replace(cache=cache, last_token=nxt, out=out, num_out=num_out, done=done, rng=rng)
 
@@ -164,7 +165,7 @@ def _propose(cfg, params, spec: SpecConfig, s: LoopState, active, draft_vocab, k
         dcache, logits, hidden = draft_step(cfg, params, dcache, tok, hidden.astype(s.last_hidden.dtype),
                                             p0 + i, active, spec.impl, draft_vocab)
         probs = jax.nn.softmax(logits / (spec.temperature or 1.0), axis=-1)
-        local = _pick(logits, spec.temperature, keys[i])
+        local = pick_token(logits, spec.temperature, keys[i])
         tok = local if draft_vocab is None else draft_vocab[local]
         drafts.append(tok)
         qs.append(probs)

@@ -1,0 +1,446 @@
+"""The multi-turn session engine: prefix cache, GDN snapshots, and the drafter's context.
+
+A *turn* is one sequence: a prompt (which extends the session's previous full
+sequence) decoded to a reply. The engine serves waves of up to ``batch_slots``
+turns from distinct sessions: each turn is prefilled on its own batch slot, then
+the wave decodes together in one jitted speculative loop.
+
+Per turn, host-side decisions (plain Python over `mtp.carry`'s pure functions):
+
+1. Prefix match against the target prefix cache (block-hash chain -> pages).
+2. Path: restore the longest GDN snapshot of the matched prefix when the match is
+   at least the Marconi threshold (``restore``), else recompute the recurrent state
+   over the prompt while reading, never rewriting, the cached KV (``kv_only``); no
+   match at all is ``cold``. The prefill runs in ``SNAPSHOT_INTERVAL``-aligned
+   chunks and leaves a snapshot at every aligned boundary it crosses.
+3. The drafter's context, by policy (`DRAFTER_POLICIES`):
+   ``cold``: no prefix cache, full drafter prefill every turn;
+   ``blind``: drafter prefill only when the target prefill started at 0 (the
+   reference's guard) -- a restored warm turn starts the drafter empty;
+   ``rebuild``: warm turns recompute the target over the whole prompt and redo the
+   whole drafter prefill;
+   ``carry``: adopt the session's carried rows truncated to the common prefix, and
+   append only the tail keys from this turn's captured hiddens.
+4. At the turn's end its full blocks enter the prefix cache, and (``carry``) its
+   drafter KV, token sequence and session are deposited in a carry slot.
+
+Single-slot carry follows the reference: one slot for the engine, armed only when
+a single sequence can be dispatched (`carry.carry_armed_with`). The multi-slot
+carry (``carry_slots > 1``) keeps one slot per live session, LRU-bounded, under the
+same ownership rules, and stays armed at any batch width.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import itertools
+import math
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from mtp import carry as carry_lib
+from mtp import quant
+from mtp.cache.pages import PageAllocator, block_table_row
+from mtp.cache.prefix import PrefixCache, Snapshot, SnapshotStore, chain_hashes
+from mtp.cache.state import LinearState, TargetCache
+from mtp.config import ModelConfig
+from mtp.metrics import AcceptanceStats
+from mtp.model import target
+from mtp.model.params import Params
+from mtp.mtp_head import PREFILL_CHUNK, DrafterCache, append_rows, quantize_head
+from mtp.speculative import SpecConfig, greedy_loop, pick_token, speculative_loop
+
+DRAFTER_POLICIES = ("cold", "blind", "rebuild", "carry")
+SNAPSHOT_INTERVAL = 64  # prefill chunk and snapshot granularity (a multiple of the page size)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    policy: str = "carry"
+    batch_slots: int = 1
+    carry_slots: int = 1  # > 1: the multi-slot carry (one per live session, LRU-bounded)
+    speculative: bool = True
+    mtp_quant: str = "bf16"
+    page_size: int = 16
+    num_pages: int = 4096
+    drafter_pages: int = 4096
+    max_context: int = 2048  # prompt + reply tokens one slot can address
+    marconi_min_tokens: int | None = None  # None: carry.marconi_min_tokens()
+    drafter_context: carry_lib.DrafterContext = carry_lib.DrafterContext()
+    debug: bool = False
+
+    def __post_init__(self):
+        if self.policy not in DRAFTER_POLICIES:
+            raise ValueError(f"unknown drafter policy {self.policy!r}; choose one of {', '.join(DRAFTER_POLICIES)}")
+        quant.parse_quant(self.mtp_quant)
+        if self.batch_slots < 1 or self.carry_slots < 1:
+            raise ValueError("batch_slots and carry_slots must be >= 1")
+        if SNAPSHOT_INTERVAL % self.page_size:
+            raise ValueError(f"page_size {self.page_size} must divide the snapshot interval {SNAPSHOT_INTERVAL}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnRequest:
+    session_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+
+
+@dataclasses.dataclass
+class TurnStats:
+    session_id: str
+    generation: int
+    prompt_len: int
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    path: str  # cold | restore | kv_only
+    prefilled_tokens: int  # target tokens computed at prefill
+    drafter_prefilled: int  # drafter rows written by a (whole-prompt) drafter prefill
+    drafter_adopted: int  # rows taken over from the carry
+    drafter_appended: int  # tail rows the carry appended
+    carry_outcome: str
+    ttft_s: float
+    decode_s: float
+    output_len: int
+    acceptance: AcceptanceStats
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["acceptance"] = self.acceptance.as_dict()
+        return d
+
+
+@dataclasses.dataclass
+class TurnResult:
+    request: TurnRequest
+    output: list[int]
+    stats: TurnStats
+
+
+def session_hash(session_id: str) -> int:
+    """A stable non-zero 64-bit id for an explicit session name (0 is 'no session')."""
+    h = int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "little")
+    return h or 1
+
+
+# ------------------------------------------------------------------ slot-level device ops
+def _slot(tree, b):
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, b, 1, axis=0), tree)
+
+
+def _put_slot(tree, b, value):
+    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v.astype(a.dtype), b, axis=0), tree, value)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+def _prefill_slot(cfg, params, cache: TargetCache, b, tokens, start, num_new, write_from, *, impl):
+    view = cache.replace(linear=_slot(cache.linear, b), block_tables=_slot(cache.block_tables, b),
+                         lengths=_slot(cache.lengths, b))
+    view, out = target.prefill(cfg, params, view, tokens, start, num_new, write_from, impl=impl)
+    return cache.replace(kv=view.kv, linear=_put_slot(cache.linear, b, view.linear),
+                         lengths=_put_slot(cache.lengths, b, view.lengths)), out
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _set_slot_linear(cache: TargetCache, b, linear: LinearState):
+    return cache.replace(linear=_put_slot(cache.linear, b, linear))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("dcache",))
+def _append_slot(cfg, params, dcache: DrafterCache, b, tokens, hiddens, first_key, count, *, impl):
+    view = dcache.replace(block_tables=_slot(dcache.block_tables, b), rows=_slot(dcache.rows, b),
+                          last_pair_key=_slot(dcache.last_pair_key, b))
+    view = append_rows(cfg, params, view, tokens, hiddens, first_key, count, impl=impl)
+    return dcache.replace(kv=view.kv, rows=_put_slot(dcache.rows, b, view.rows),
+                          last_pair_key=_put_slot(dcache.last_pair_key, b, view.last_pair_key))
+
+
+# ------------------------------------------------------------------ the engine
+@dataclasses.dataclass
+class _Live:
+    """A turn being served on a batch slot."""
+
+    request: TurnRequest
+    slot: int
+    generation: int
+    session: int
+    target_pages: list[int]
+    drafter_pages: list[int]
+    hashes: list[bytes]
+    first_token: jax.Array
+    first_hidden: jax.Array
+    stats: TurnStats
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, spec: SpecConfig):
+        if engine_cfg.speculative and not cfg.has_mtp:
+            raise ValueError("speculative decoding needs a checkpoint with an MTP head")
+        self.cfg, self.ecfg, self.spec = cfg, engine_cfg, spec
+        self.params = params
+        self.head_params = quantize_head(params, engine_cfg.mtp_quant) if engine_cfg.speculative else params
+        self.dtype = params["model"]["embed_tokens"]["weight"].dtype
+        self.marconi = (engine_cfg.marconi_min_tokens if engine_cfg.marconi_min_tokens is not None
+                        else carry_lib.marconi_min_tokens())
+        ps = engine_cfg.page_size
+        self.max_blocks = math.ceil((engine_cfg.max_context + spec.verify_width + 1) / ps)
+        b = engine_cfg.batch_slots
+        self.pages = PageAllocator(engine_cfg.num_pages, ps, "target KV")
+        self.dpages = PageAllocator(engine_cfg.drafter_pages, ps, "drafter KV")
+        self.prefix = PrefixCache(self.pages)
+        self.snapshots = SnapshotStore(SNAPSHOT_INTERVAL, ps)
+        self.cache = TargetCache.create(cfg, b, engine_cfg.num_pages, ps, self.max_blocks, self.dtype)
+        self.dcache = DrafterCache.create(cfg, b, engine_cfg.drafter_pages, ps, self.max_blocks, self.dtype)
+        self.hidden_ranges = [carry_lib.StoreRange.EMPTY] * b
+        self.carried: collections.OrderedDict[int, carry_lib.CarriedDrafter] = collections.OrderedDict()
+        self._tickets = itertools.count(1)
+        self._rng = jax.random.key(0)
+        self.multi_slot_carry = engine_cfg.carry_slots > 1
+
+    # -------------------------------------------------------------- policy switches
+    @property
+    def carry_armed(self) -> bool:
+        """Configured is not armed: this is what any report of the carry's state must show."""
+        ctx = self.ecfg.drafter_context
+        if self.ecfg.policy != "carry" or not self.ecfg.speculative:
+            return False
+        if not quant.supports_drafter_prefill(self.ecfg.mtp_quant):
+            return False
+        if self.multi_slot_carry:
+            return ctx.carry
+        return carry_lib.carry_armed_with(ctx, multi_seq=self.ecfg.batch_slots > 1)
+
+    @property
+    def drafter_prefill_on(self) -> bool:
+        return (self.ecfg.speculative and self.ecfg.drafter_context.prefill
+                and quant.supports_drafter_prefill(self.ecfg.mtp_quant))
+
+    # -------------------------------------------------------------- page helpers
+    def _alloc(self, count: int) -> list[int]:
+        if count > self.pages.num_free:
+            self.prefix.evict(count - self.pages.num_free)
+        return self.pages.allocate(count)
+
+    def _set_tables(self, slot: int, target_pages, drafter_pages):
+        bt = np.asarray(self.cache.block_tables).copy()
+        bt[slot] = block_table_row(target_pages, self.max_blocks)
+        self.cache = self.cache.replace(block_tables=jnp.asarray(bt))
+        dbt = np.asarray(self.dcache.block_tables).copy()
+        dbt[slot] = block_table_row(drafter_pages, self.max_blocks)
+        self.dcache = self.dcache.replace(block_tables=jnp.asarray(dbt))
+
+    def _set_drafter_rows(self, slot: int, rows: int, last_key: int):
+        self.dcache = self.dcache.replace(rows=self.dcache.rows.at[slot].set(rows),
+                                          last_pair_key=self.dcache.last_pair_key.at[slot].set(last_key))
+
+    # -------------------------------------------------------------- prefill of one turn
+    def _target_prefill(self, slot, prompt, hashes, start, cached, gen, sess):
+        """Aligned-chunk prefill of ``prompt[start:]``; snapshots at aligned boundaries.
+
+        ``start`` is 0 or a snapshot position, so chunks stay aligned to absolute
+        positions: a restored turn then runs exactly the arithmetic a recompute
+        would have from that point. Returns the hiddens of positions
+        ``start..L-1``, the logits at ``L-1``, and the number of tokens computed.
+        """
+        n = len(prompt)
+        chunk = SNAPSHOT_INTERVAL
+        pos, hiddens = start, []
+        while pos < n:
+            end = min(n, (pos // chunk + 1) * chunk)
+            toks = np.zeros((1, chunk), np.int32)
+            toks[0, : end - pos] = prompt[pos:end]
+            self.cache, out = _prefill_slot(
+                self.cfg, self.params, self.cache, slot, jnp.asarray(toks), jnp.array([pos], jnp.int32),
+                jnp.array([end - pos], jnp.int32), jnp.array([cached], jnp.int32), impl=self.spec.impl)
+            hiddens.append(out.mtp_hidden(self.cfg.mtp_hidden_source)[:, : end - pos])
+            if end % chunk == 0 and end < n:
+                lin = _slot(self.cache.linear, slot)
+                self.snapshots.put(hashes, Snapshot(end, lin.conv, lin.recurrent, sess, gen))
+            pos = end
+        last_logits = out.logits[:, (n - 1) % chunk]  # chunks are aligned, so this is position n - 1
+        return jnp.concatenate(hiddens, axis=1), last_logits, n - start
+
+    def _start_turn(self, req: TurnRequest, slot: int) -> _Live:
+        t0 = time.perf_counter()
+        prompt = list(req.prompt)
+        n = len(prompt)
+        if n < 2:
+            raise ValueError(f"session {req.session_id}: a prompt needs at least 2 tokens, got {n}")
+        need = n + req.max_new_tokens + self.spec.verify_width + 1
+        if need > self.max_blocks * self.ecfg.page_size:
+            raise ValueError(f"session {req.session_id}: prompt of {n} tokens + {req.max_new_tokens} new tokens "
+                             f"exceeds the engine's max_context={self.ecfg.max_context}")
+        if req.max_new_tokens > self.spec.max_new_tokens:
+            raise ValueError(f"session {req.session_id}: max_new_tokens={req.max_new_tokens} exceeds the compiled "
+                             f"loop's buffer SpecConfig.max_new_tokens={self.spec.max_new_tokens}")
+        gen, sess = next(self._tickets), session_hash(req.session_id)
+        ps = self.ecfg.page_size
+        hashes = chain_hashes(prompt, ps)
+        use_prefix = self.ecfg.policy != "cold"
+        shared = self.prefix.match(hashes, (n - 1) // ps) if use_prefix else []
+        self.pages.share(shared)
+        cached = len(shared) * ps
+        own = self._alloc(math.ceil(need / ps) - len(shared))
+        target_pages = shared + own
+
+        # Path: restore a snapshot, or recompute the recurrent state (KV-only), or cold.
+        snap = None
+        warm = cached > 0
+        if warm and cached >= self.marconi and self.ecfg.policy != "rebuild":
+            snap = self.snapshots.best(hashes, cached)
+        path = "cold" if not warm else ("restore" if snap else "kv_only")
+        self._set_tables(slot, target_pages, [])
+        if snap is not None:
+            self.cache = _set_slot_linear(self.cache, slot, LinearState(snap.conv, snap.recurrent))
+        start = snap.position if snap else 0
+        hiddens, logits, prefilled = self._target_prefill(slot, prompt, hashes, start, cached, gen, sess)
+        self.hidden_ranges[slot] = carry_lib.stamped_merge(self.hidden_ranges[slot], gen, start, n - start)
+        self._rng, key = jax.random.split(self._rng)
+        first = pick_token(logits, self.spec.temperature, key)
+        hidden = hiddens[:, n - 1 - start]
+        stats = TurnStats(req.session_id, gen, n, cached, path, prefilled, 0, 0, 0, "no_carry", 0.0, 0.0, 0,
+                          AcceptanceStats())
+        drafter_pages = self._drafter_context(slot, prompt, sess, gen, start, hiddens, need, stats)
+        jax.block_until_ready((first, self.dcache.rows))
+        stats.ttft_s = time.perf_counter() - t0
+        return _Live(req, slot, gen, sess, target_pages, drafter_pages, hashes, first, hidden, stats)
+
+    # -------------------------------------------------------------- the drafter's context
+    def _drafter_context(self, slot, prompt, sess, gen, start, hiddens, need, stats) -> list[int]:
+        if not self.ecfg.speculative:
+            return []
+        n = len(prompt)
+        pages: list = []
+        rows, last_key = 0, -1
+        plan = None
+        outcome: carry_lib.CarryOutcome = carry_lib.CarryOutcome.NoCarry()
+        if self.carry_armed:
+            entry = self.carried.get(sess) if self.multi_slot_carry else next(iter(self.carried.values()), None)
+            adopted, plan, outcome = carry_lib.adopt(entry, prompt, sess, self.hidden_ranges[slot], gen)
+            if adopted is None:
+                if entry is not None:  # refused: the entry's blocks are freed
+                    self._drop_carry(entry)
+            else:  # the blocks move from the carry slot to this sequence
+                del self.carried[entry.session_hash]
+                pages = list(entry.block_table)
+                rows, last_key = adopted
+                stats.drafter_adopted = rows
+        pages = self._install_drafter(slot, pages, need)
+        self._set_drafter_rows(slot, rows, last_key)
+        if plan is not None:
+            self._append(slot, prompt, hiddens, start, plan.first_key, plan.rows)
+            stats.drafter_appended = plan.rows
+        elif rows == 0 and self.drafter_prefill_on and start == 0:
+            # A whole-prompt drafter prefill needs the hiddens of every prompt position,
+            # so it runs only when the target prefill started at 0 (the reference's guard).
+            self._append(slot, prompt, hiddens, 0, 0, n - 1)
+            stats.drafter_prefilled = n - 1
+        stats.carry_outcome = outcome.kind
+        if self.ecfg.debug or carry_lib.carry_debug_enabled():
+            logging.info("carry gen=%d session=%x slot=%d: %s", gen, sess, slot, outcome)
+        return pages
+
+    def _install_drafter(self, slot, pages, need) -> list[int]:
+        ps = self.ecfg.page_size
+        missing = math.ceil(need / ps) - len(pages)
+        pages = list(pages) + (self.dpages.allocate(missing) if missing > 0 else [])
+        self._set_tables(slot, self._target_pages_of(slot), pages)
+        return pages
+
+    def _target_pages_of(self, slot):
+        row = np.asarray(self.cache.block_tables[slot])
+        return [int(p) for p in row if p]
+
+    def _drafter_pages_of(self, slot):
+        row = np.asarray(self.dcache.block_tables[slot])
+        return [int(p) for p in row if p]
+
+    def _append(self, slot, prompt, hiddens, start, first_key, count):
+        """Drafter rows for keys ``first_key .. first_key+count-1`` (hidden k at ``k - start``)."""
+        chunk = PREFILL_CHUNK
+        for off in range(0, count, chunk):
+            m = min(chunk, count - off)
+            keys = first_key + off + np.arange(chunk)
+            tok = np.asarray(prompt + [0])[np.clip(keys + 1, 0, len(prompt))][None]
+            hid = jnp.take(hiddens, jnp.asarray(np.clip(keys - start, 0, hiddens.shape[1] - 1)), axis=1)
+            self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, slot, jnp.asarray(tok, jnp.int32),
+                                       hid, jnp.array([first_key + off], jnp.int32), jnp.array([m], jnp.int32),
+                                       impl=self.spec.impl)
+
+    def _drop_carry(self, entry: carry_lib.CarriedDrafter):
+        self.carried.pop(entry.session_hash, None)
+        self.dpages.release(list(entry.block_table))
+
+    # -------------------------------------------------------------- a wave of turns
+    def run_wave(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
+        b = self.ecfg.batch_slots
+        if len(requests) > b:
+            raise ValueError(f"{len(requests)} requests for {b} batch slots")
+        sessions = [r.session_id for r in requests]
+        if len(set(sessions)) != len(sessions):
+            raise ValueError("a wave may hold at most one turn per session")
+        live = [self._start_turn(r, i) for i, r in enumerate(requests)]
+        first = jnp.zeros((b,), jnp.int32)
+        hidden = jnp.zeros((b, self.cfg.hidden_size), self.dtype)
+        budget = np.zeros((b,), np.int32)
+        for lv in live:
+            first = first.at[lv.slot].set(lv.first_token[0])
+            hidden = hidden.at[lv.slot].set(lv.first_hidden[0].astype(self.dtype))
+            budget[lv.slot] = lv.request.max_new_tokens
+        spec = self.spec
+        self._rng, key = jax.random.split(self._rng)
+        t0 = time.perf_counter()
+        if self.ecfg.speculative:
+            self.cache, self.dcache, toks, n, metrics = speculative_loop(
+                self.cfg, self.head_params, self.cache, self.dcache, first, hidden, jnp.asarray(budget), spec, key)
+        else:
+            self.cache, toks, n = greedy_loop(self.cfg, self.params, self.cache, first, jnp.asarray(budget), spec,
+                                              key)
+            metrics = None
+        toks, n = np.asarray(toks), np.asarray(n)
+        decode_s = time.perf_counter() - t0
+        results = []
+        for lv in live:
+            out = toks[lv.slot, : n[lv.slot]].tolist()
+            lv.stats.decode_s = decode_s
+            lv.stats.output_len = len(out)
+            if metrics is not None:
+                lv.stats.acceptance = AcceptanceStats.from_metrics(metrics, [lv.slot])
+            self._finish_turn(lv, list(lv.request.prompt) + out)
+            results.append(TurnResult(lv.request, out, lv.stats))
+        return results
+
+    def _finish_turn(self, lv: _Live, full: list[int]):
+        """Register full blocks, release the turn's pages, deposit the drafter (carry)."""
+        ps = self.ecfg.page_size
+        valid = int(self.cache.lengths[lv.slot])  # every token but the last is in the cache
+        if self.ecfg.policy != "cold":
+            hashes = chain_hashes(full[:valid], ps)
+            self.prefix.insert(hashes, lv.target_pages[: len(hashes)])
+        self.pages.release(lv.target_pages)
+        if not self.ecfg.speculative:
+            return
+        if self.carry_armed:
+            rows = int(self.dcache.rows[lv.slot])
+            last = int(self.dcache.last_pair_key[lv.slot])
+            entry = carry_lib.CarriedDrafter(block_table=tuple(lv.drafter_pages), rows=rows,
+                                             last_pair_key=last if last >= 0 else None, tokens=tuple(full),
+                                             session_hash=lv.session)
+            if not self.multi_slot_carry:
+                for old in list(self.carried.values()):
+                    self._drop_carry(old)
+            elif lv.session in self.carried:
+                self._drop_carry(self.carried[lv.session])
+            self.carried[lv.session] = entry
+            while len(self.carried) > self.ecfg.carry_slots:
+                self._drop_carry(next(iter(self.carried.values())))
+        else:
+            self.dpages.release(lv.drafter_pages)
+        self._set_tables(lv.slot, [], [])
