@@ -197,6 +197,9 @@ def save_pretrained(path: str | os.PathLike, cfg: ModelConfig, params: Params,
                                   f"got {type(content).__name__}")
         if isinstance(content, os.PathLike) and not os.path.isfile(content):
             raise CheckpointError(f"extra file {name!r}: {os.fspath(content)} is not a file")
+    bad_meta = {k: v for k, v in dict(metadata or {}).items() if not (isinstance(k, str) and isinstance(v, str))}
+    if bad_meta:
+        raise CheckpointError(f"safetensors metadata must map str to str; got {bad_meta!r}")
     if target.exists() and not target.is_dir():
         raise CheckpointError(f"{target}: exists and is not a directory")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -205,7 +208,7 @@ def save_pretrained(path: str | os.PathLike, cfg: ModelConfig, params: Params,
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         _write_json(tmp / CONFIG_NAME, cfg.to_hf())
-        shards = _plan_shards(flat, max_shard_bytes)
+        shards = _plan_shards({name: flat[name] for name in param_shapes(cfg)}, max_shard_bytes)
         n = len(shards)
         weight_map = {}
         for i, names in enumerate(shards):

@@ -328,4 +328,6 @@ def test_bad_extra_file_names(tmp_path):
             save_pretrained(tmp_path / "c", cfg, params, extra_files={bad: "x"})
     with pytest.raises(CheckpointError, match="is not a file"):
         save_pretrained(tmp_path / "c", cfg, params, extra_files={"tokenizer.json": tmp_path / "absent"})
+    with pytest.raises(CheckpointError, match="metadata must map str to str"):
+        save_pretrained(tmp_path / "c", cfg, params, metadata={"step": 3})
     assert list(tmp_path.iterdir()) == []
