@@ -129,6 +129,14 @@ class ModelConfig:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}: not valid JSON ({e})") from e
         raw = dict(source)
+        # transformers >= 5 nests the RoPE fields; older configs keep them top level.
+        rope = raw.get("rope_parameters") or {}
+        if rope:
+            if rope.get("rope_type", "default") != "default":
+                raise ConfigError(f"{origin}: rope_parameters.rope_type={rope['rope_type']!r} is not supported")
+            for key in ("rope_theta", "partial_rotary_factor"):
+                if key in rope:
+                    raw.setdefault(key, rope[key])
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(

@@ -106,6 +106,7 @@ class TurnStats:
     drafter_adopted: int  # rows taken over from the carry
     drafter_appended: int  # tail rows the carry appended
     carry_outcome: str
+    carry_source: int  # session hash of the adopted rows' owner (0: none adopted)
     ttft_s: float
     decode_s: float
     output_len: int
@@ -274,7 +275,7 @@ class Engine:
         if n < 2:
             raise ValueError(f"session {req.session_id}: a prompt needs at least 2 tokens, got {n}")
         need = n + req.max_new_tokens + self.spec.verify_width + 1
-        if need > self.max_blocks * self.ecfg.page_size:
+        if n + req.max_new_tokens > self.ecfg.max_context:
             raise ValueError(f"session {req.session_id}: prompt of {n} tokens + {req.max_new_tokens} new tokens "
                              f"exceeds the engine's max_context={self.ecfg.max_context}")
         if req.max_new_tokens > self.spec.max_new_tokens:
@@ -305,7 +306,7 @@ class Engine:
         self._rng, key = jax.random.split(self._rng)
         first = pick_token(logits, self.spec.temperature, key)
         hidden = hiddens[:, n - 1 - start]
-        stats = TurnStats(req.session_id, gen, n, cached, path, prefilled, 0, 0, 0, "no_carry", 0.0, 0.0, 0,
+        stats = TurnStats(req.session_id, gen, n, cached, path, prefilled, 0, 0, 0, "no_carry", 0, 0.0, 0.0, 0,
                           AcceptanceStats())
         drafter_pages = self._drafter_context(slot, prompt, sess, gen, start, hiddens, need, stats)
         jax.block_until_ready((first, self.dcache.rows))
@@ -332,6 +333,7 @@ class Engine:
                 pages = list(entry.block_table)
                 rows, last_key = adopted
                 stats.drafter_adopted = rows
+                stats.carry_source = entry.session_hash
         pages = self._install_drafter(slot, pages, need)
         self._set_drafter_rows(slot, rows, last_key)
         if plan is not None:
@@ -444,3 +446,67 @@ class Engine:
         else:
             self.dpages.release(lv.drafter_pages)
         self._set_tables(lv.slot, [], [])
+
+
+# ------------------------------------------------------------------ sessions of turns
+class TextPrompts:
+    """Forms each turn's prompt from a session's text, by token append or by re-rendering.
+
+    ``append``: the previous full sequence's ids plus the encoded user suffix (the
+    serving engine's view; prompts strictly extend the previous sequence).
+    ``rerender``: the whole conversation rendered as text and tokenized afresh, as a
+    chat client does, so turn boundaries may re-tokenize.
+    """
+
+    MODES = ("append", "rerender")
+
+    def __init__(self, tokenizer, preamble: str, mode: str = "append"):
+        if mode not in self.MODES:
+            raise ValueError(f"unknown prompt mode {mode!r}; choose one of {', '.join(self.MODES)}")
+        self.tokenizer, self.preamble, self.mode = tokenizer, preamble, mode
+
+    def prompt(self, session, turn_index: int, prev_full: list[int] | None, history) -> list[int]:
+        from mtp.data import sessions as S
+
+        user = session.turns[turn_index].user
+        if prev_full is None:
+            return S.first_prompt_ids(self.preamble, user, self.tokenizer)
+        if self.mode == "append":
+            return S.next_prompt_ids_append(prev_full, user, self.tokenizer)
+        return S.next_prompt_ids_rerender(self.preamble, history, user, self.tokenizer)
+
+    def reply_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def run_sessions(engine: Engine, sessions, prompts, on_turn=None) -> list[TurnResult]:
+    """Serve every turn of every session, in waves of up to ``batch_slots`` distinct sessions.
+
+    Turn ``i`` of a session is served only after its turn ``i - 1`` (its prompt
+    extends that turn's full sequence). Sessions take slots in order, so with one
+    slot each session runs to its end before the next begins.
+    """
+    state = {s.session_id: (0, None, []) for s in sessions}  # next turn, prev full ids, history
+    pending = collections.deque(sessions)
+    results = []
+    while pending:
+        wave = []
+        for s in list(pending):
+            if len(wave) == engine.ecfg.batch_slots:
+                break
+            wave.append(s)
+        reqs = []
+        for s in wave:
+            i, prev, history = state[s.session_id]
+            ids = prompts.prompt(s, i, prev, history)
+            reqs.append(TurnRequest(s.session_id, tuple(ids), s.turns[i].max_new_tokens))
+        for s, res in zip(wave, engine.run_wave(reqs)):
+            i, prev, history = state[s.session_id]
+            history = history + [(s.turns[i].user, prompts.reply_text(res.output))]
+            state[s.session_id] = (i + 1, list(res.request.prompt) + res.output, history)
+            results.append(res)
+            if on_turn is not None:
+                on_turn(res)
+            if i + 1 == len(s.turns):
+                pending.remove(s)
+    return results

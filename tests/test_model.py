@@ -178,3 +178,13 @@ def test_config_round_trip():
         cfg = tiny_config(name)
         assert ModelConfig.from_hf(cfg.to_hf()) == cfg
         assert hash(cfg) == hash(ModelConfig.from_hf(cfg.to_hf()))
+
+
+def test_transformers5_rope_parameters_are_read():
+    raw = tiny_config("tiny_moe").to_hf()
+    theta, factor = raw.pop("rope_theta"), raw.pop("partial_rotary_factor")
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": factor}
+    assert ModelConfig.from_hf(raw) == tiny_config("tiny_moe")
+    raw["rope_parameters"]["rope_type"] = "yarn"
+    with pytest.raises(ConfigError, match="rope_type='yarn'"):
+        ModelConfig.from_hf(raw)
