@@ -1,0 +1,330 @@
+"""Sharded serving: one device mesh, and the layout of every parameter and cache array on it.
+
+The model code has no notion of devices. Parameters and caches are placed on a
+``Mesh`` with `NamedSharding`s and the unchanged jitted entry points (prefill,
+verify, the greedy and speculative loops) are partitioned by XLA's SPMD
+partitioner from those input layouts; XLA inserts the collectives, there is no
+hand-written communication.
+
+Mesh axes are ``("ep", "tp")``:
+
+* ``tp`` (tensor parallel) splits attention heads, Gated DeltaNet key-head groups,
+  FFN inner columns and the vocabulary;
+* ``ep`` (expert parallel) splits the routed experts of MoE layers. Everything
+  that is not an expert is replicated along ``ep`` (each ``ep`` group holds the
+  whole non-expert model, tensor-parallel over its ``tp`` devices).
+
+`param_specs` is the one table of parameter layouts, keyed by Hugging Face tensor
+name; `cache_sharding` is the one place for cache layouts. A dimension that does
+not divide evenly over ``tp`` (KV heads fewer than ``tp``, a vocabulary of 97) is
+replicated rather than padded, so a layout never changes the arithmetic.
+
+Expert parallelism needs the experts of a layer in one array: a per-expert
+``[I, H]`` leaf cannot live on one ``ep`` group only (a jitted computation takes
+all its inputs on one device set). With ``ep > 1`` the leaves
+``mlp.experts.E.{gate,up,down}_proj.weight`` are therefore stacked into
+``mlp.experts.{gate,up,down}_proj.weight`` of shape ``[E, ...]``, sharded on the
+expert axis (`mtp.model.layers.moe` evaluates that layout as one contraction over
+experts and inner columns, which the partitioner reduces with one all-reduce).
+With ``ep == 1`` the checkpoint's own per-expert leaves are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from mtp import checkpoint
+from mtp.cache.state import LinearState, PagedKV, TargetCache
+from mtp.config import ConfigError, ModelConfig
+from mtp.model.params import Params, flatten, param_shapes, unflatten
+from mtp.mtp_head import DrafterCache
+
+EP, TP = "ep", "tp"
+AXES = (EP, TP)
+
+_EXPERT_LEAF = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>(gate|up|down)_proj\.weight)$")
+
+
+# ====================================================================== mesh
+def make_mesh(tp: int, ep: int = 1, devices=None) -> Mesh:
+    """An ``ep x tp`` mesh over the first ``ep * tp`` of ``devices`` (default: all devices).
+
+    Adjacent devices form a ``tp`` group: tensor parallelism all-reduces on every
+    layer, so it gets the closest links; ``ep`` reduces once per MoE layer.
+    """
+    if tp < 1 or ep < 1:
+        raise ValueError(f"mesh sizes must be positive, got tp={tp}, ep={ep}")
+    devices = list(jax.devices() if devices is None else devices)
+    need = tp * ep
+    if len(devices) < need:
+        raise ValueError(f"a mesh of ep={ep} x tp={tp} needs {need} devices, only {len(devices)} are available "
+                         f"(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={need} before importing jax)")
+    return jax.make_mesh((ep, tp), AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=devices[:need])
+
+
+def mesh_sizes(mesh: Mesh) -> tuple[int, int]:
+    """``(tp, ep)`` of a mesh built by `make_mesh`."""
+    if tuple(mesh.axis_names) != AXES:
+        raise ValueError(f"mesh axes are {mesh.axis_names}, expected {AXES} (use make_mesh)")
+    return mesh.shape[TP], mesh.shape[EP]
+
+
+def stacks_experts(cfg: ModelConfig, mesh: Mesh) -> bool:
+    """Whether the params on this mesh use the stacked expert layout (``ep > 1``)."""
+    tp, ep = mesh_sizes(mesh)
+    if ep == 1:
+        return False
+    if cfg.num_experts == 0:
+        raise ValueError(f"mesh has ep={ep} but the model has no experts (num_experts=0); use ep=1")
+    if cfg.num_experts % ep:
+        raise ValueError(f"num_experts={cfg.num_experts} does not split evenly over ep={ep}")
+    return True
+
+
+# ====================================================================== parameter layouts
+def _rows(ok: bool, ndim: int) -> P:
+    """Split the leading dim over tp (column-parallel projection, per-head vector)."""
+    return P(TP, *([None] * (ndim - 1))) if ok else P()
+
+
+def _heads_rows(field: str):
+    """Rows split on head boundaries: legal when the head count divides over tp.
+
+    q_proj's rows are per head ``[query, gate]``, in_proj_qkvz/in_proj_ba rows are
+    per key-head group: an even split of the rows is an even split of whole heads
+    (groups) exactly when the head (group) count divides.
+    """
+    return lambda cfg, shape, tp: _rows(getattr(cfg, field) % tp == 0, len(shape))
+
+
+def _heads_cols(field: str):
+    """Row-parallel output projection: its input columns follow the heads' split."""
+    return lambda cfg, shape, tp: P(None, TP) if getattr(cfg, field) % tp == 0 else P()
+
+
+def _vocab(cfg, shape, tp):
+    return _rows(cfg.vocab_size % tp == 0, len(shape))
+
+
+def _ffn_in(cfg, shape, tp):
+    """gate/up ``[I, H]`` (or stacked ``[E, I, H]``): inner rows over tp, experts over ep."""
+    inner = TP if shape[-2] % tp == 0 else None
+    return P(EP, inner, None) if len(shape) == 3 else P(inner, None)
+
+
+def _ffn_out(cfg, shape, tp):
+    """down ``[H, I]`` (or stacked ``[E, H, I]``): inner columns over tp, experts over ep."""
+    inner = TP if shape[-1] % tp == 0 else None
+    return P(EP, None, inner) if len(shape) == 3 else P(None, inner)
+
+
+def _conv_channels(cfg, shape, tp):
+    """conv1d ``[C, 1, K]``: an even split of the channels (see the note on `_RULES`)."""
+    return _rows(cfg.linear_conv_dim % tp == 0, len(shape))
+
+
+def _replicated(cfg, shape, tp):
+    return P()
+
+
+# The one table. Every tensor name must match exactly one pattern (checked), so a
+# tensor kind added to the model cannot silently fall through to some default.
+# Gated DeltaNet conv channels are ordered [q of all heads | k of all heads | v of
+# all heads] and the three blocks differ in size (v is Hv*Dv, q and k Hk*Dk), so no
+# even split of the channel axis gives a device exactly its own heads' q, k and v.
+# The conv is depthwise, though, so any channel split computes the same thing: the
+# conv weight and the conv state take an even contiguous split (the layout XLA's
+# partitioner itself picks for the conv output), and XLA moves the C conv inputs of
+# each token from the head-group layout to the channel layout and back.
+# Replicated, and why:
+#  * mtp.fc: its output feeds a norm over the full hidden; splitting it would buy an
+#    all-gather per draft for a single [H, 2H] matrix;
+#  * the router and shared-expert gate: [E, H] and [1, H], read whole by every token;
+#  * norm scales: vectors over the hidden or head dim, which are never split.
+_RULES: tuple[tuple[re.Pattern, Callable[[ModelConfig, tuple, int], P]], ...] = tuple(
+    (re.compile(pattern), rule) for pattern, rule in (
+        (r"^(model\.embed_tokens|lm_head)\.weight$", _vocab),
+        (r"self_attn\.q_proj\.weight$", _heads_rows("num_attention_heads")),
+        (r"self_attn\.[kv]_proj\.weight$", _heads_rows("num_key_value_heads")),
+        (r"self_attn\.o_proj\.weight$", _heads_cols("num_attention_heads")),
+        (r"linear_attn\.in_proj_(qkvz|ba)\.weight$", _heads_rows("linear_num_key_heads")),
+        # Per value head. Value heads are numbered group-major, so when the key-head
+        # groups split these follow them; when only the value heads divide, the
+        # replicated projections are sliced locally, which costs nothing.
+        (r"linear_attn\.(dt_bias|A_log)$", _heads_rows("linear_num_value_heads")),
+        (r"linear_attn\.out_proj\.weight$", _heads_cols("linear_num_value_heads")),
+        (r"linear_attn\.conv1d\.weight$", _conv_channels),
+        (r"mlp(\.shared_expert|\.experts(\.\d+)?)?\.(gate|up)_proj\.weight$", _ffn_in),
+        (r"mlp(\.shared_expert|\.experts(\.\d+)?)?\.down_proj\.weight$", _ffn_out),
+        (r"mlp\.(gate|shared_expert_gate)\.weight$", _replicated),
+        (r"^mtp\.fc\.weight$", _replicated),
+        (r"norm(_\w+)?\.weight$", _replicated),
+    )
+)
+
+
+def spec_for(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> P:
+    """The PartitionSpec of one tensor, by its name (see `_RULES`)."""
+    hits = [rule for pattern, rule in _RULES if pattern.search(name)]
+    if len(hits) != 1:
+        raise ValueError(f"tensor {name!r} matches {len(hits)} sharding rules in mtp.sharding._RULES; "
+                         f"it must match exactly one")
+    return hits[0](cfg, shape, tp)
+
+
+def layout_shapes(cfg: ModelConfig, mesh: Mesh) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of the params as laid out on ``mesh`` (experts stacked if ep > 1)."""
+    shapes = param_shapes(cfg)
+    if not stacks_experts(cfg, mesh):
+        return shapes
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        m = _EXPERT_LEAF.match(name)
+        if m is None:
+            out[name] = shape
+        else:
+            out.setdefault(_stacked_name(m), (cfg.num_experts, *shape))
+    return out
+
+
+def _stacked_name(m: re.Match) -> str:
+    return f"{m['prefix']}.{m['proj']}"
+
+
+def param_specs(cfg: ModelConfig, mesh: Mesh) -> dict[str, P]:
+    """Every tensor's PartitionSpec on ``mesh``, flat by tensor name."""
+    tp, _ = mesh_sizes(mesh)
+    return {name: spec_for(name, shape, cfg, tp) for name, shape in layout_shapes(cfg, mesh).items()}
+
+
+def param_sharding(cfg: ModelConfig, mesh: Mesh) -> Params:
+    """A pytree of `NamedSharding` with the structure of the params on ``mesh``."""
+    return unflatten({n: NamedSharding(mesh, s) for n, s in param_specs(cfg, mesh).items()})
+
+
+def _put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """Each device receives only its own slice of the host array."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
+    """Lay ``params`` (a checkpoint-named tree, on any devices) out on ``mesh``."""
+    flat = flatten(params)
+    expected = param_shapes(cfg)
+    missing = sorted(set(expected) - set(flat))
+    extra = sorted(set(flat) - set(expected))
+    if missing or extra:
+        raise ValueError(f"params do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+    specs = param_specs(cfg, mesh)
+    out: dict[str, Any] = {}
+    groups: dict[str, dict[int, Any]] = {}
+    stack = stacks_experts(cfg, mesh)
+    for name, value in flat.items():
+        m = _EXPERT_LEAF.match(name) if stack else None
+        if m is None:
+            out[name] = jax.device_put(value, NamedSharding(mesh, specs[name]))
+        else:
+            groups.setdefault(_stacked_name(m), {})[int(m["index"])] = value
+    for name, group in groups.items():
+        host = np.stack([np.asarray(jax.device_get(group[e])) for e in range(cfg.num_experts)])
+        out[name] = _put(host, NamedSharding(mesh, specs[name]))
+    return unflatten({name: out[name] for name in specs})
+
+
+def load_sharded(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfig, Params]:
+    """Read a Hugging Face checkpoint straight into its shards on ``mesh``.
+
+    Each tensor goes from the file to its devices slice by slice, so no device ever
+    holds more than its own shard. With stacked experts, one layer's experts of one
+    projection are gathered on the host until the last has been read, then placed.
+    """
+    try:
+        cfg = ModelConfig.from_hf(path)
+    except ConfigError as e:
+        raise checkpoint.CheckpointError(f"{path}: {e}") from e
+    specs = param_specs(cfg, mesh)
+    stack = stacks_experts(cfg, mesh)
+    pending: dict[str, dict[int, np.ndarray]] = {}
+    stacked: dict[str, jax.Array] = {}
+
+    def place(name: str, array: np.ndarray):
+        m = _EXPERT_LEAF.match(name) if stack else None
+        if m is None:
+            return _put(array, NamedSharding(mesh, specs[name]))
+        key = _stacked_name(m)
+        group = pending.setdefault(key, {})
+        group[int(m["index"])] = array
+        if len(group) == cfg.num_experts:
+            stacked[key] = _put(np.stack([group[e] for e in range(cfg.num_experts)]),
+                                NamedSharding(mesh, specs[key]))
+            del pending[key]
+        return None  # the stacked array replaces the per-expert leaves below
+
+    loaded_cfg, params = checkpoint.load_pretrained(path, dtype=dtype, place=place)
+    flat = {n: v for n, v in flatten(params).items() if v is not None}
+    flat.update(stacked)
+    return loaded_cfg, unflatten({name: flat[name] for name in specs})
+
+
+# ====================================================================== cache layouts
+def _kv_spec(cfg: ModelConfig, tp: int) -> P:
+    """Pages ``[num_pages, page_size, Hkv, D]`` split on KV heads, else replicated."""
+    return P(None, None, TP, None) if cfg.num_key_value_heads % tp == 0 else P()
+
+
+def _conv_state_spec(cfg: ModelConfig, tp: int) -> P:
+    """Conv inputs ``[B, K-1, C]`` split on channels like the conv1d weight."""
+    return P(None, None, TP) if cfg.linear_conv_dim % tp == 0 else P()
+
+
+def _recurrent_spec(cfg: ModelConfig, tp: int) -> P:
+    """Delta-rule state ``[B, Hv, Dk, Dv]`` split on value heads, like dt_bias and A_log."""
+    return P(None, TP, None, None) if cfg.linear_num_value_heads % tp == 0 else P()
+
+
+def cache_sharding(cache: TargetCache | DrafterCache, cfg: ModelConfig, mesh: Mesh):
+    """A pytree of `NamedSharding` with the structure of ``cache``.
+
+    KV pages follow the KV heads of ``k_proj``/``v_proj``; the Gated DeltaNet
+    recurrent state follows its value heads; the conv state follows the conv1d
+    weight's channel split (see the note on `_RULES`); block
+    tables, lengths and row counters are small and read by every device.
+    """
+    tp, _ = mesh_sizes(mesh)
+    rep = NamedSharding(mesh, P())
+    kv = NamedSharding(mesh, _kv_spec(cfg, tp))
+    pages = lambda p: PagedKV(k=tuple(kv for _ in p.k), v=tuple(kv for _ in p.v))
+    if isinstance(cache, TargetCache):
+        rec = NamedSharding(mesh, _recurrent_spec(cfg, tp))
+        conv = NamedSharding(mesh, _conv_state_spec(cfg, tp))
+        return TargetCache(
+            kv=pages(cache.kv),
+            linear=LinearState(conv=tuple(conv for _ in cache.linear.conv),
+                               recurrent=tuple(rec for _ in cache.linear.recurrent)),
+            block_tables=rep, lengths=rep)
+    if isinstance(cache, DrafterCache):
+        return DrafterCache(kv=pages(cache.kv), block_tables=rep, rows=rep, last_pair_key=rep)
+    raise TypeError(f"cache_sharding takes a TargetCache or DrafterCache, got {type(cache).__name__}")
+
+
+def shard_cache(cache: TargetCache | DrafterCache, cfg: ModelConfig, mesh: Mesh):
+    """``cache`` laid out on ``mesh`` (the input is donated, as every cache is)."""
+    return jax.device_put(cache, cache_sharding(cache, cfg, mesh), donate=True)
+
+
+def shard_shapes(tree) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """Per leaf, the shapes of its addressable shards (for reports and tests)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): tuple(s.data.shape for s in leaf.addressable_shards)
+            for path, leaf in flat}
+
+
+__all__ = ["AXES", "EP", "TP", "cache_sharding", "layout_shapes", "load_sharded", "make_mesh",
+           "mesh_sizes", "param_sharding", "param_specs", "shard_cache", "shard_params", "shard_shapes",
+           "spec_for", "stacks_experts"]

@@ -1,0 +1,249 @@
+"""Sharded-vs-single-device checks, run by tests/test_sharding.py in a fresh process.
+
+The host platform's device count is fixed when jax initialises, so this script is
+started with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` already in its
+environment. Every check raises on failure (the process then exits non-zero with
+the traceback); on success the last stdout line is a JSON summary the test reads.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/sharding_worker.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conftest import random_params, tiny_config  # noqa: E402
+from mtp import checkpoint, generation  # noqa: E402
+from mtp import sharding as S  # noqa: E402
+from mtp.model.params import flatten, unflatten  # noqa: E402
+from mtp.speculative import SpecConfig  # noqa: E402
+
+DEVICES = 4
+SPEC = SpecConfig(verify_width=3, max_new_tokens=14)
+PROMPT_LENGTHS = (11, 5, 17)
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        raise AssertionError(what)
+
+
+def agreeing_params(cfg, seed: int, mixing: float):
+    """Random weights whose MTP head agrees with the target often but not always.
+
+    The target's token mixers and FFNs are scaled down by ``mixing``, so its next
+    token is mostly a function of the last token; the head's fc passes the
+    embedding through, so it predicts that same function one step ahead. The
+    mixers still matter (``mixing > 0``), so drafts are accepted and rejected in
+    one run and every sharded layer shapes the output.
+    """
+    flat = dict(flatten(random_params(cfg, seed)))
+    for name, w in flat.items():
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            flat[name] = w * mixing
+    for name in ("model.norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight"):
+        flat[name] = jnp.zeros_like(flat[name])
+    h = cfg.hidden_size
+    flat["mtp.fc.weight"] = jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], axis=1)
+    return unflatten(flat)
+
+
+def prompts_for(cfg, seed: int):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, cfg.vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+def expected_shard_shape(shape, spec: P, mesh) -> tuple[int, ...]:
+    out = list(shape)
+    for dim, axis in enumerate(spec):
+        if axis is not None:
+            out[dim] //= mesh.shape[axis]
+    return tuple(out)
+
+
+def check_layout(tree, shardings, host: dict[str, np.ndarray] | None, what: str) -> int:
+    """Every leaf has its declared sharding, shard shapes, and (given ``host``) shard contents.
+
+    Returns how many leaves are actually split (not replicated).
+    """
+    got = jax.tree_util.tree_flatten_with_path(tree)[0]
+    want = jax.tree_util.tree_flatten_with_path(shardings)[0]
+    check([p for p, _ in got] == [p for p, _ in want], f"{what}: tree structure differs from its shardings")
+    split = 0
+    for (path, leaf), (_, sharding) in zip(got, want):
+        name = jax.tree_util.keystr(path)
+        check(leaf.sharding.is_equivalent_to(sharding, leaf.ndim),
+              f"{what}{name}: sharding {leaf.sharding} is not the declared {sharding.spec}")
+        shard_shape = expected_shard_shape(leaf.shape, sharding.spec, sharding.mesh)
+        split += shard_shape != tuple(leaf.shape)
+        check(len(leaf.addressable_shards) == sharding.mesh.size, f"{what}{name}: not on every mesh device")
+        for shard in leaf.addressable_shards:
+            check(shard.data.shape == shard_shape,
+                  f"{what}{name}: shard on {shard.device} is {shard.data.shape}, expected {shard_shape}")
+            if host is not None:
+                check(np.array_equal(np.asarray(shard.data), host[name][shard.index]),
+                      f"{what}{name}: shard on {shard.device} holds the wrong slice {shard.index}")
+    return split
+
+
+def host_copy(tree) -> dict[str, np.ndarray]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(p): np.asarray(jax.device_get(v)) for p, v in flat}
+
+
+def stacked_host(cfg, params, mesh) -> dict[str, np.ndarray]:
+    """The params as the mesh lays them out (experts stacked when ep > 1), on the host."""
+    flat = {n: np.asarray(v) for n, v in flatten(params).items()}
+    out = {}
+    for name in S.layout_shapes(cfg, mesh):
+        if name in flat:
+            out[name] = flat[name]
+        else:  # prefix.experts.proj.weight <- prefix.experts.E.proj.weight
+            prefix, proj = name.split(".experts.")
+            out[name] = np.stack([flat[f"{prefix}.experts.{e}.{proj}"] for e in range(cfg.num_experts)])
+    return host_copy(unflatten(out))
+
+
+@contextlib.contextmanager
+def sharded_driver(cfg, mesh, seen: dict):
+    """Run the unchanged `generation.generate` with its caches created on ``mesh``.
+
+    generate builds its caches itself; this swaps the two cache classes it names for
+    ones whose ``create`` lays the new cache out with `shard_cache`, and records the
+    caches the decode loops hand back, so their layouts can be checked.
+    """
+    orig = {n: getattr(generation, n) for n in ("TargetCache", "DrafterCache", "greedy_loop", "speculative_loop")}
+
+    def placed(cls):
+        class Placed:
+            @staticmethod
+            def create(*args, **kwargs):
+                return S.shard_cache(cls.create(*args, **kwargs), cfg, mesh)
+        return Placed
+
+    def recording(loop, n_caches):
+        def run(*args, **kwargs):
+            out = loop(*args, **kwargs)
+            seen[loop.__name__] = out[:n_caches]
+            return out
+        return run
+
+    generation.TargetCache = placed(orig["TargetCache"])
+    generation.DrafterCache = placed(orig["DrafterCache"])
+    generation.greedy_loop = recording(orig["greedy_loop"], 1)
+    generation.speculative_loop = recording(orig["speculative_loop"], 2)
+    try:
+        yield
+    finally:
+        for n, v in orig.items():
+            setattr(generation, n, v)
+
+
+def decode_case(name: str, tp: int, ep: int, seed: int, mixing: float = 0.01) -> dict:
+    """Token identity of plain and speculative greedy decoding, sharded vs one device.
+
+    The LM head is untied: with tied embeddings `agreeing_params`'s target would
+    just repeat its last token.
+    """
+    cfg = tiny_config(name).replace(tie_word_embeddings=False)
+    params = agreeing_params(cfg, seed, mixing)
+    mesh = S.make_mesh(tp, ep)
+    sharded = S.shard_params(params, cfg, mesh)
+    split = check_layout(sharded, S.param_sharding(cfg, mesh), stacked_host(cfg, params, mesh), f"{name} params")
+    check(split > 0, f"{name}: no parameter is split over the mesh")
+    prompts = prompts_for(cfg, seed)
+    result = {"config": name, "tp": tp, "ep": ep, "params_split": split}
+    for speculative in (False, True):
+        single = generation.generate(cfg, params, prompts, SPEC, speculative=speculative)
+        seen: dict = {}
+        with sharded_driver(cfg, mesh, seen):
+            multi = generation.generate(cfg, sharded, prompts, SPEC, speculative=speculative)
+        kind = "speculative" if speculative else "greedy"
+        check(multi.tokens == single.tokens,
+              f"{name} tp={tp} ep={ep} {kind}: sharded tokens {multi.tokens} != single-device {single.tokens}")
+        check(all(len(t) == SPEC.max_new_tokens and len(set(t)) > len(t) // 2 for t in single.tokens),
+              f"{name}: degenerate outputs {single.tokens}; the check needs varied tokens")
+        loop = "speculative_loop" if speculative else "greedy_loop"
+        check(loop in seen, f"{name}: generate did not run {loop}")
+        for cache in seen[loop]:
+            check_layout(cache, S.cache_sharding(cache, cfg, mesh), None, f"{name} {loop} output cache")
+        if speculative:
+            s, m = single.stats, multi.stats
+            check((s.steps, s.draft_tokens, s.accepted) == (m.steps, m.draft_tokens, m.accepted),
+                  f"{name}: acceptance differs sharded {m} vs single {s}")
+            check(0 < s.accepted < s.draft_tokens,
+                  f"{name}: accepted {s.accepted} of {s.draft_tokens} drafts; the check needs both outcomes")
+            result["accepted"], result["draft_tokens"] = int(s.accepted), int(s.draft_tokens)
+        result[kind] = single.tokens
+    return result
+
+
+def load_case(name: str, tp: int, ep: int, seed: int) -> dict:
+    """A checkpoint directory loads straight into the same shards that shard_params makes."""
+    cfg = tiny_config(name)
+    params = random_params(cfg, seed)
+    mesh = S.make_mesh(tp, ep)
+    with tempfile.TemporaryDirectory() as tmp:
+        # Small shards, so one layer's experts span several files.
+        checkpoint.save_pretrained(pathlib.Path(tmp) / "ckpt", cfg, params, max_shard_bytes=4096)
+        files = len(list((pathlib.Path(tmp) / "ckpt").glob("*.safetensors")))
+        check(files > 1, "the checkpoint was meant to be sharded over several files")
+        loaded_cfg, loaded = S.load_sharded(pathlib.Path(tmp) / "ckpt", mesh)
+    check(loaded_cfg == cfg, "load_sharded returned a different config")
+    split = check_layout(loaded, S.param_sharding(cfg, mesh), stacked_host(cfg, params, mesh), f"{name} loaded")
+    check(split > 0, f"{name}: load_sharded split nothing")
+    return {"config": name, "tp": tp, "ep": ep, "files": files, "params_split": split}
+
+
+def error_case() -> dict:
+    cfg_dense, cfg_moe = tiny_config("tiny_tp"), tiny_config("tiny_moe")
+    messages = {}
+    for label, fn in (
+        ("ep_without_experts", lambda: S.param_sharding(cfg_dense, S.make_mesh(2, 2))),
+        ("experts_not_divisible", lambda: S.param_sharding(cfg_moe.replace(num_experts=6, num_experts_per_tok=2),
+                                                           S.make_mesh(1, 4))),
+        ("too_few_devices", lambda: S.make_mesh(4, 2)),
+    ):
+        try:
+            fn()
+        except ValueError as e:
+            messages[label] = str(e)
+        else:
+            raise AssertionError(f"{label}: no error raised")
+    check("num_experts=0" in messages["ep_without_experts"], messages["ep_without_experts"])
+    check("num_experts=6" in messages["experts_not_divisible"], messages["experts_not_divisible"])
+    check("needs 8 devices" in messages["too_few_devices"], messages["too_few_devices"])
+    return messages
+
+
+def main() -> None:
+    check(jax.device_count() == DEVICES, f"expected {DEVICES} host devices, got {jax.device_count()} "
+          f"(XLA_FLAGS must be set before jax is imported)")
+    start = time.time()
+    summary = {
+        "devices": [str(d) for d in jax.devices()],
+        "decode": [decode_case("tiny_tp", 2, 1, seed=1), decode_case("tiny_moe", 2, 2, seed=2)],
+        "load": [load_case("tiny_tp", 2, 1, seed=3), load_case("tiny_tp", 4, 1, seed=5),
+                 load_case("tiny_moe", 2, 2, seed=4)],
+        "errors": error_case(),
+    }
+    summary["seconds"] = round(time.time() - start, 1)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
