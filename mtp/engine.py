@@ -140,13 +140,23 @@ def _put_slot(tree, b, value):
     return jax.tree.map(lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v.astype(a.dtype), b, axis=0), tree, value)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
-def _prefill_slot(cfg, params, cache: TargetCache, b, tokens, start, num_new, write_from, *, impl):
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache", "hiddens"))
+def _prefill_slot(cfg, params, cache: TargetCache, hiddens, b, tokens, start, num_new, write_from, *, impl):
+    """One aligned prefill chunk on slot ``b``; its hiddens land in the slot's hidden store.
+
+    Returns the cache, the hidden store, and the logits of the chunk's last token.
+    """
     view = cache.replace(linear=_slot(cache.linear, b), block_tables=_slot(cache.block_tables, b),
                          lengths=_slot(cache.lengths, b))
     view, out = target.prefill(cfg, params, view, tokens, start, num_new, write_from, impl=impl)
-    return cache.replace(kv=view.kv, linear=_put_slot(cache.linear, b, view.linear),
-                         lengths=_put_slot(cache.lengths, b, view.lengths)), out
+    h = out.mtp_hidden(cfg.mtp_hidden_source).astype(hiddens.dtype)
+    hiddens = jax.lax.dynamic_update_slice(hiddens, h, (b, start[0], 0))
+    cache = cache.replace(kv=view.kv, linear=_put_slot(cache.linear, b, view.linear),
+                          lengths=_put_slot(cache.lengths, b, view.lengths))
+    return cache, hiddens, out.logits[0, num_new[0] - 1]
+
+
+_linear_of_slot = jax.jit(lambda linear, b: _slot(linear, b))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -155,10 +165,13 @@ def _set_slot_linear(cache: TargetCache, b, linear: LinearState):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("dcache",))
-def _append_slot(cfg, params, dcache: DrafterCache, b, tokens, hiddens, first_key, count, *, impl):
+def _append_slot(cfg, params, dcache: DrafterCache, hiddens, b, tokens, first_key, count, *, impl):
+    """Drafter rows for keys ``first_key ...`` of slot ``b``; key ``k`` reads ``hiddens[b, k]``."""
+    keys = jnp.clip(first_key[:, None] + jnp.arange(tokens.shape[1])[None, :], 0, hiddens.shape[1] - 1)
+    h = jnp.take(jax.lax.dynamic_index_in_dim(hiddens, b, axis=0, keepdims=False), keys[0], axis=0)[None]
     view = dcache.replace(block_tables=_slot(dcache.block_tables, b), rows=_slot(dcache.rows, b),
                           last_pair_key=_slot(dcache.last_pair_key, b))
-    view = append_rows(cfg, params, view, tokens, hiddens, first_key, count, impl=impl)
+    view = append_rows(cfg, params, view, tokens, h, first_key, count, impl=impl)
     return dcache.replace(kv=view.kv, rows=_put_slot(dcache.rows, b, view.rows),
                           last_pair_key=_put_slot(dcache.last_pair_key, b, view.last_pair_key))
 
@@ -199,6 +212,9 @@ class Engine:
         self.snapshots = SnapshotStore(SNAPSHOT_INTERVAL, ps)
         self.cache = TargetCache.create(cfg, b, engine_cfg.num_pages, ps, self.max_blocks, self.dtype)
         self.dcache = DrafterCache.create(cfg, b, engine_cfg.drafter_pages, ps, self.max_blocks, self.dtype)
+        # The captured target hiddens, indexed by absolute position (one row per
+        # position, a prefill chunk of headroom); who wrote them is `hidden_ranges`.
+        self.hiddens = jnp.zeros((b, self.max_blocks * ps + SNAPSHOT_INTERVAL, cfg.hidden_size), self.dtype)
         self.hidden_ranges = [carry_lib.StoreRange.EMPTY] * b
         self.carried: collections.OrderedDict[int, carry_lib.CarriedDrafter] = collections.OrderedDict()
         self._tickets = itertools.count(1)
@@ -247,26 +263,26 @@ class Engine:
 
         ``start`` is 0 or a snapshot position, so chunks stay aligned to absolute
         positions: a restored turn then runs exactly the arithmetic a recompute
-        would have from that point. Returns the hiddens of positions
-        ``start..L-1``, the logits at ``L-1``, and the number of tokens computed.
+        would have from that point. The hiddens of positions ``start..L-1`` land in
+        the slot's hidden store. Returns the logits at ``L-1`` and the number of
+        tokens computed.
         """
         n = len(prompt)
         chunk = SNAPSHOT_INTERVAL
-        pos, hiddens = start, []
+        pos, logits = start, None
         while pos < n:
             end = min(n, (pos // chunk + 1) * chunk)
             toks = np.zeros((1, chunk), np.int32)
             toks[0, : end - pos] = prompt[pos:end]
-            self.cache, out = _prefill_slot(
-                self.cfg, self.params, self.cache, slot, jnp.asarray(toks), jnp.array([pos], jnp.int32),
-                jnp.array([end - pos], jnp.int32), jnp.array([cached], jnp.int32), impl=self.spec.impl)
-            hiddens.append(out.mtp_hidden(self.cfg.mtp_hidden_source)[:, : end - pos])
+            self.cache, self.hiddens, logits = _prefill_slot(
+                self.cfg, self.params, self.cache, self.hiddens, slot, jnp.asarray(toks),
+                jnp.array([pos], jnp.int32), jnp.array([end - pos], jnp.int32), jnp.array([cached], jnp.int32),
+                impl=self.spec.impl)
             if end % chunk == 0 and end < n:
-                lin = _slot(self.cache.linear, slot)
+                lin = _linear_of_slot(self.cache.linear, slot)
                 self.snapshots.put(hashes, Snapshot(end, lin.conv, lin.recurrent, sess, gen))
             pos = end
-        last_logits = out.logits[:, (n - 1) % chunk]  # chunks are aligned, so this is position n - 1
-        return jnp.concatenate(hiddens, axis=1), last_logits, n - start
+        return logits, n - start
 
     def _start_turn(self, req: TurnRequest, slot: int) -> _Live:
         t0 = time.perf_counter()
@@ -301,20 +317,20 @@ class Engine:
         if snap is not None:
             self.cache = _set_slot_linear(self.cache, slot, LinearState(snap.conv, snap.recurrent))
         start = snap.position if snap else 0
-        hiddens, logits, prefilled = self._target_prefill(slot, prompt, hashes, start, cached, gen, sess)
+        logits, prefilled = self._target_prefill(slot, prompt, hashes, start, cached, gen, sess)
         self.hidden_ranges[slot] = carry_lib.stamped_merge(self.hidden_ranges[slot], gen, start, n - start)
         self._rng, key = jax.random.split(self._rng)
-        first = pick_token(logits, self.spec.temperature, key)
-        hidden = hiddens[:, n - 1 - start]
+        first = pick_token(logits[None], self.spec.temperature, key)
+        hidden = self.hiddens[slot, n - 1][None]
         stats = TurnStats(req.session_id, gen, n, cached, path, prefilled, 0, 0, 0, "no_carry", 0, 0.0, 0.0, 0,
                           AcceptanceStats())
-        drafter_pages = self._drafter_context(slot, prompt, sess, gen, start, hiddens, need, stats)
+        drafter_pages = self._drafter_context(slot, prompt, sess, gen, start, need, stats)
         jax.block_until_ready((first, self.dcache.rows))
         stats.ttft_s = time.perf_counter() - t0
         return _Live(req, slot, gen, sess, target_pages, drafter_pages, hashes, first, hidden, stats)
 
     # -------------------------------------------------------------- the drafter's context
-    def _drafter_context(self, slot, prompt, sess, gen, start, hiddens, need, stats) -> list[int]:
+    def _drafter_context(self, slot, prompt, sess, gen, start, need, stats) -> list[int]:
         if not self.ecfg.speculative:
             return []
         n = len(prompt)
@@ -337,12 +353,12 @@ class Engine:
         pages = self._install_drafter(slot, pages, need)
         self._set_drafter_rows(slot, rows, last_key)
         if plan is not None:
-            self._append(slot, prompt, hiddens, start, plan.first_key, plan.rows)
+            self._append(slot, prompt, plan.first_key, plan.rows)
             stats.drafter_appended = plan.rows
         elif rows == 0 and self.drafter_prefill_on and start == 0:
             # A whole-prompt drafter prefill needs the hiddens of every prompt position,
             # so it runs only when the target prefill started at 0 (the reference's guard).
-            self._append(slot, prompt, hiddens, 0, 0, n - 1)
+            self._append(slot, prompt, 0, n - 1)
             stats.drafter_prefilled = n - 1
         stats.carry_outcome = outcome.kind
         if self.ecfg.debug or carry_lib.carry_debug_enabled():
@@ -364,17 +380,16 @@ class Engine:
         row = np.asarray(self.dcache.block_tables[slot])
         return [int(p) for p in row if p]
 
-    def _append(self, slot, prompt, hiddens, start, first_key, count):
-        """Drafter rows for keys ``first_key .. first_key+count-1`` (hidden k at ``k - start``)."""
+    def _append(self, slot, prompt, first_key, count):
+        """Drafter rows for keys ``first_key .. first_key+count-1`` from the slot's hidden store."""
         chunk = PREFILL_CHUNK
+        ids = np.asarray(list(prompt) + [0], np.int32)
         for off in range(0, count, chunk):
-            m = min(chunk, count - off)
             keys = first_key + off + np.arange(chunk)
-            tok = np.asarray(prompt + [0])[np.clip(keys + 1, 0, len(prompt))][None]
-            hid = jnp.take(hiddens, jnp.asarray(np.clip(keys - start, 0, hiddens.shape[1] - 1)), axis=1)
-            self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, slot, jnp.asarray(tok, jnp.int32),
-                                       hid, jnp.array([first_key + off], jnp.int32), jnp.array([m], jnp.int32),
-                                       impl=self.spec.impl)
+            tok = ids[np.clip(keys + 1, 0, len(prompt))][None]
+            self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, slot, jnp.asarray(tok),
+                                       jnp.array([first_key + off], jnp.int32),
+                                       jnp.array([min(chunk, count - off)], jnp.int32), impl=self.spec.impl)
 
     def _drop_carry(self, entry: carry_lib.CarriedDrafter):
         self.carried.pop(entry.session_hash, None)

@@ -1,0 +1,32 @@
+"""The drafter-context ablation (the README's main job) on the embedded default model."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.checkpoint = "assets/default_model"
+    c.sessions = "assets/sessions/eval_sessions.jsonl"
+    c.preamble = "assets/sessions/preamble.txt"
+    c.num_sessions = 3  # a subset that runs on a 2-core CPU in minutes; -1 = all
+    c.prompt_mode = "append"  # or "rerender"
+    c.verify_width = 3  # K: two drafts per verify step
+    c.mtp_quant = "bf16"
+    c.dtype = "float32"  # compute dtype on the host CPU (fp32 keeps greedy ties stable)
+    c.marconi_min_tokens = 256
+    c.refeed_accepted = False
+    # name -> (policy, batch_slots, carry_slots). B > 1 disarms the single-slot carry.
+    c.variants = ml_collections.ConfigDict({
+        "cold": ("cold", 1, 1),
+        "blind": ("blind", 1, 1),
+        "rebuild": ("rebuild", 1, 1),
+        "carry": ("carry", 1, 1),
+        "carry_single_B2": ("carry", 2, 1),
+        "carry_multi_B2": ("carry", 2, 8),
+    })
+    c.max_context = 2048
+    c.num_pages = 2048
+    c.bootstrap_samples = 2000
+    c.seed = 0
+    c.out_dir = "runs/carry_ablation"
+    return c

@@ -1,0 +1,199 @@
+r"""The drafter-context ablation: cold, blind, rebuild, carry and the multi-slot carry.
+
+    python -m experiments.carry_ablation [--config configs/carry_ablation.py] \
+        [--config.num_sessions=-1] [--config.out_dir=...]
+
+Runs the embedded default model over its multi-turn evaluation sessions once per
+drafter policy (plus a plain-greedy reference), checks every policy's tokens equal
+the reference's, and reports per policy, split into cold (first) and warm turns:
+TTFT, decode tokens/s, verify steps, accepted tokens per step, mean acceptance
+length, per-position acceptance and drafter rows prefilled / adopted / appended;
+with paired bootstrap 95% intervals for ``carry - blind`` and ``carry - rebuild``.
+Writes ``results.json``, ``results.md`` and two PNGs to ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+from tqdm import tqdm
+
+from mtp.analysis import acceptance_length, paired_bootstrap, summarize
+from mtp.checkpoint import load_pretrained
+from mtp.data.sessions import load_preamble, load_sessions
+from mtp.data.tokenizer import Tokenizer
+from mtp.engine import Engine, EngineConfig, TextPrompts, run_sessions
+from mtp.speculative import SpecConfig
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/carry_ablation.py", "Experiment config.")
+COMPARISONS = (("carry", "blind"), ("carry", "rebuild"), ("carry_multi_B2", "carry_single_B2"))
+
+
+def _load(c):
+    cfg, params = load_pretrained(c.checkpoint, dtype=jnp.dtype(c.dtype))
+    tok = Tokenizer.load(pathlib.Path(c.checkpoint) / "tokenizer.json")
+    sessions = load_sessions(c.sessions)
+    if c.num_sessions >= 0:
+        sessions = sessions[: c.num_sessions]
+    return cfg, params, tok, sessions
+
+
+def _run(cfg, params, sessions, prompts, spec, ecfg, label, total):
+    # Warm-up on a throwaway engine, so compiles stay out of the timed turns
+    # (jit caches are per process; the timed engine starts with empty caches).
+    warm = [dataclasses.replace(s, turns=s.turns[:2]) for s in sessions[: ecfg.batch_slots]]
+    run_sessions(Engine(cfg, params, ecfg, spec), warm, prompts)
+    eng = Engine(cfg, params, ecfg, spec)
+    bar = tqdm(total=total, desc=f"{label:>16}", unit="turn", leave=False)
+    res = run_sessions(eng, sessions, prompts, on_turn=lambda r: bar.update())
+    bar.close()
+    return res
+
+
+def _turn_index(results):
+    seen, out = {}, []
+    for r in results:
+        i = seen.get(r.request.session_id, 0)
+        seen[r.request.session_id] = i + 1
+        out.append(((r.request.session_id, i), r))
+    return dict(out)
+
+
+def _markdown(report) -> str:
+    lines = [f"# Drafter-context ablation\n\n{report['header']}\n",
+             "| variant | turns | split | TTFT p50 ms | decode tok/s | verify steps | accepted/step | "
+             "mean acc. len | per-position acceptance | drafter rows prefilled / adopted / appended |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, v in report["variants"].items():
+        for split in ("cold", "warm"):
+            s = v[split]
+            if not s["turns"]:
+                continue
+            pos = " / ".join(f"{p:.3f}" for p in s["acceptance_per_position"])
+            lines.append(f"| {name} | {s['turns']} | {split} | {s['ttft_ms_p50']:.1f} | {s['decode_tokens_per_s']:.1f} "
+                         f"| {s['verify_steps']} | {s['accepted_per_step']:.3f} | {s['mean_acceptance_length']:.3f} "
+                         f"| {pos} | {s['drafter_rows_prefilled']} / {s['drafter_rows_adopted']} / "
+                         f"{s['drafter_rows_appended']} |")
+    lines += ["", "Paired bootstrap (warm turns, 95% CI):", "",
+              "| comparison | metric | mean difference | 95% CI | pairs |", "|---|---|---|---|---|"]
+    for key, cmp in report["comparisons"].items():
+        for metric, r in cmp.items():
+            lines.append(f"| {key} | {metric} | {r['mean_diff']:+.4f} | [{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}] "
+                         f"| {r['pairs']} |")
+    lines += ["", f"Lossless: {report['lossless']}", ""]
+    return "\n".join(lines)
+
+
+def _plots(report, per_turn, out: pathlib.Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, turns in per_turn.items():
+        by_idx = {}
+        for (sid, i), r in turns.items():
+            by_idx.setdefault(i, []).append(acceptance_length(r.stats))
+        xs = sorted(by_idx)
+        ax.plot(xs, [np.nanmean(by_idx[x]) for x in xs], marker="o", label=name)
+    ax.set_xlabel("turn index (0 = cold)")
+    ax.set_ylabel("mean acceptance length")
+    ax.set_title("Acceptance by turn, per drafter policy")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_turn.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = list(report["variants"])
+    for k, split in enumerate(("cold", "warm")):
+        vals = [report["variants"][n][split].get("ttft_ms_p50", np.nan) for n in names]
+        ax.bar(np.arange(len(names)) + 0.4 * k, vals, width=0.4, label=split)
+    ax.set_xticks(np.arange(len(names)) + 0.2, names, rotation=20, fontsize=8)
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_title("Time to first token per drafter policy")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv):
+    del argv
+    c = _CONFIG.value
+    start = time.time()
+    cfg, params, tok, sessions = _load(c)
+    prompts = TextPrompts(tok, load_preamble(c.preamble), c.prompt_mode)
+    spec = SpecConfig(verify_width=c.verify_width, max_new_tokens=max(t.max_new_tokens for s in sessions for t in s.turns),
+                      refeed_accepted=c.refeed_accepted, eos_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1)
+    total = sum(len(s.turns) for s in sessions)
+    common = dict(max_context=c.max_context, num_pages=c.num_pages, drafter_pages=c.num_pages,
+                  marconi_min_tokens=c.marconi_min_tokens, mtp_quant=c.mtp_quant)
+    logging.info("plain greedy reference over %d sessions, %d turns", len(sessions), total)
+    ref = _turn_index(_run(cfg, params, sessions, prompts, spec,
+                           EngineConfig(policy="cold", speculative=False, **common), "greedy reference", total))
+    per_turn, lossless = {}, {}
+    for name, (policy, slots, carry_slots) in c.variants.items():
+        ecfg = EngineConfig(policy=policy, batch_slots=slots, carry_slots=carry_slots, **common)
+        turns = _turn_index(_run(cfg, params, sessions, prompts, spec, ecfg, name, total))
+        per_turn[name] = turns
+        lossless[name] = all(turns[k].output == ref[k].output for k in ref) and turns.keys() == ref.keys()
+        logging.info("%s: token-identical to plain greedy: %s", name, lossless[name])
+    variants = {}
+    for name, turns in per_turn.items():
+        stats = [r.stats for _, r in sorted(turns.items())]
+        cold = [s for (sid, i), s in zip(sorted(turns), stats) if i == 0]
+        warm = [s for (sid, i), s in zip(sorted(turns), stats) if i > 0]
+        variants[name] = {"cold": summarize(cold), "warm": summarize(warm)}
+    comparisons = {}
+    for a, b in COMPARISONS:
+        if a not in per_turn or b not in per_turn:
+            continue
+        keys = [k for k in sorted(ref) if k[1] > 0]
+        ta, tb = per_turn[a], per_turn[b]
+        comparisons[f"{a} - {b}"] = {
+            "mean_acceptance_length": paired_bootstrap([acceptance_length(ta[k].stats) for k in keys],
+                                                       [acceptance_length(tb[k].stats) for k in keys],
+                                                       c.bootstrap_samples, c.seed),
+            "ttft_ms": paired_bootstrap([1e3 * ta[k].stats.ttft_s for k in keys],
+                                        [1e3 * tb[k].stats.ttft_s for k in keys], c.bootstrap_samples, c.seed),
+        }
+    ok = all(lossless.values())
+    report = {
+        "header": (f"{len(sessions)} sessions, {total} turns, K={c.verify_width}, mtp_quant={c.mtp_quant}, "
+                   f"prompt_mode={c.prompt_mode}, marconi_min_tokens={c.marconi_min_tokens}, dtype={c.dtype}; "
+                   f"{platform.processor() or platform.machine()} on {jax.default_backend()}, "
+                   f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s"),
+        "config": c.to_dict(),
+        "lossless": "every policy's tokens equal the plain greedy loop's" if ok else
+                    f"MISMATCH: {[n for n, v in lossless.items() if not v]}",
+        "lossless_by_variant": lossless,
+        "variants": variants,
+        "comparisons": comparisons,
+        "turns": {n: [dict(session=k[0], turn=k[1], **r.stats.as_dict()) for k, r in sorted(t.items())]
+                  for n, t in per_turn.items()},
+    }
+    out = pathlib.Path(c.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=1, default=float))
+    md = _markdown(report)
+    (out / "results.md").write_text(md)
+    _plots(report, per_turn, out)
+    print(md)
+    print(f"wrote {out}/results.json, results.md, acceptance_by_turn.png, ttft.png")
+    if not ok:
+        raise SystemExit("speculative output differs from plain greedy decoding")
+
+
+if __name__ == "__main__":
+    app.run(main)

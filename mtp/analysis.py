@@ -1,0 +1,51 @@
+"""Summaries of per-turn statistics: split by cold/warm turns, paired bootstrap intervals."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from mtp.metrics import AcceptanceStats
+
+
+def summarize(turns: Sequence) -> dict:
+    """Aggregate `engine.TurnStats` of one policy (one split)."""
+    if not turns:
+        return {"turns": 0}
+    acc = sum((t.acceptance for t in turns), AcceptanceStats())
+    out_tokens = sum(t.output_len for t in turns)
+    return {
+        "turns": len(turns),
+        "ttft_ms_mean": 1e3 * float(np.mean([t.ttft_s for t in turns])),
+        "ttft_ms_p50": 1e3 * float(np.median([t.ttft_s for t in turns])),
+        "decode_tokens_per_s": out_tokens / max(sum(t.decode_s for t in turns), 1e-9),
+        "verify_steps": acc.steps,
+        "accepted_per_step": acc.accepted / acc.steps if acc.steps else float("nan"),
+        "mean_acceptance_length": acc.mean_acceptance_length,
+        "acceptance_per_position": acc.per_position,
+        "drafter_rows_prefilled": sum(t.drafter_prefilled for t in turns),
+        "drafter_rows_adopted": sum(t.drafter_adopted for t in turns),
+        "drafter_rows_appended": sum(t.drafter_appended for t in turns),
+        "target_tokens_prefilled": sum(t.prefilled_tokens for t in turns),
+        "paths": {p: sum(t.path == p for t in turns) for p in sorted({t.path for t in turns})},
+        "carry_outcomes": {o: sum(t.carry_outcome == o for t in turns) for o in sorted({t.carry_outcome for t in turns})},
+    }
+
+
+def paired_bootstrap(a: Sequence[float], b: Sequence[float], samples: int, seed: int,
+                     stat: Callable[[np.ndarray], float] = np.mean) -> dict:
+    """95% interval of ``stat(a - b)`` over pairs (turns) resampled with replacement."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if a.shape != b.shape or not a.size:
+        raise ValueError(f"paired bootstrap needs two equal, non-empty samples; got {a.shape} and {b.shape}")
+    d = a - b
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, d.size, (samples, d.size))
+    boots = np.array([stat(d[i]) for i in idx])
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    return {"mean_diff": float(stat(d)), "ci95": [float(lo), float(hi)], "pairs": int(d.size)}
+
+
+def acceptance_length(t) -> float:
+    return t.acceptance.mean_acceptance_length
