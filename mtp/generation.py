@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Sequence
 
 import jax
@@ -34,6 +35,8 @@ class GenerationResult:
     tokens: list[list[int]]
     stats: AcceptanceStats | None  # the whole batch; None for plain decoding
     per_sequence: list[AcceptanceStats] | None = None
+    prefill_s: float = 0.0  # wall time to the first token (target + drafter prefill)
+    decode_s: float = 0.0  # wall time of the decode loop
 
 
 def bucket(n: int, multiple: int = PREFILL_BUCKET) -> int:
@@ -79,6 +82,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
         block_tables=jnp.asarray(tables))
     rng = jax.random.key(seed)
     rng, k0 = jax.random.split(rng)
+    t0 = time.perf_counter()
     tokens = jnp.asarray(pad_batch(prompts, t))
     zeros = jnp.zeros((b,), jnp.int32)
     cache, out = target.prefill(cfg, params, cache, tokens, zeros, jnp.asarray(lengths), impl=spec.impl,
@@ -86,18 +90,30 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     first, hidden = first_from_prefill(out, jnp.asarray(lengths), cfg.mtp_hidden_source, spec.temperature, k0)
     budget = jnp.full((b,), spec.max_new_tokens, jnp.int32)
     if not speculative:
+        t1 = _ready_at(first)
         cache, toks, n = greedy_loop(cfg, params, cache, first, budget, spec, rng)
-        return GenerationResult(_to_lists(toks, n), None)
+        toks = jax.block_until_ready(toks)
+        return GenerationResult(_to_lists(toks, n), None, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
     head_params = quantize_head(params, mtp_quant)
     dcache = DrafterCache.create(cfg, b, pool.num_pages, page_size, blocks, dtype).replace(
         block_tables=jnp.asarray(tables))
     if drafter_prefill and quant.supports_drafter_prefill(mtp_quant):
         dcache = prefill_drafter(cfg, head_params, dcache, tokens, out.mtp_hidden(cfg.mtp_hidden_source),
                                  zeros, np.maximum(lengths - 1, 0), impl=spec.impl)
+    t1 = _ready_at((first, dcache.rows))
     cache, dcache, toks, n, metrics = speculative_loop(cfg, head_params, cache, dcache, first, hidden, budget,
                                                        spec, rng, draft_vocab)
+    toks = jax.block_until_ready(toks)
+    decode_s = time.perf_counter() - t1
     per_sequence = [AcceptanceStats.from_metrics(metrics, [i]) for i in range(b)]
-    return GenerationResult(_to_lists(toks, n), AcceptanceStats.from_metrics(metrics), per_sequence)
+    return GenerationResult(_to_lists(toks, n), AcceptanceStats.from_metrics(metrics), per_sequence,
+                            prefill_s=t1 - t0, decode_s=decode_s)
+
+
+def _ready_at(tree) -> float:
+    """The host clock once ``tree``'s device work has finished."""
+    jax.block_until_ready(tree)
+    return time.perf_counter()
 
 
 def _to_lists(toks, n) -> list[list[int]]:

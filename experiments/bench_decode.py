@@ -1,0 +1,241 @@
+r"""Decode-step benchmark (H200): plain decode, verify(K), propose, and end-to-end tokens/s.
+
+    PYTHONPATH=. python3 experiments/bench_decode.py --out_dir $OUT
+
+Part A, a Qwen3-Next-shaped model with random weights (~1.4B parameters, dense FFN):
+ms per plain decode step, per verify step at K = 2, 4, 8, and per propose (one MTP
+draft step), at batch 1 and 8, with ``verify(K)/decode`` and ``propose/decode``; and
+each decode step against its memory-bandwidth floor (weight + KV + state bytes read
+per step / the device copy bandwidth measured in the same run). Random weights give
+no meaningful acceptance, so part A reports speed per step only.
+
+Part B, the embedded default model on its evaluation prompts: tokens/s of plain
+greedy vs speculative decoding (drafter prefilled, K = 2..4) at batch 1 and 8, with
+the acceptance measured on the same run. Results go to ``out_dir`` as JSON and a
+markdown table, written after every measurement so a cut-off run keeps its numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+from mtp.cache.state import TargetCache
+from mtp.config import ModelConfig
+from mtp.model import target
+from mtp.model.params import count_params, init_params
+from mtp.mtp_head import DrafterCache, draft_step
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out_dir", "runs/bench_decode", "Where results.json / results.md go.")
+flags.DEFINE_bool("small", False, "Tiny shapes, for checking the script on a CPU.")
+flags.DEFINE_integer("context", 2048, "KV positions already in the cache per sequence (part A).")
+flags.DEFINE_integer("reps", 20, "Timed repetitions per measurement (median reported).")
+flags.DEFINE_list("parts", ["A", "B"], "Which parts to run.")
+
+BIG = dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=16,
+           full_attention_interval=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+           partial_rotary_factor=0.25, rope_theta=10000000.0, intermediate_size=5632,
+           linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+           linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=0, tie_word_embeddings=True,
+           num_nextn_predict_layers=1, max_position_embeddings=32768)
+
+
+class Report:
+    def __init__(self, out: pathlib.Path):
+        self.out, self.data = out, {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                    "device": str(jax.devices()[0].device_kind), "rows": []}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, **row):
+        self.data["rows"].append(row)
+        logging.info("%s", row)
+        print(json.dumps(row), flush=True)
+        (self.out / "results.json").write_text(json.dumps(self.data, indent=1))
+
+
+def _median_ms(fn, state, reps):
+    """Median wall ms of ``state = fn(state)`` after two warm-up calls (compiles excluded)."""
+    for _ in range(2):
+        state = jax.block_until_ready(fn(state))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        state = jax.block_until_ready(fn(state))
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times)), state
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Device copy bandwidth (bytes read + written per second): the memory ceiling."""
+    x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a * jnp.bfloat16(1.0009765625))
+    ms, _ = _median_ms(copy, x, 10)
+    xla = 2 * nbytes / (ms / 1e3)
+    try:
+        import torch
+
+        t = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+        u = torch.empty_like(t)
+        for _ in range(3):
+            u.copy_(t)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(10):
+            s = time.perf_counter()
+            u.copy_(t)
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - s)
+        return max(xla, 2 * nbytes / float(np.median(ts)))
+    except Exception:  # no torch / no CUDA: the XLA copy is the ceiling we have
+        return xla
+
+
+def _random_cache(cfg, batch, context, page, dtype, key):
+    blocks = math.ceil((context + 16) / page)
+    cache = TargetCache.create(cfg, batch, batch * blocks + 1, page, blocks, dtype)
+    tables = (1 + np.arange(batch * blocks, dtype=np.int32)).reshape(batch, blocks)
+    ks = iter(jax.random.split(key, 64))
+    rand = lambda a: (0.5 * jax.random.normal(next(ks), a.shape, jnp.float32)).astype(a.dtype)
+    return cache.replace(kv=jax.tree.map(rand, cache.kv), linear=jax.tree.map(rand, cache.linear),
+                         block_tables=jnp.asarray(tables), lengths=jnp.full((batch,), context, jnp.int32))
+
+
+def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float):
+    dtype = jnp.bfloat16
+    params = init_params(cfg, jax.random.key(1), dtype)
+    n_target = count_params(params, include_mtp=False)
+    weight_bytes = 2 * n_target
+    report.add(part="A", what="model", params_target=n_target, params_total=count_params(params),
+               context=context, copy_bandwidth_TBps=bw / 1e12)
+    for batch in ((1, 8) if not FLAGS.small else (1, 2)):
+        cache = _random_cache(cfg, batch, context, 16, dtype, jax.random.key(2))
+        kv_bytes = batch * len(cfg.attention_layers) * 2 * context * cfg.num_key_value_heads * cfg.head_dim * 2
+        state_bytes = batch * len(cfg.linear_layers) * 4 * (
+            cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim) * 2
+        floor_ms = 1e3 * (weight_bytes + kv_bytes + state_bytes) / bw
+        tok = jnp.ones((batch, 1), jnp.int32)
+
+        def decode(c):  # lengths stay put: commit keeps nothing, so every step reads `context` KV
+            c, out = target.verify(cfg, params, c, tok)
+            return target.commit(c, out, jnp.zeros((batch,), jnp.int32))
+
+        decode_ms, cache = _median_ms(jax.jit(decode, donate_argnums=0), cache, reps)
+        report.add(part="A", what="decode", batch=batch, ms=decode_ms, floor_ms=floor_ms,
+                   ratio_to_floor=decode_ms / floor_ms)
+        for k in (2, 4, 8):
+            toks = jnp.ones((batch, k), jnp.int32)
+
+            def verify(c, toks=toks):
+                c, out = target.verify(cfg, params, c, toks)
+                return target.commit(c, out, jnp.zeros((batch,), jnp.int32))
+
+            ms, cache = _median_ms(jax.jit(verify, donate_argnums=0), cache, reps)
+            report.add(part="A", what=f"verify K={k}", batch=batch, ms=ms, ratio_to_decode=ms / decode_ms)
+        dcache = _random_cache(cfg, batch, context, 16, dtype, jax.random.key(3))
+        dc = DrafterCache.create(cfg, batch, dcache.kv.num_pages, 16, dcache.block_tables.shape[1], dtype).replace(
+            kv=dcache.kv.replace(k=dcache.kv.k[:1], v=dcache.kv.v[:1]), block_tables=dcache.block_tables,
+            rows=jnp.full((batch,), context, jnp.int32), last_pair_key=jnp.full((batch,), context, jnp.int32))
+        hidden = jax.random.normal(jax.random.key(4), (batch, cfg.hidden_size), dtype)
+
+        def propose(d):
+            d, logits, _ = draft_step(cfg, params, d, jnp.ones((batch,), jnp.int32), hidden,
+                                      d.last_pair_key, jnp.ones((batch,), bool), "auto")
+            return d.replace(rows=d.rows - 1)
+
+        ms, dc = _median_ms(jax.jit(propose, donate_argnums=0), dc, reps)
+        report.add(part="A", what="propose (1 draft)", batch=batch, ms=ms, ratio_to_decode=ms / decode_ms)
+        del cache, dc
+
+
+def part_b(report: Report, reps: int):
+    from mtp.checkpoint import load_pretrained
+    from mtp.data.sessions import first_prompt_ids, load_preamble, load_sessions
+    from mtp.data.tokenizer import Tokenizer
+    from mtp.generation import generate
+    from mtp.speculative import SpecConfig
+
+    ckpt = "assets/default_model"
+    cfg, params = load_pretrained(ckpt)
+    tok = Tokenizer.load(f"{ckpt}/tokenizer.json")
+    pre = load_preamble("assets/sessions/preamble.txt")
+    sessions = load_sessions("assets/sessions/eval_sessions.jsonl")
+    new = 128 if not FLAGS.small else 16
+    for batch in (1, 8):
+        prompts = [first_prompt_ids(pre, s.turns[0].user, tok) for s in sessions[:batch]]
+        runs = [("plain", 0)] + [("spec", k) for k in ((2, 3, 4) if batch == 1 else (3,))]
+        base = None
+        for name, k in runs:
+            spec = SpecConfig(verify_width=max(k, 2), max_new_tokens=new)
+            gen = lambda: generate(cfg, params, prompts, spec, speculative=k > 0)
+            gen()  # compile
+            res = [gen() for _ in range(3)]
+            decode_s = float(np.median([r.decode_s for r in res]))
+            toks = sum(len(t) for t in res[0].tokens)
+            tps = toks / decode_s
+            if base is None:
+                base, base_tokens = tps, res[0].tokens
+            row = dict(part="B", what=f"{name} K={k}" if k else name, batch=batch, tokens_per_s=tps,
+                       speedup=tps / base, identical_to_plain=res[0].tokens == base_tokens)
+            if k:
+                row.update(res[0].stats.as_dict())
+            report.add(**row)
+
+
+def _guarded(report, part, fn, *args):
+    """Run one part; a failure is recorded (and the other part still runs)."""
+    try:
+        fn(*args)
+    except Exception as e:  # a benchmark keeps what it measured and says what broke
+        logging.exception("part %s failed", part)
+        report.data.setdefault("errors", []).append(f"part {part}: {type(e).__name__}: {e}"[:2000])
+        (report.out / "results.json").write_text(json.dumps(report.data, indent=1))
+
+
+def _markdown(data) -> str:
+    lines = [f"# Decode benchmark\n\n{data['device']}, {data['date']}\n", "| part | what | batch | value | ratio |",
+             "|---|---|---|---|---|"]
+    for r in data["rows"]:
+        if r["what"] == "model":
+            lines.append(f"| A | model: {r['params_target'] / 1e9:.2f}B target params, context {r['context']}, "
+                         f"copy BW {r['copy_bandwidth_TBps']:.2f} TB/s | | | |")
+        elif r["part"] == "A":
+            ratio = (f"{r['ratio_to_floor']:.2f}x floor ({r['floor_ms']:.3f} ms)" if "floor_ms" in r
+                     else f"{r['ratio_to_decode']:.3f}x decode")
+            lines.append(f"| A | {r['what']} | {r['batch']} | {r['ms']:.3f} ms | {ratio} |")
+        else:
+            acc = f", mean acc. len {r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else ""
+            lines.append(f"| B | {r['what']} | {r['batch']} | {r['tokens_per_s']:.1f} tok/s{acc} | "
+                         f"{r['speedup']:.2f}x plain, identical={r['identical_to_plain']} |")
+    lines += [f"\nError: {e}" for e in data.get("errors", [])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    del argv
+    report = Report(pathlib.Path(FLAGS.out_dir))
+    if "A" in FLAGS.parts:
+        raw = dict(BIG)
+        if FLAGS.small:
+            raw.update(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
+                       intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16)
+        cfg = ModelConfig.from_hf(raw)
+        bw = copy_bandwidth((1 << 30) if not FLAGS.small else (1 << 22))
+        _guarded(report, "A", part_a, report, cfg, FLAGS.context if not FLAGS.small else 64, FLAGS.reps, bw)
+    if "B" in FLAGS.parts:
+        _guarded(report, "B", part_b, report, FLAGS.reps)
+    md = _markdown(report.data)
+    (report.out / "results.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    app.run(main)
