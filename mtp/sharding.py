@@ -318,13 +318,5 @@ def shard_cache(cache: TargetCache | DrafterCache, cfg: ModelConfig, mesh: Mesh)
     return jax.device_put(cache, cache_sharding(cache, cfg, mesh), donate=True)
 
 
-def shard_shapes(tree) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """Per leaf, the shapes of its addressable shards (for reports and tests)."""
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(path): tuple(s.data.shape for s in leaf.addressable_shards)
-            for path, leaf in flat}
-
-
 __all__ = ["AXES", "EP", "TP", "cache_sharding", "layout_shapes", "load_sharded", "make_mesh",
-           "mesh_sizes", "param_sharding", "param_specs", "shard_cache", "shard_params", "shard_shapes",
-           "spec_for", "stacks_experts"]
+           "mesh_sizes", "param_sharding", "param_specs", "shard_cache", "shard_params", "spec_for", "stacks_experts"]
