@@ -24,9 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from conftest import random_params, tiny_config  # noqa: E402
+from tests.conftest import random_params, tiny_config  # noqa: E402
 from mtp import checkpoint, generation  # noqa: E402
 from mtp import sharding as S  # noqa: E402
 from mtp.model.params import flatten, unflatten  # noqa: E402

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import tiny_config
+from tests.conftest import tiny_config
 from mtp import sharding as S
 from mtp.config import ModelConfig
 from mtp.model.layers import moe
