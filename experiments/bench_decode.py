@@ -61,14 +61,18 @@ class Report:
         (self.out / "results.json").write_text(json.dumps(self.data, indent=1))
 
 
-def _median_ms(fn, state, reps):
-    """Median wall ms of ``state = fn(state)`` after two warm-up calls (compiles excluded)."""
+def _median_ms(fn, state, reps, *args):
+    """Median wall ms of ``state = fn(state, *args)`` after two warm-up calls (compiles excluded).
+
+    Weights travel as arguments: closed over, they would be baked into the program
+    as constants (gigabytes of them, and minutes of constant folding).
+    """
     for _ in range(2):
-        state = jax.block_until_ready(fn(state))
+        state = jax.block_until_ready(fn(state, *args))
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        state = jax.block_until_ready(fn(state))
+        state = jax.block_until_ready(fn(state, *args))
         times.append(time.perf_counter() - t)
     return 1e3 * float(np.median(times)), state
 
@@ -76,7 +80,7 @@ def _median_ms(fn, state, reps):
 def copy_bandwidth(nbytes: int) -> float:
     """Device copy bandwidth (bytes read + written per second): the memory ceiling."""
     x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * jnp.bfloat16(1.0009765625))
+    copy = jax.jit(lambda a: a * jnp.bfloat16(1.0009765625))  # a read and a write of every byte
     ms, _ = _median_ms(copy, x, 10)
     xla = 2 * nbytes / (ms / 1e3)
     try:
@@ -123,21 +127,21 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
         floor_ms = 1e3 * (weight_bytes + kv_bytes + state_bytes) / bw
         tok = jnp.ones((batch, 1), jnp.int32)
 
-        def decode(c):  # lengths stay put: commit keeps nothing, so every step reads `context` KV
-            c, out = target.verify(cfg, params, c, tok)
+        def decode(c, p):  # lengths stay put: commit keeps nothing, so every step reads `context` KV
+            c, out = target.verify(cfg, p, c, tok)
             return target.commit(c, out, jnp.zeros((batch,), jnp.int32))
 
-        decode_ms, cache = _median_ms(jax.jit(decode, donate_argnums=0), cache, reps)
+        decode_ms, cache = _median_ms(jax.jit(decode, donate_argnums=0), cache, reps, params)
         report.add(part="A", what="decode", batch=batch, ms=decode_ms, floor_ms=floor_ms,
                    ratio_to_floor=decode_ms / floor_ms)
         for k in (2, 4, 8):
             toks = jnp.ones((batch, k), jnp.int32)
 
-            def verify(c, toks=toks):
-                c, out = target.verify(cfg, params, c, toks)
+            def verify(c, p, toks=toks):
+                c, out = target.verify(cfg, p, c, toks)
                 return target.commit(c, out, jnp.zeros((batch,), jnp.int32))
 
-            ms, cache = _median_ms(jax.jit(verify, donate_argnums=0), cache, reps)
+            ms, cache = _median_ms(jax.jit(verify, donate_argnums=0), cache, reps, params)
             report.add(part="A", what=f"verify K={k}", batch=batch, ms=ms, ratio_to_decode=ms / decode_ms)
         dcache = _random_cache(cfg, batch, context, 16, dtype, jax.random.key(3))
         dc = DrafterCache.create(cfg, batch, dcache.kv.num_pages, 16, dcache.block_tables.shape[1], dtype).replace(
@@ -145,12 +149,12 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
             rows=jnp.full((batch,), context, jnp.int32), last_pair_key=jnp.full((batch,), context, jnp.int32))
         hidden = jax.random.normal(jax.random.key(4), (batch, cfg.hidden_size), dtype)
 
-        def propose(d):
-            d, logits, _ = draft_step(cfg, params, d, jnp.ones((batch,), jnp.int32), hidden,
+        def propose(d, p):
+            d, logits, _ = draft_step(cfg, p, d, jnp.ones((batch,), jnp.int32), hidden,
                                       d.last_pair_key, jnp.ones((batch,), bool), "auto")
             return d.replace(rows=d.rows - 1)
 
-        ms, dc = _median_ms(jax.jit(propose, donate_argnums=0), dc, reps)
+        ms, dc = _median_ms(jax.jit(propose, donate_argnums=0), dc, reps, params)
         report.add(part="A", what="propose (1 draft)", batch=batch, ms=ms, ratio_to_decode=ms / decode_ms)
         del cache, dc
 

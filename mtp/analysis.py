@@ -23,6 +23,7 @@ def summarize(turns: Sequence) -> dict:
         "verify_steps": acc.steps,
         "accepted_per_step": acc.accepted / acc.steps if acc.steps else float("nan"),
         "mean_acceptance_length": acc.mean_acceptance_length,
+        "draft_acceptance_rate": acc.draft_acceptance_rate,
         "acceptance_per_position": acc.per_position,
         "drafter_rows_prefilled": sum(t.drafter_prefilled for t in turns),
         "drafter_rows_adopted": sum(t.drafter_adopted for t in turns),
