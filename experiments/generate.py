@@ -16,12 +16,15 @@ import os
 import pathlib
 import time
 
+import numpy as np
+
 from absl import app, flags, logging
 
 from mtp import quant
 from mtp.checkpoint import load_pretrained
 from mtp.data.tokenizer import Tokenizer
 from mtp.generation import generate
+from mtp.mtp_head import draft_vocabulary
 from mtp.speculative import SpecConfig
 
 DEFAULT_CHECKPOINT = pathlib.Path(__file__).resolve().parents[1] / "assets" / "default_model"
@@ -41,6 +44,8 @@ flags.DEFINE_integer("batch_size", 8, "Prompts decoded together.", lower_bound=1
 flags.DEFINE_bool("refeed_accepted", False, "Rebuild accepted drafter rows 2.. from the target's true hiddens.")
 flags.DEFINE_float("draft_conf_tau", 0.0, "D-Cut threshold on the chain's min top-1 probability (0 = off).")
 flags.DEFINE_enum("mtp_hidden_source", None, ["post_norm", "pre_norm"], "Override the config's MTP hidden source.")
+flags.DEFINE_integer("mtp_vocab_size", 0, "Draft over the N most frequent token ids (0 = full vocabulary); "
+                     "needs token_counts.npy (counts per id) in the checkpoint.", lower_bound=0)
 flags.DEFINE_enum("kernels", "auto", ["auto", "reference", "pallas", "interpret"], "Kernel backend.")
 
 
@@ -90,12 +95,19 @@ def main(argv):
     spec = SpecConfig(verify_width=max(d + 1, 2), max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
                       refeed_accepted=FLAGS.refeed_accepted, draft_conf_tau=FLAGS.draft_conf_tau,
                       eos_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1, impl=FLAGS.kernels)
+    draft_vocab = None
+    if FLAGS.mtp_vocab_size:
+        counts_path = os.path.join(FLAGS.checkpoint, "token_counts.npy")
+        if not os.path.exists(counts_path):
+            raise ValueError(f"--mtp_vocab_size needs token frequencies: {counts_path} is missing")
+        draft_vocab = draft_vocabulary(np.load(counts_path), FLAGS.mtp_vocab_size)
     tmp = FLAGS.out + ".tmp"
     start = time.perf_counter()
     with open(tmp, "w") as out:
         for lo in range(0, len(prompts), FLAGS.batch_size):
             batch = prompts[lo : lo + FLAGS.batch_size]
-            res = generate(cfg, params, batch, spec, speculative=d > 0, mtp_quant=mtp_quant, seed=FLAGS.seed + lo)
+            res = generate(cfg, params, batch, spec, speculative=d > 0, mtp_quant=mtp_quant, seed=FLAGS.seed + lo,
+                           draft_vocab=draft_vocab)
             for i, ids in enumerate(res.tokens):
                 metrics = res.per_sequence[i].as_dict() if res.per_sequence else {"verify_steps": len(ids) - 1}
                 metrics["num_tokens"] = len(ids)

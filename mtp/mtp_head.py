@@ -86,6 +86,24 @@ def fc_input(cfg: ModelConfig, params: Params, next_tokens: jax.Array, hidden: j
     return out.reshape(*lead, -1)
 
 
+def draft_vocabulary(token_counts, size: int) -> jax.Array | None:
+    """The ``size`` most frequent token ids (ascending), the drafter's reduced vocabulary.
+
+    ``size == 0`` means the full vocabulary. Drafting over fewer ids cuts the MTP LM
+    head's cost; the target still verifies over the full vocabulary, so a draft the
+    reduced head cannot name only costs acceptance. Ties break toward lower ids.
+    """
+    import numpy as np
+
+    counts = np.asarray(token_counts)
+    if size == 0:
+        return None
+    if not 0 < size <= counts.size:
+        raise ValueError(f"mtp_vocab_size={size} must be in 1..{counts.size} (0 = full vocabulary)")
+    order = np.lexsort((np.arange(counts.size), -counts))[:size]
+    return jnp.asarray(np.sort(order).astype(np.int32))
+
+
 def _head_out(cfg, params, x, draft_vocab):
     """Final norm, logits over the (optionally reduced) draft vocabulary, chained hidden."""
     post = rms_norm(x, params["mtp"]["norm"]["weight"], cfg.rms_norm_eps)
@@ -199,5 +217,5 @@ def prefill_drafter(cfg: ModelConfig, params: Params, dcache: DrafterCache, toke
     return dcache
 
 
-__all__ = ["DrafterCache", "PREFILL_CHUNK", "NULL_PAGE", "append_rows", "draft_step", "fc_input",
+__all__ = ["DrafterCache", "PREFILL_CHUNK", "NULL_PAGE", "append_rows", "draft_step", "draft_vocabulary", "fc_input",
            "forward_sequence", "prefill_drafter", "quantize_head"]

@@ -151,3 +151,16 @@ def test_rejection_sampling_keeps_the_target_distribution(temperature):
 def test_bad_verify_width_is_a_clear_error():
     with pytest.raises(ValueError, match="verify_width K=9"):
         SpecConfig(verify_width=9)
+
+
+def test_reduced_draft_vocabulary_is_lossless_and_maps_back(greedy_reference):
+    from mtp.mtp_head import draft_vocabulary
+
+    cfg, params, prompts, base = greedy_reference["tiny_dense"]
+    counts = np.random.default_rng(0).integers(0, 1000, cfg.vocab_size)
+    vocab = draft_vocabulary(counts, 40)
+    assert vocab.shape == (40,) and set(np.asarray(vocab)) == set(np.argsort(-counts, kind="stable")[:40])
+    res = generate(cfg, params, prompts, SpecConfig(verify_width=3, max_new_tokens=MAX_NEW), draft_vocab=vocab)
+    assert res.tokens == base
+    with pytest.raises(ValueError, match="mtp_vocab_size=200 must be in 1..97"):
+        draft_vocabulary(counts, 200)
