@@ -36,11 +36,18 @@ def summarize(turns: Sequence) -> dict:
 
 def paired_bootstrap(a: Sequence[float], b: Sequence[float], samples: int, seed: int,
                      stat: Callable[[np.ndarray], float] = np.mean) -> dict:
-    """95% interval of ``stat(a - b)`` over pairs (turns) resampled with replacement."""
+    """95% interval of ``stat(a - b)`` over pairs (turns) resampled with replacement.
+
+    Pairs where either side is undefined (a turn that ended at its first token has
+    no verify step, so no acceptance length) are left out, and ``pairs`` says how
+    many remained.
+    """
     a, b = np.asarray(a, float), np.asarray(b, float)
-    if a.shape != b.shape or not a.size:
-        raise ValueError(f"paired bootstrap needs two equal, non-empty samples; got {a.shape} and {b.shape}")
-    d = a - b
+    if a.shape != b.shape:
+        raise ValueError(f"paired bootstrap needs two equal-length samples; got {a.shape} and {b.shape}")
+    d = (a - b)[np.isfinite(a) & np.isfinite(b)]
+    if not d.size:
+        raise ValueError("paired bootstrap: no pair has both values defined")
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, d.size, (samples, d.size))
     boots = np.array([stat(d[i]) for i in idx])
