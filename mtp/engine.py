@@ -49,7 +49,7 @@ from absl import logging
 from mtp import carry as carry_lib
 from mtp import quant
 from mtp.cache.pages import PageAllocator, block_table_row
-from mtp.cache.prefix import PrefixCache, Snapshot, SnapshotStore, chain_hashes
+from mtp.cache.prefix import PrefixCache, Snapshot, SnapshotStore, TurnEndStore, chain_hashes
 from mtp.cache.state import LinearState, TargetCache
 from mtp.config import ModelConfig
 from mtp.metrics import AcceptanceStats
@@ -75,6 +75,7 @@ class EngineConfig:
     max_context: int = 2048  # prompt + reply tokens one slot can address
     marconi_min_tokens: int | None = None  # None: carry.marconi_min_tokens()
     drafter_context: carry_lib.DrafterContext = carry_lib.DrafterContext()
+    turn_end_snapshots: bool = True  # also snapshot the GDN state at each turn's end
     debug: bool = False
 
     def __post_init__(self):
@@ -160,6 +161,13 @@ _linear_of_slot = jax.jit(lambda linear, b: _slot(linear, b))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
+def _copy_page(cache: TargetCache, src, dst):
+    """Copy one KV page (every attention layer): a shared partial page is extended in a copy."""
+    return cache.replace(kv=cache.kv.replace(k=tuple(k.at[dst].set(k[src]) for k in cache.kv.k),
+                                             v=tuple(v.at[dst].set(v[src]) for v in cache.kv.v)))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
 def _set_slot_linear(cache: TargetCache, b, linear: LinearState):
     return cache.replace(linear=_put_slot(cache.linear, b, linear))
 
@@ -210,6 +218,7 @@ class Engine:
         self.dpages = PageAllocator(engine_cfg.drafter_pages, ps, "drafter KV")
         self.prefix = PrefixCache(self.pages)
         self.snapshots = SnapshotStore(SNAPSHOT_INTERVAL, ps)
+        self.turn_ends = TurnEndStore(self.pages, max(8, 2 * engine_cfg.carry_slots, 2 * b))
         self.cache = TargetCache.create(cfg, b, engine_cfg.num_pages, ps, self.max_blocks, self.dtype)
         self.dcache = DrafterCache.create(cfg, b, engine_cfg.drafter_pages, ps, self.max_blocks, self.dtype)
         # The captured target hiddens, indexed by absolute position (one row per
@@ -243,6 +252,8 @@ class Engine:
     def _alloc(self, count: int) -> list[int]:
         if count > self.pages.num_free:
             self.prefix.evict(count - self.pages.num_free)
+        if count > self.pages.num_free:
+            self.turn_ends.evict(count - self.pages.num_free)
         return self.pages.allocate(count)
 
     def _set_tables(self, slot: int, target_pages, drafter_pages):
@@ -308,10 +319,21 @@ class Engine:
         target_pages = shared + own
 
         # Path: restore a snapshot, or recompute the recurrent state (KV-only), or cold.
-        snap = None
-        warm = cached > 0
-        if warm and cached >= self.marconi and self.ecfg.policy != "rebuild":
+        # Candidates: the longest page-aligned prefill snapshot within the cached
+        # pages, and the end state of an earlier turn this prompt extends (its
+        # partial last page is then copied into this sequence's first own page).
+        snap, turn_end = None, None
+        if use_prefix and self.ecfg.turn_end_snapshots:
+            turn_end = self.turn_ends.match(prompt, len(shared))
+        matched = max(cached, turn_end.length if turn_end else 0)
+        warm = matched > 0
+        if warm and matched >= self.marconi and self.ecfg.policy != "rebuild":
             snap = self.snapshots.best(hashes, cached)
+            if turn_end is not None and (snap is None or turn_end.length > snap.position):
+                snap = turn_end.snapshot
+                if turn_end.tail_page is not None:
+                    self.cache = _copy_page(self.cache, turn_end.tail_page, own[0])
+                cached = turn_end.length
         path = "cold" if not warm else ("restore" if snap else "kv_only")
         self._set_tables(slot, target_pages, [])
         if snap is not None:
@@ -435,12 +457,17 @@ class Engine:
         return results
 
     def _finish_turn(self, lv: _Live, full: list[int]):
-        """Register full blocks, release the turn's pages, deposit the drafter (carry)."""
+        """Register full blocks and the end state, release the turn's pages, deposit the drafter."""
         ps = self.ecfg.page_size
         valid = int(self.cache.lengths[lv.slot])  # every token but the last is in the cache
         if self.ecfg.policy != "cold":
             hashes = chain_hashes(full[:valid], ps)
             self.prefix.insert(hashes, lv.target_pages[: len(hashes)])
+            if self.ecfg.turn_end_snapshots:
+                lin = _linear_of_slot(self.cache.linear, lv.slot)
+                tail = lv.target_pages[valid // ps] if valid % ps else None
+                self.turn_ends.put(full[:valid], tail,
+                                   Snapshot(valid, lin.conv, lin.recurrent, lv.session, lv.generation))
         self.pages.release(lv.target_pages)
         if not self.ecfg.speculative:
             return

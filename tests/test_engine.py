@@ -169,3 +169,20 @@ def test_exhausted_pool_and_oversized_prompt_are_clear_errors(model):
         eng.run_wave([TurnRequest("x", tuple([5] * 250), MAX_NEW)])
     with pytest.raises(ValueError, match="unknown drafter policy 'greedy'"):
         EngineConfig(policy="greedy")
+
+
+@pytest.mark.parametrize("turn_end", [True, False])
+def test_turn_end_snapshot_prefills_only_the_new_tokens(model, workload, reference, turn_end):
+    prompts, sessions = workload
+    eng = _engine(model, policy="blind", turn_end_snapshots=turn_end, marconi_min_tokens=0)
+    res = run_sessions(eng, sessions[:1], prompts)
+    for prev, r in zip(res, res[1:]):
+        assert reference[(r.request.session_id, r.request.prompt)] == r.output
+        in_cache = len(prev.request.prompt) + len(prev.output) - 1  # all but the last token
+        assert r.stats.path == "restore"
+        if turn_end:
+            assert r.stats.cached_tokens == in_cache
+            assert r.stats.prefilled_tokens == r.stats.prompt_len - in_cache
+        else:  # restored from the last 64-aligned prefill snapshot instead
+            assert r.stats.prefilled_tokens > r.stats.prompt_len - in_cache
+    assert len(eng.turn_ends) == (len(res) if turn_end else 0)

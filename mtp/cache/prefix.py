@@ -122,3 +122,71 @@ class SnapshotStore:
                 return snap
             pos -= self.interval
         return None
+
+
+def exact_key(tokens: Sequence[int]) -> bytes:
+    """A hash of exactly these tokens (any length, unlike the block chain)."""
+    return hashlib.blake2b(b"exact:" + np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnEnd:
+    length: int  # tokens with KV in the cache at the turn's end (every token but the last)
+    tail_page: int | None  # the partial last page (None when `length` is page-aligned)
+    snapshot: Snapshot
+
+
+class TurnEndStore:
+    """Each finished turn's final GDN state, with the partial page that completes its KV.
+
+    The prefix cache shares only full pages, so a state taken at a turn's end
+    (rarely page-aligned) could not be paired with its KV from that cache alone:
+    this store keeps a reference on the turn's partial last page, which a later
+    turn copies (never writes) before extending it. Bounded, LRU; entries give
+    their page back when evicted.
+    """
+
+    def __init__(self, allocator: PageAllocator, max_entries: int):
+        self.allocator = allocator
+        self.max_entries = max_entries
+        self._entries: collections.OrderedDict[bytes, TurnEnd] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, tokens: Sequence[int], tail_page: int | None, snapshot: Snapshot) -> None:
+        key = exact_key(tokens)
+        if key in self._entries:
+            self._drop(key)
+        if tail_page is not None:
+            self.allocator.share([tail_page])
+        self._entries[key] = TurnEnd(len(tokens), tail_page, snapshot)
+        while len(self._entries) > self.max_entries:
+            self._drop(next(iter(self._entries)))
+
+    def match(self, prompt: Sequence[int], full_pages_cached: int) -> TurnEnd | None:
+        """The longest entry that ``prompt`` strictly extends, whose full pages are all cached."""
+        best_key, best = None, None
+        bs = self.allocator.page_size
+        for key, entry in self._entries.items():
+            if (entry.length < len(prompt) and entry.length // bs == full_pages_cached
+                    and (best is None or entry.length > best.length) and exact_key(prompt[: entry.length]) == key):
+                best_key, best = key, entry
+        if best_key is not None:
+            self._entries.move_to_end(best_key)
+        return best
+
+    def evict(self, pages_needed: int) -> int:
+        freed = 0
+        for key in list(self._entries):
+            if freed >= pages_needed:
+                break
+            page = self._entries[key].tail_page
+            self._drop(key)
+            freed += page is not None and self.allocator.refcount(page) == 0
+        return freed
+
+    def _drop(self, key: bytes) -> None:
+        entry = self._entries.pop(key)
+        if entry.tail_page is not None:
+            self.allocator.release([entry.tail_page])
