@@ -460,6 +460,9 @@ class Engine:
         """Register full blocks and the end state, release the turn's pages, deposit the drafter."""
         ps = self.ecfg.page_size
         valid = int(self.cache.lengths[lv.slot])  # every token but the last is in the cache
+        if valid != len(full) - 1:
+            raise RuntimeError(f"session {lv.request.session_id}: the cache holds {valid} positions for a sequence "
+                               f"of {len(full)} tokens; its KV, snapshot and carry would describe other tokens")
         if self.ecfg.policy != "cold":
             hashes = chain_hashes(full[:valid], ps)
             self.prefix.insert(hashes, lv.target_pages[: len(hashes)])

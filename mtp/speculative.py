@@ -87,7 +87,10 @@ class LoopState:
 
 
 def _emit(state: LoopState, new: jax.Array, count: jax.Array, eos_id: int):
-    """Append ``new[b, :count[b]]`` to each slot's output, stopping at EOS and the budget."""
+    """Append ``new[b, :count[b]]`` to each slot's output, stopping at EOS and the budget.
+
+    Returns ``(out, num_out, done, taken)``; ``taken[b]`` tokens were emitted.
+    """
     n = new.shape[1]
     j = jnp.arange(n)[None, :]
     room = state.budget - state.num_out
@@ -105,7 +108,7 @@ def _emit(state: LoopState, new: jax.Array, count: jax.Array, eos_id: int):
     out = state.out.at[jnp.arange(new.shape[0])[:, None], cols].set(new, mode="drop")
     num_out = state.num_out + take
     done = state.done | (num_out >= state.budget) | hit_eos
-    return out, num_out, done
+    return out, num_out, done, take
 
 
 def _initial_state(cfg, cache, dcache, first_token, first_hidden, budget, spec: SpecConfig, rng, batch):
@@ -115,7 +118,7 @@ def _initial_state(cfg, cache, dcache, first_token, first_hidden, budget, spec: 
                       budget=jnp.minimum(budget, spec.max_new_tokens).astype(jnp.int32),
                       done=budget <= 0, rng=rng, metrics=DecodeMetrics.zeros(batch, spec.num_drafts))
     # The first token came from prefill; it is output like any other.
-    out, num_out, done = _emit(state, first_token[:, None].astype(jnp.int32), jnp.ones((batch,), jnp.int32),
+    out, num_out, done, _ = _emit(state, first_token[:, None].astype(jnp.int32), jnp.ones((batch,), jnp.int32),
                                spec.eos_id)
     return state.replace(out=out, num_out=num_out, done=done)
 
@@ -146,7 +149,7 @@ def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_toke
         cache, vout = target.verify(cfg, params, s.cache, s.last_token[:, None], impl=spec.impl)
         cache = target.commit(cache, vout, jnp.where(s.done, 0, 1))
         nxt = pick_token(vout.logits[:, 0], spec.temperature, key)
-        out, num_out, done = _emit(s, nxt[:, None], jnp.ones_like(nxt), spec.eos_id)
+        out, num_out, done, _ = _emit(s, nxt[:, None], jnp.ones_like(nxt), spec.eos_id)
         return s.replace(cache=cache, last_token=nxt, out=out, num_out=num_out, done=done, rng=rng)
 
     state = jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
@@ -253,10 +256,13 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
             accepted, bonus = _accept_sampled(vout.logits, drafts, num_drafted, q, spec.temperature, ka,
                                               draft_vocab)
         accepted = jnp.where(active, accepted, 0)
-        cache = target.commit(cache, vout, jnp.where(active, accepted + 1, 0))
         emitted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
         emitted = emitted.at[jnp.arange(b), accepted].set(bonus)
-        out, num_out, done = _emit(s, emitted, accepted + 1, spec.eos_id)
+        out, num_out, done, taken = _emit(s, emitted, accepted + 1, spec.eos_id)
+        # The cache keeps exactly the verified tokens that were emitted (the last one
+        # excepted, as always): a turn cut short by its budget or EOS leaves no
+        # accepted-but-unemitted token behind for a snapshot or the prefix cache.
+        cache = target.commit(cache, vout, taken)
 
         # Drafter rows: this step wrote keys p0 .. p0+D-1 (rows for undrafted D-Cut
         # positions included); keep the prefix the rule allows.

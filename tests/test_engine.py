@@ -186,3 +186,19 @@ def test_turn_end_snapshot_prefills_only_the_new_tokens(model, workload, referen
         else:  # restored from the last 64-aligned prefill snapshot instead
             assert r.stats.prefilled_tokens > r.stats.prompt_len - in_cache
     assert len(eng.turn_ends) == (len(res) if turn_end else 0)
+
+
+def test_budget_cut_mid_acceptance_keeps_cache_and_snapshots_exact(workload):
+    """A perfect drafter accepts every draft, so turns end with accepted tokens beyond the
+    budget: none of them may stay in the cache a turn-end snapshot or the prefix cache reads."""
+    from tests.test_speculative import _oracle_head
+
+    cfg = tiny_config("tiny_dense")
+    params = _oracle_head(cfg, random_params(cfg, seed=9), agree=True)
+    prompts, sessions = workload
+    ref = run_sessions(_engine((cfg, params), policy="cold", speculative=False), sessions, prompts)
+    for policy in ("blind", "carry"):
+        res = run_sessions(_engine((cfg, params), policy=policy, marconi_min_tokens=0), sessions, prompts)
+        assert [r.output for r in res] == [r.output for r in ref]
+        assert all(r.stats.acceptance.draft_acceptance_rate == 1.0 for r in res if r.stats.acceptance.steps)
+        assert any(r.stats.path == "restore" and r.stats.cached_tokens % 16 for r in res)  # turn-end restores
