@@ -53,6 +53,7 @@ def _run(cfg, params, sessions, prompts, spec, ecfg, label, total):
     warm = [dataclasses.replace(s, turns=s.turns[:2]) for s in sessions[: ecfg.batch_slots]]
     run_sessions(Engine(cfg, params, ecfg, spec), warm, prompts)
     eng = Engine(cfg, params, ecfg, spec)
+    eng.precompile_appends()
     bar = tqdm(total=total, desc=f"{label:>16}", unit="turn", leave=False)
     res = run_sessions(eng, sessions, prompts, on_turn=lambda r: bar.update())
     bar.close()

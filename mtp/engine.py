@@ -60,6 +60,7 @@ from mtp.speculative import SpecConfig, greedy_loop, pick_token, speculative_loo
 
 DRAFTER_POLICIES = ("cold", "blind", "rebuild", "carry")
 SNAPSHOT_INTERVAL = 64  # prefill chunk and snapshot granularity (a multiple of the page size)
+APPEND_BUCKETS = (64, 128, 256, PREFILL_CHUNK)  # drafter-append chunk sizes (one compile each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,15 +404,31 @@ class Engine:
         return [int(p) for p in row if p]
 
     def _append(self, slot, prompt, first_key, count):
-        """Drafter rows for keys ``first_key .. first_key+count-1`` from the slot's hidden store."""
-        chunk = PREFILL_CHUNK
+        """Drafter rows for keys ``first_key .. first_key+count-1`` from the slot's hidden store.
+
+        Chunks of `PREFILL_CHUNK` rows, the last one in the smallest of `APPEND_BUCKETS`
+        that holds it: a carry appends a turn's tail (tens of rows), which a full
+        512-row chunk would mostly spend on padding.
+        """
         ids = np.asarray(list(prompt) + [0], np.int32)
-        for off in range(0, count, chunk):
+        off = 0
+        while off < count:
+            chunk = next(c for c in APPEND_BUCKETS if c >= min(count - off, PREFILL_CHUNK))
             keys = first_key + off + np.arange(chunk)
             tok = ids[np.clip(keys + 1, 0, len(prompt))][None]
             self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, slot, jnp.asarray(tok),
                                        jnp.array([first_key + off], jnp.int32),
                                        jnp.array([min(chunk, count - off)], jnp.int32), impl=self.spec.impl)
+            off += chunk
+
+    def precompile_appends(self) -> None:
+        """Compile every drafter-append bucket (count 0 writes nothing), so no timed turn does."""
+        if not self.ecfg.speculative:
+            return
+        for chunk in APPEND_BUCKETS:
+            self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, 0,
+                                       jnp.zeros((1, chunk), jnp.int32), jnp.zeros((1,), jnp.int32),
+                                       jnp.zeros((1,), jnp.int32), impl=self.spec.impl)
 
     def _drop_carry(self, entry: carry_lib.CarriedDrafter):
         self.carried.pop(entry.session_hash, None)
