@@ -14,59 +14,24 @@ Writes ``results.json``, ``results.md`` and two PNGs to ``out_dir``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import platform
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import app, logging
 from ml_collections import config_flags
-from tqdm import tqdm
 
+from experiments.harness import index_turns, load_experiment, run_policy
 from mtp.analysis import acceptance_length, paired_bootstrap, summarize
-from mtp.checkpoint import load_pretrained
-from mtp.data.sessions import load_preamble, load_sessions
-from mtp.data.tokenizer import Tokenizer
-from mtp.engine import Engine, EngineConfig, TextPrompts, run_sessions
+from mtp.data.sessions import load_preamble
+from mtp.engine import EngineConfig, TextPrompts
 from mtp.speculative import SpecConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/carry_ablation.py", "Experiment config.")
 COMPARISONS = (("carry", "blind"), ("carry", "rebuild"), ("carry_multi_B2", "carry_single_B2"))
-
-
-def _load(c):
-    cfg, params = load_pretrained(c.checkpoint, dtype=jnp.dtype(c.dtype))
-    tok = Tokenizer.load(pathlib.Path(c.checkpoint) / "tokenizer.json")
-    sessions = load_sessions(c.sessions)
-    if c.num_sessions >= 0:
-        sessions = sessions[: c.num_sessions]
-    return cfg, params, tok, sessions
-
-
-def _run(cfg, params, sessions, prompts, spec, ecfg, label, total):
-    # Warm-up on a throwaway engine, so compiles stay out of the timed turns
-    # (jit caches are per process; the timed engine starts with empty caches).
-    warm = [dataclasses.replace(s, turns=s.turns[:2]) for s in sessions[: ecfg.batch_slots]]
-    run_sessions(Engine(cfg, params, ecfg, spec), warm, prompts)
-    eng = Engine(cfg, params, ecfg, spec)
-    eng.precompile_appends()
-    bar = tqdm(total=total, desc=f"{label:>16}", unit="turn", leave=False)
-    res = run_sessions(eng, sessions, prompts, on_turn=lambda r: bar.update())
-    bar.close()
-    return res
-
-
-def _turn_index(results):
-    seen, out = {}, []
-    for r in results:
-        i = seen.get(r.request.session_id, 0)
-        seen[r.request.session_id] = i + 1
-        out.append(((r.request.session_id, i), r))
-    return dict(out)
 
 
 def _markdown(report) -> str:
@@ -133,7 +98,7 @@ def main(argv):
     del argv
     c = _CONFIG.value
     start = time.time()
-    cfg, params, tok, sessions = _load(c)
+    cfg, params, tok, sessions = load_experiment(c)
     prompts = TextPrompts(tok, load_preamble(c.preamble), c.prompt_mode)
     spec = SpecConfig(verify_width=c.verify_width, max_new_tokens=max(t.max_new_tokens for s in sessions for t in s.turns),
                       refeed_accepted=c.refeed_accepted, eos_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1)
@@ -141,12 +106,12 @@ def main(argv):
     common = dict(max_context=c.max_context, num_pages=c.num_pages, drafter_pages=c.num_pages,
                   marconi_min_tokens=c.marconi_min_tokens, mtp_quant=c.mtp_quant)
     logging.info("plain greedy reference over %d sessions, %d turns", len(sessions), total)
-    ref = _turn_index(_run(cfg, params, sessions, prompts, spec,
+    ref = index_turns(run_policy(cfg, params, sessions, prompts, spec,
                            EngineConfig(policy="cold", speculative=False, **common), "greedy reference", total))
     per_turn, lossless = {}, {}
     for name, (policy, slots, carry_slots) in c.variants.items():
         ecfg = EngineConfig(policy=policy, batch_slots=slots, carry_slots=carry_slots, **common)
-        turns = _turn_index(_run(cfg, params, sessions, prompts, spec, ecfg, name, total))
+        turns = index_turns(run_policy(cfg, params, sessions, prompts, spec, ecfg, name, total))
         per_turn[name] = turns
         lossless[name] = all(turns[k].output == ref[k].output for k in ref) and turns.keys() == ref.keys()
         logging.info("%s: token-identical to plain greedy: %s", name, lossless[name])

@@ -18,7 +18,7 @@ import time
 from absl import app, logging
 from ml_collections import config_flags
 
-from experiments.carry_ablation import _load, _run, _turn_index
+from experiments.harness import index_turns, load_experiment, run_policy
 from mtp.analysis import summarize
 from mtp.data.sessions import load_preamble, load_sessions
 from mtp.engine import EngineConfig, TextPrompts
@@ -38,7 +38,7 @@ def main(argv):
     del argv
     c = _CONFIG.value
     start = time.time()
-    cfg0, params, tok, sessions = _load(c)
+    cfg0, params, tok, sessions = load_experiment(c)
     prompts = TextPrompts(tok, load_preamble(c.preamble), c.prompt_mode)
     preamble_only = load_sessions(c.preamble_only_sessions)[: c.num_preamble_only]
     tables = {}
@@ -47,7 +47,7 @@ def main(argv):
         total = sum(len(s.turns) for s in work)
         max_new = max(t.max_new_tokens for s in work for t in s.turns)
         ref_spec = SpecConfig(max_new_tokens=max_new, eos_id=cfg0.eos_token_id if cfg0.eos_token_id is not None else -1)
-        ref = _turn_index(_run(cfg0, params, work, prompts, ref_spec,
+        ref = index_turns(run_policy(cfg0, params, work, prompts, ref_spec,
                                EngineConfig(policy="cold", speculative=False, max_context=c.max_context,
                                             num_pages=c.num_pages), f"{axis} ref", total))
         rows = []
@@ -60,7 +60,7 @@ def main(argv):
             ecfg = EngineConfig(policy=c.policy, max_context=c.max_context, num_pages=c.num_pages,
                                 drafter_pages=c.num_pages, mtp_quant=k["mtp_quant"],
                                 marconi_min_tokens=k["marconi_min_tokens"])
-            turns = _turn_index(_run(cfg, params, work, prompts, spec, ecfg, f"{axis}={value}", total))
+            turns = index_turns(run_policy(cfg, params, work, prompts, spec, ecfg, f"{axis}={value}", total))
             same = turns.keys() == ref.keys() and all(turns[t].output == ref[t].output for t in ref)
             stats = [r.stats for r in turns.values()]
             rows.append({"value": value, "lossless": same, "all": summarize(stats),

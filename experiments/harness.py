@@ -1,0 +1,50 @@
+"""Shared pieces of the session experiments (carry_ablation, sweep): load, run, pair turns."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from mtp.checkpoint import load_pretrained
+from mtp.data.sessions import load_sessions
+from mtp.data.tokenizer import Tokenizer
+from mtp.engine import Engine, run_sessions
+
+
+def load_experiment(c):
+    """The checkpoint (at the config's compute dtype), its tokenizer, and the session subset."""
+    cfg, params = load_pretrained(c.checkpoint, dtype=jnp.dtype(c.dtype))
+    tok = Tokenizer.load(pathlib.Path(c.checkpoint) / "tokenizer.json")
+    sessions = load_sessions(c.sessions)
+    if c.num_sessions >= 0:
+        sessions = sessions[: c.num_sessions]
+    return cfg, params, tok, sessions
+
+
+def run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total):
+    """All sessions through a fresh engine, after a warm-up that keeps compiles out of the timings.
+
+    The warm-up runs two turns on a throwaway engine (jit caches are per process), so
+    the timed engine starts with empty prefix, snapshot and carry state.
+    """
+    warm = [dataclasses.replace(s, turns=s.turns[:2]) for s in sessions[: ecfg.batch_slots]]
+    run_sessions(Engine(cfg, params, ecfg, spec), warm, prompts)
+    eng = Engine(cfg, params, ecfg, spec)
+    eng.precompile_appends()
+    bar = tqdm(total=total, desc=f"{label:>16}", unit="turn", leave=False)
+    res = run_sessions(eng, sessions, prompts, on_turn=lambda r: bar.update())
+    bar.close()
+    return res
+
+
+def index_turns(results):
+    """``{(session_id, turn_index): TurnResult}``: turns paired across policies by this key."""
+    seen, out = {}, []
+    for r in results:
+        i = seen.get(r.request.session_id, 0)
+        seen[r.request.session_id] = i + 1
+        out.append(((r.request.session_id, i), r))
+    return dict(out)
