@@ -7,7 +7,6 @@ they check the claims the README makes about it, at CPU scale.
 import pathlib
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from mtp.checkpoint import load_pretrained

@@ -1,6 +1,5 @@
 """The session engine: every drafter policy is lossless, and the carry's ownership holds."""
 
-import dataclasses
 
 import numpy as np
 import pytest

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mtp.generation import generate
-from mtp.mtp_head import DrafterCache, append_rows, draft_step, forward_sequence, prefill_drafter
+from mtp.mtp_head import DrafterCache, draft_step, forward_sequence, prefill_drafter
 from mtp.model import target
 from mtp.model.params import flatten, unflatten
 from mtp.speculative import SpecConfig
