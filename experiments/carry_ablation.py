@@ -26,8 +26,7 @@ from ml_collections import config_flags
 
 from experiments.harness import index_turns, load_experiment, run_policy
 from mtp.analysis import acceptance_length, paired_bootstrap, summarize
-from mtp.data.sessions import load_preamble
-from mtp.engine import EngineConfig, TextPrompts
+from mtp.engine import EngineConfig
 from mtp.speculative import SpecConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/carry_ablation.py", "Experiment config.")
@@ -98,8 +97,7 @@ def main(argv):
     del argv
     c = _CONFIG.value
     start = time.time()
-    cfg, params, tok, sessions = load_experiment(c)
-    prompts = TextPrompts(tok, load_preamble(c.preamble), c.prompt_mode)
+    cfg, params, sessions, prompts = load_experiment(c)
     spec = SpecConfig(verify_width=c.verify_width, max_new_tokens=max(t.max_new_tokens for s in sessions for t in s.turns),
                       refeed_accepted=c.refeed_accepted, eos_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1)
     total = sum(len(s.turns) for s in sessions)

@@ -9,19 +9,19 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from mtp.checkpoint import load_pretrained
-from mtp.data.sessions import load_sessions
+from mtp.data.sessions import load_preamble, load_sessions
 from mtp.data.tokenizer import Tokenizer
-from mtp.engine import Engine, run_sessions
+from mtp.engine import Engine, TextPrompts, run_sessions
 
 
 def load_experiment(c):
-    """The checkpoint (at the config's compute dtype), its tokenizer, and the session subset."""
+    """The checkpoint (at the config's compute dtype), the session subset, and its prompt builder."""
     cfg, params = load_pretrained(c.checkpoint, dtype=jnp.dtype(c.dtype))
     tok = Tokenizer.load(pathlib.Path(c.checkpoint) / "tokenizer.json")
     sessions = load_sessions(c.sessions)
     if c.num_sessions >= 0:
         sessions = sessions[: c.num_sessions]
-    return cfg, params, tok, sessions
+    return cfg, params, sessions, TextPrompts(tok, load_preamble(c.preamble), c.prompt_mode)
 
 
 def run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total):

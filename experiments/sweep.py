@@ -20,8 +20,8 @@ from ml_collections import config_flags
 
 from experiments.harness import index_turns, load_experiment, run_policy
 from mtp.analysis import summarize
-from mtp.data.sessions import load_preamble, load_sessions
-from mtp.engine import EngineConfig, TextPrompts
+from mtp.data.sessions import load_sessions
+from mtp.engine import EngineConfig
 from mtp.speculative import SpecConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py", "Sweep config.")
@@ -38,8 +38,7 @@ def main(argv):
     del argv
     c = _CONFIG.value
     start = time.time()
-    cfg0, params, tok, sessions = load_experiment(c)
-    prompts = TextPrompts(tok, load_preamble(c.preamble), c.prompt_mode)
+    cfg0, params, sessions, prompts = load_experiment(c)
     preamble_only = load_sessions(c.preamble_only_sessions)[: c.num_preamble_only]
     tables = {}
     for axis, values in c.axes.items():
