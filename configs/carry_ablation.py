@@ -13,7 +13,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.verify_width = 3  # K: two drafts per verify step
     c.mtp_quant = "bf16"
     c.dtype = "float32"  # compute dtype on the host CPU (fp32 keeps greedy ties stable)
-    c.marconi_min_tokens = 256
+    # None: MTP_MARCONI_MIN_TOKENS, else the shipped 256. A value is set process-wide
+    # through carry.set_marconi_min_tokens (first writer wins) and recorded in the results.
+    c.marconi_min_tokens = ml_collections.config_dict.placeholder(int)
     c.refeed_accepted = False
     # name -> (policy, batch_slots, carry_slots). B > 1 disarms the single-slot carry.
     c.variants = ml_collections.ConfigDict({

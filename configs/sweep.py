@@ -11,6 +11,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.preamble_only_sessions = "assets/sessions/preamble_only.jsonl"
     c.num_preamble_only = 8
     c.policy = "carry"
+    c.marconi_min_tokens = 256  # the baseline of the other axes (the Marconi axis sets its own per run)
     # Each axis varies one knob from the baseline (the carry_ablation defaults).
     c.axes = ml_collections.ConfigDict({
         "verify_width": (2, 3, 4, 6),

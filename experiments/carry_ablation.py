@@ -25,6 +25,7 @@ from absl import app, logging
 from ml_collections import config_flags
 
 from experiments.harness import index_turns, load_experiment, run_policy
+from mtp import carry as carry_lib
 from mtp.analysis import acceptance_length, paired_bootstrap, summarize
 from mtp.engine import EngineConfig
 from mtp.speculative import SpecConfig
@@ -97,12 +98,15 @@ def main(argv):
     del argv
     c = _CONFIG.value
     start = time.time()
+    if c.marconi_min_tokens is not None and not carry_lib.set_marconi_min_tokens(c.marconi_min_tokens):
+        logging.warning("the Marconi threshold was fixed before --config.marconi_min_tokens could set it")
+    marconi = carry_lib.marconi_min_tokens()
     cfg, params, sessions, prompts = load_experiment(c)
     spec = SpecConfig(verify_width=c.verify_width, max_new_tokens=max(t.max_new_tokens for s in sessions for t in s.turns),
                       refeed_accepted=c.refeed_accepted, eos_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1)
     total = sum(len(s.turns) for s in sessions)
     common = dict(max_context=c.max_context, num_pages=c.num_pages, drafter_pages=c.num_pages,
-                  marconi_min_tokens=c.marconi_min_tokens, mtp_quant=c.mtp_quant)
+                  mtp_quant=c.mtp_quant)
     logging.info("plain greedy reference over %d sessions, %d turns", len(sessions), total)
     ref = index_turns(run_policy(cfg, params, sessions, prompts, spec,
                            EngineConfig(policy="cold", speculative=False, **common), "greedy reference", total))
@@ -135,7 +139,7 @@ def main(argv):
     ok = all(lossless.values())
     report = {
         "header": (f"{len(sessions)} sessions, {total} turns, K={c.verify_width}, mtp_quant={c.mtp_quant}, "
-                   f"prompt_mode={c.prompt_mode}, marconi_min_tokens={c.marconi_min_tokens}, dtype={c.dtype}; "
+                   f"prompt_mode={c.prompt_mode}, marconi_min_tokens={marconi}, dtype={c.dtype}; "
                    f"{platform.processor() or platform.machine()} on {jax.default_backend()}, "
                    f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s"),
         "config": c.to_dict(),

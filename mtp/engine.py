@@ -75,7 +75,8 @@ class EngineConfig:
     drafter_pages: int = 4096
     max_context: int = 2048  # prompt + reply tokens one slot can address
     marconi_min_tokens: int | None = None  # None: carry.marconi_min_tokens()
-    drafter_context: carry_lib.DrafterContext = carry_lib.DrafterContext()
+    # The one policy object and kill switch (MTP_DRAFTER_CONTEXT_OFF=1 / MTP_DRAFTER_CARRY_OFF=1).
+    drafter_context: carry_lib.DrafterContext = dataclasses.field(default_factory=carry_lib.DrafterContext.from_env)
     turn_end_snapshots: bool = True  # also snapshot the GDN state at each turn's end
     debug: bool = False
 

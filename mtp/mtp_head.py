@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from mtp import quant
-from mtp.cache.state import NULL_PAGE, PagedKV, write_pages
+from mtp.cache.state import PagedKV, write_pages
 from mtp.config import ModelConfig
 from mtp.model.layers import attention_kv, attention_out, attention_qkv, causal_attention, dense, rms_norm
 from mtp.model.params import Params
@@ -47,10 +47,6 @@ class DrafterCache:
             rows=jnp.zeros((batch,), jnp.int32),
             last_pair_key=jnp.full((batch,), -1, jnp.int32),
         )
-
-    @property
-    def capacity(self) -> int:
-        return self.block_tables.shape[1] * self.kv.page_size
 
     def trim(self, count: jax.Array, last_pair_key: jax.Array) -> "DrafterCache":
         """Drop the ``count`` newest rows; the caller knows which key is newest after that.
@@ -217,5 +213,5 @@ def prefill_drafter(cfg: ModelConfig, params: Params, dcache: DrafterCache, toke
     return dcache
 
 
-__all__ = ["DrafterCache", "PREFILL_CHUNK", "NULL_PAGE", "append_rows", "draft_step", "draft_vocabulary", "fc_input",
+__all__ = ["DrafterCache", "PREFILL_CHUNK", "append_rows", "draft_step", "draft_vocabulary", "fc_input",
            "forward_sequence", "prefill_drafter", "quantize_head"]

@@ -87,11 +87,6 @@ class TargetCache:
     def batch(self) -> int:
         return self.lengths.shape[0]
 
-    @property
-    def capacity(self) -> int:
-        """Positions a slot can address through its block table."""
-        return self.block_tables.shape[1] * self.kv.page_size
-
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, num_pages: int, page_size: int,
                max_blocks_per_seq: int, dtype) -> "TargetCache":

@@ -10,7 +10,7 @@ source of truth for that mapping: checkpoint loading validates against it and
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -129,12 +129,6 @@ def unflatten(flat: Mapping[str, Any]) -> Params:
             node = node.setdefault(p, {})
         node[leaf] = value
     return tree
-
-
-def iter_layers(params: Params) -> Iterator[tuple[int, Params]]:
-    layers = params["model"]["layers"]
-    for i in range(len(layers)):
-        yield i, layers[str(i)]
 
 
 # ---------------------------------------------------------------- initialisation
