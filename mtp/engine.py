@@ -160,6 +160,8 @@ def _prefill_slot(cfg, params, cache: TargetCache, hiddens, b, tokens, start, nu
 
 
 _linear_of_slot = jax.jit(lambda linear, b: _slot(linear, b))
+# One compile for every (slot, position): eager indexing would compile per static index.
+_hidden_at = jax.jit(lambda hiddens, b, pos: jax.lax.dynamic_slice_in_dim(hiddens[b], pos, 1, axis=0))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -345,7 +347,7 @@ class Engine:
         self.hidden_ranges[slot] = carry_lib.stamped_merge(self.hidden_ranges[slot], gen, start, n - start)
         self._rng, key = jax.random.split(self._rng)
         first = pick_token(logits[None], self.spec.temperature, key)
-        hidden = self.hiddens[slot, n - 1][None]
+        hidden = _hidden_at(self.hiddens, slot, n - 1)
         stats = TurnStats(req.session_id, gen, n, cached, path, prefilled, 0, 0, 0, "no_carry", 0, 0.0, 0.0, 0,
                           AcceptanceStats())
         drafter_pages = self._drafter_context(slot, prompt, sess, gen, start, need, stats)
