@@ -199,7 +199,6 @@ class _Live:
     session: int
     target_pages: list[int]
     drafter_pages: list[int]
-    hashes: list[bytes]
     first_token: jax.Array
     first_hidden: jax.Array
     stats: TurnStats
@@ -260,13 +259,17 @@ class Engine:
             self.turn_ends.evict(count - self.pages.num_free)
         return self.pages.allocate(count)
 
-    def _set_tables(self, slot: int, target_pages, drafter_pages):
-        bt = np.asarray(self.cache.block_tables).copy()
-        bt[slot] = block_table_row(target_pages, self.max_blocks)
-        self.cache = self.cache.replace(block_tables=jnp.asarray(bt))
-        dbt = np.asarray(self.dcache.block_tables).copy()
-        dbt[slot] = block_table_row(drafter_pages, self.max_blocks)
-        self.dcache = self.dcache.replace(block_tables=jnp.asarray(dbt))
+    def _with_row(self, tables: jax.Array, slot: int, pages) -> jax.Array:
+        """``tables`` with slot ``slot``'s row replaced by ``pages`` (host-side, once per turn)."""
+        rows = np.asarray(tables).copy()
+        rows[slot] = block_table_row(pages, self.max_blocks)
+        return jnp.asarray(rows)
+
+    def _set_target_table(self, slot: int, pages):
+        self.cache = self.cache.replace(block_tables=self._with_row(self.cache.block_tables, slot, pages))
+
+    def _set_drafter_table(self, slot: int, pages):
+        self.dcache = self.dcache.replace(block_tables=self._with_row(self.dcache.block_tables, slot, pages))
 
     def _set_drafter_rows(self, slot: int, rows: int, last_key: int):
         self.dcache = self.dcache.replace(rows=self.dcache.rows.at[slot].set(rows),
@@ -339,7 +342,7 @@ class Engine:
                     self.cache = _copy_page(self.cache, turn_end.tail_page, own[0])
                 cached = turn_end.length
         path = "cold" if not warm else ("restore" if snap else "kv_only")
-        self._set_tables(slot, target_pages, [])
+        self._set_target_table(slot, target_pages)
         if snap is not None:
             self.cache = _set_slot_linear(self.cache, slot, LinearState(snap.conv, snap.recurrent))
         start = snap.position if snap else 0
@@ -353,7 +356,7 @@ class Engine:
         drafter_pages = self._drafter_context(slot, prompt, sess, gen, start, need, stats)
         jax.block_until_ready((first, self.dcache.rows))
         stats.ttft_s = time.perf_counter() - t0
-        return _Live(req, slot, gen, sess, target_pages, drafter_pages, hashes, first, hidden, stats)
+        return _Live(req, slot, gen, sess, target_pages, drafter_pages, first, hidden, stats)
 
     # -------------------------------------------------------------- the drafter's context
     def _drafter_context(self, slot, prompt, sess, gen, start, need, stats) -> list[int]:
@@ -395,16 +398,8 @@ class Engine:
         ps = self.ecfg.page_size
         missing = math.ceil(need / ps) - len(pages)
         pages = list(pages) + (self.dpages.allocate(missing) if missing > 0 else [])
-        self._set_tables(slot, self._target_pages_of(slot), pages)
+        self._set_drafter_table(slot, pages)
         return pages
-
-    def _target_pages_of(self, slot):
-        row = np.asarray(self.cache.block_tables[slot])
-        return [int(p) for p in row if p]
-
-    def _drafter_pages_of(self, slot):
-        row = np.asarray(self.dcache.block_tables[slot])
-        return [int(p) for p in row if p]
 
     def _append(self, slot, prompt, first_key, count):
         """Drafter rows for keys ``first_key .. first_key+count-1`` from the slot's hidden store.
@@ -510,7 +505,8 @@ class Engine:
                 self._drop_carry(next(iter(self.carried.values())))
         else:
             self.dpages.release(lv.drafter_pages)
-        self._set_tables(lv.slot, [], [])
+        self._set_target_table(lv.slot, [])
+        self._set_drafter_table(lv.slot, [])
 
 
 # ------------------------------------------------------------------ sessions of turns
