@@ -35,6 +35,9 @@ flags.DEFINE_bool("quick", False, "Correctness plus the goal shapes only.")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_kernels"), "Where results go.")
 flags.DEFINE_integer("reps", 30, "Timed calls per variant.")
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens.")
+flags.DEFINE_enum("only", "all", ["all", "fc", "pa"], "Which kernels to check and time.")
+flags.DEFINE_bool("small", False, "fc only, tiny shapes in Pallas interpret mode: a CPU check "
+                  "that the script runs end to end (timings meaningless).")
 
 L2_BYTES = 50 * 2**20
 ROTATE_BYTES = 4 * L2_BYTES
@@ -88,10 +91,17 @@ def _safe(fn, *args, **kw):
 
 
 def bench_fc(m, h, reps, variants=None):
+    """Checks, then times, the fc kernel path against XLA.
+
+    "ours" is what the model runs per call: ``fc_gemm_folded`` on the load-time folded
+    weight (the per-row rsqrt reduction, the kernel, and for M <= 64 the split-K sum).
+    "XLA dot" is ``jnp.dot`` alone on an input already normalised and concatenated;
+    "unfused" is the reference (norm + concat + dot), what ``impl="reference"`` runs.
+    """
     key = jax.random.key(m * 7 + h)
     ks = jax.random.split(key, 6)
     w_bytes = 2 * h * h * 2
-    set_bytes = w_bytes + 2 * m * h * 2
+    set_bytes = 2 * w_bytes + 2 * m * h * 2  # raw and folded weight
     n_sets = max(1, min(8, math.ceil(ROTATE_BYTES / set_bytes)))
     sets = []
     for s in range(n_sets):
@@ -101,31 +111,47 @@ def bench_fc(m, h, reps, variants=None):
         ne = (0.1 * jax.random.normal(kk[2], (h,))).astype(jnp.bfloat16)
         nh = (0.1 * jax.random.normal(kk[3], (h,))).astype(jnp.bfloat16)
         w = (jax.random.normal(kk[4], (h, 2 * h)) / math.sqrt(2 * h)).astype(jnp.bfloat16)
-        sets.append((e, hd, ne, nh, w))
+        sets.append((e, hd, ne, nh, w, fcmod.fold_fc_weight(ne, nh, w)))
     eps = 1e-6
     flops = 2.0 * m * (2 * h) * h
     floor_bytes = w_bytes + 2 * m * h * 2 + m * h * 2
     res = {"M": m, "H": h, "flops": flops, "min_bytes": floor_bytes}
 
     ref_fn = jax.jit(lambda e, hd, ne, nh, w: fcmod.fc_gemm_reference(e, hd, ne, nh, w, eps=eps))
-    ours = lambda e, hd, ne, nh, w, **kw: fcmod._fc_gemm_pallas(e, hd, ne, nh, w, eps=eps, **kw)
-    out = ours(*sets[0])
-    res["rel_err"] = _rel_err(out, ref_fn(*sets[0]))
+    ref_sets = [s[:5] for s in sets]
+    our_sets = [(s[0], s[1], s[5]) for s in sets]
+    ours = lambda e, hd, wf, **kw: fcmod.fc_gemm_folded(e, hd, wf, eps=eps, **kw)
+    want = ref_fn(*ref_sets[0])
+    res["rel_err"] = _rel_err(ours(*our_sets[0]), want)
     # XLA's dot alone, on an input already normalised and concatenated (not counted).
     xs = [(jnp.concatenate([fcmod._rms_norm(s[0], s[2], eps), fcmod._rms_norm(s[1], s[3], eps)],
                            -1), s[4]) for s in sets]
     dot_fn = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32)
                      .astype(jnp.bfloat16))
-    t_ours, method = _time(ours, sets, reps)
+    t_ours, method = _time(ours, our_sets, reps)
     t_dot, _ = _time(dot_fn, xs, reps)
-    t_ref, _ = _time(ref_fn, sets, reps)
+    t_ref, _ = _time(ref_fn, ref_sets, reps)
     res.update(t_ours=t_ours, t_xla_dot=t_dot, t_xla_unfused=t_ref, timing=method)
     for name, kw in (variants or {}).items():
-        r = _safe(lambda: (_rel_err(ours(*sets[0], **kw), ref_fn(*sets[0])),
-                           _time(lambda *a: ours(*a, **kw), sets, reps)[0]))
+        r = _safe(lambda: (_rel_err(ours(*our_sets[0], **kw), want),
+                           _time(lambda *a: ours(*a, **kw), our_sets, reps)[0]))
         res[f"variant {name}"] = r if isinstance(r, dict) else {"rel_err": r[0], "t": r[1]}
-    del sets, xs
+    del sets, xs, our_sets, ref_sets
     return res
+
+
+def fc_variants(m, h):
+    """Tile/stage alternatives timed beside the default plan."""
+    if m >= 2048 and h == 4096:
+        v = {"s4": dict(stages=4), "s6": dict(stages=6),
+             "rescale_128x256_s4": dict(acc="rescale"),
+             "rescale_128x256_s3": dict(acc="rescale", stages=3)}
+        return v if m == 12288 else {"rescale_128x256_s4": dict(acc="rescale")}
+    if m <= 32 and h == 4096 and m in (8,):
+        return {"s4": dict(stages=4), "s8": dict(stages=8), "k8": dict(k_splits=8),
+                "k2": dict(k_splits=2), "n64_k2": dict(tile_n=64, k_splits=2),
+                "n64_k4_s8": dict(tile_n=64, k_splits=4, stages=8)}
+    return {}
 
 
 # ------------------------------------------------------------------ paged attention
@@ -227,6 +253,16 @@ def render(results):
             f"{r['flops'] / r['t_ours'] / 1e12:.1f} | {_fmt_us(r['t_xla_dot'])} | "
             f"{_fmt_us(r['t_xla_unfused'])} | {r['t_xla_dot'] / r['t_ours']:.2f}x | "
             f"{r['t_xla_unfused'] / r['t_ours']:.2f}x |")
+    var_lines = []
+    for r in results["fc"]:
+        for k, v in r.items():
+            if k.startswith("variant ") and isinstance(v, dict):
+                t = v.get("t")
+                desc = (f"{_fmt_us(t)} µs ({r['t_xla_dot'] / t:.2f}x XLA dot), rel err {v['rel_err']:.1e}"
+                        if isinstance(t, float) else v.get("error", "fail")[:120])
+                var_lines.append(f"* M={r['M']}, H={r['H']}, {k[8:]}: {desc}")
+    if var_lines:
+        lines += ["", "fc variants (default plan in the table above):", ""] + var_lines
     lines += ["", "### paged attention (TB/s = K+V bytes read / time)", "",
               "| B | ctx | Q | Hq,Hkv,D | rel err | ours µs | ours TB/s | XLA ref TB/s | "
               "JAX Pallas TB/s | ours / JAX | ours / XLA |",
@@ -270,11 +306,13 @@ def main(_):
         with open(os.path.join(FLAGS.out_dir, "kernels.md"), "w") as f:
             f.write(render(results) + "\n")
 
-    logging.info("paged attention correctness on ragged lengths")
-    results["pa_checks"] = _safe(check_pa_ragged, reps)
-    if isinstance(results["pa_checks"], dict):
-        results["extra"]["pa_checks_error"] = results.pop("pa_checks")
-    save()
+    run_pa = FLAGS.only in ("all", "pa") and not FLAGS.small
+    if run_pa:
+        logging.info("paged attention correctness on ragged lengths")
+        results["pa_checks"] = _safe(check_pa_ragged, reps)
+        if isinstance(results["pa_checks"], dict):
+            results["extra"]["pa_checks_error"] = results.pop("pa_checks")
+        save()
 
     # Goal shapes first, so that a quick run answers the goals.
     pa_shapes = [(8, 8192, 1, 32, 8, 128), (8, 8192, 4, 32, 8, 128),
@@ -293,6 +331,8 @@ def main(_):
                             pa_shapes.append((b, ctx, nq, hq, hkv, d))
         fc_shapes += [(m, h) for h in (2048, 4096) for m in (1, 8, 32, 2048, 12288)
                       if (m, h) not in fc_shapes]
+    if not run_pa:
+        pa_shapes = []
     for i, (b, ctx, nq, hq, hkv, d) in enumerate(pa_shapes):
         logging.info("paged attention B=%d ctx=%d Q=%d heads=%s", b, ctx, nq, (hq, hkv, d))
         r = _safe(bench_pa, b, ctx, nq, hq, hkv, d, page, reps, split_sweep=sweeps.get(i, ()))
@@ -301,16 +341,15 @@ def main(_):
         results["pa"].append(r)
         print(json.dumps(r, default=str), flush=True)
         save()
-    for i, (m, h) in enumerate(fc_shapes):
+    if FLAGS.only == "pa":
+        fc_shapes = []
+    if FLAGS.small:
+        fc_shapes = [(8, 256), (200, 256)]
+    for m, h in fc_shapes:
         logging.info("fc GEMM M=%d H=%d", m, h)
-        variants = {}
-        if m >= 2048 and h == 4096:
-            variants = {"tm64_s2": dict(tile_m=64, tile_n=128, stages=2),
-                        "tm64_s3": dict(tile_m=64, tile_n=128, stages=3),
-                        "tm64_n64_s4": dict(tile_m=64, tile_n=64, stages=4)}
-        elif m <= 32 and h == 4096:
-            variants = {"s6": dict(stages=6), "n128_s4": dict(tile_n=128, stages=4),
-                        "n128_s4_k8": dict(tile_n=128, stages=4, k_splits=8)}
+        variants = fc_variants(m, h)
+        if FLAGS.small:
+            variants = {"s2": dict(stages=2)} if m > 64 else {"k2": dict(k_splits=2)}
         r = _safe(bench_fc, m, h, reps, variants)
         if "error" in r:
             r.update(M=m, H=h)
@@ -321,5 +360,14 @@ def main(_):
     print(render(results), flush=True)
 
 
+def _main(argv):
+    if FLAGS.small:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            return main(argv)
+    return main(argv)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(_main)

@@ -24,7 +24,8 @@ from mtp.config import ModelConfig
 from mtp.model.layers import attention_kv, attention_out, attention_qkv, causal_attention, dense, rms_norm
 from mtp.model.params import Params
 from mtp.model.target import decoder_layer, embed, lm_head, paged_attention_mixer
-from mtp.pallas.fc_gemm import fc_gemm
+from mtp.pallas.backend import resolve_impl
+from mtp.pallas.fc_gemm import fc_gemm, fold_fc_weight
 
 PREFILL_CHUNK = 512  # drafter-prefill rows per call, as in the reference system
 
@@ -56,11 +57,25 @@ class DrafterCache:
         return self.replace(rows=self.rows - count, last_pair_key=last_pair_key)
 
 
-def quantize_head(params: Params, mtp_quant: str) -> Params:
-    """The params with the MTP head's projections at ``mtp_quant`` (the target untouched)."""
+def quantize_head(params: Params, mtp_quant: str, *, fold_fc: bool | None = None) -> Params:
+    """The params with the MTP head's projections at ``mtp_quant`` (the target untouched).
+
+    The load-time hook for the head's weights. At bf16 it also adds
+    ``mtp.fc.weight_folded = fold_fc_weight(...)`` (the fc kernel's weight, with the two
+    pre-fc norms' ``(1 + w)`` folded in) when ``fold_fc`` is true, by default when the
+    kernel path is active (``resolve_impl("auto") != "reference"``), so that no step
+    refolds it. The reference path ignores it.
+    """
     mtp_quant = quant.parse_quant(mtp_quant)
     if mtp_quant == "bf16":
-        return params
+        if fold_fc is None:
+            fold_fc = resolve_impl("auto") != "reference"
+        if not fold_fc:
+            return params
+        m = params["mtp"]
+        folded = fold_fc_weight(m["pre_fc_norm_embedding"]["weight"], m["pre_fc_norm_hidden"]["weight"],
+                                m["fc"]["weight"])
+        return {**params, "mtp": {**m, "fc": {**m["fc"], "weight_folded": folded}}}
     head = quant.quantize_params({"mtp": params["mtp"]}, mtp_quant,
                                  lambda name: quant.is_projection_weight(name) and not name.endswith("mlp.gate.weight"))
     return {**params, "mtp": head["mtp"]}
@@ -78,7 +93,9 @@ def fc_input(cfg: ModelConfig, params: Params, next_tokens: jax.Array, hidden: j
         return dense(x, w)
     lead = hidden.shape[:-1]
     flat = lambda a: a.reshape(-1, a.shape[-1])
-    out = fc_gemm(flat(e), flat(hidden), ne, nh, w.astype(hidden.dtype), eps=cfg.rms_norm_eps, impl=impl)
+    wf = m["fc"].get("weight_folded")
+    out = fc_gemm(flat(e), flat(hidden), ne, nh, w.astype(hidden.dtype), eps=cfg.rms_norm_eps, impl=impl,
+                  w_folded=None if wf is None else wf.astype(hidden.dtype))
     return out.reshape(*lead, -1)
 
 

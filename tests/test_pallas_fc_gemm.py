@@ -1,11 +1,14 @@
-"""The drafter's fused norm + concat + fc GEMM against its reference and numpy."""
+"""The drafter's fused norm + concat + fc GEMM: the kernels (interpret mode) against the reference."""
 
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mtp.pallas.fc_gemm import fc_gemm, fc_gemm_reference
+from mtp.pallas import fc_gemm as fcmod
+from mtp.pallas.fc_gemm import fc_gemm, fc_gemm_folded, fc_gemm_reference, fold_fc_weight
 
 
 def _inputs(seed, m, h):
@@ -33,18 +36,51 @@ def _rel_err(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("m,h", [(1, 256), (5, 128), (130, 128)])
-def test_kernel_matches_reference(m, h):
-    """M = 1, 5 take the split-K propose path; M = 130 the tiled prefill path (padded)."""
-    args = _inputs(m + h, m, h)
-    out = fc_gemm(*args, eps=1e-6, impl="interpret")
-    ref = fc_gemm_reference(*args, eps=1e-6)
+def _kernel(args, **kw):
+    e, h, ne, nh, w = args
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        return fc_gemm_folded(e, h, fold_fc_weight(ne, nh, w), eps=1e-6, **kw)
+
+
+def _check_against_reference(out, args, eps=1e-6):
+    m, h = args[0].shape
+    ref = fc_gemm_reference(*args, eps=eps)
     assert out.shape == (m, h) and out.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(out, np.float32)).all()
+    # bf16-level agreement: both round once per product term, at different places.
     assert _rel_err(out, ref) < 1e-2
     # Embedding first: swapping the halves must give a clearly different answer.
-    swapped = fc_gemm_reference(args[1], args[0], args[3], args[2], args[4], eps=1e-6)
+    swapped = fc_gemm_reference(args[1], args[0], args[3], args[2], args[4], eps=eps)
     assert _rel_err(out, swapped) > 0.3
+
+
+@pytest.mark.parametrize("m,h", [(1, 256), (5, 128), (64, 128), (130, 128), (260, 256)])
+def test_fc_gemm_interpret_matches_reference(m, h):
+    """The public op: M <= 64 takes the split-K stream, larger M the warp-specialised GEMM."""
+    args = _inputs(m + h, m, h)
+    _check_against_reference(fc_gemm(*args, eps=1e-6, impl="interpret"), args)
+
+
+@pytest.mark.parametrize("m,h,kw", [
+    (3, 256, dict(k_splits=2)),
+    (3, 256, dict(k_splits=4, stages=2)),
+    (17, 128, dict(tile_n=64, stages=1)),
+])
+def test_split_k_path_matches_reference(m, h, kw):
+    """The propose path: rows past M are TMA zero-fill; each split stays in one half."""
+    args = _inputs(m * 31 + h, m, h)
+    _check_against_reference(_kernel(args, **kw), args)
+
+
+@pytest.mark.parametrize("m,h,kw", [
+    (70, 128, dict(stages=2)),                      # one tile, M not a tile multiple
+    (200, 256, dict(num_programs=2, stages=3)),     # persistent: several tiles per program,
+    (260, 256, dict(num_programs=3, tile_n=64)),    # the stage ring wraps across tiles
+    (96, 256, dict(small_m=32)),                    # the big-M kernel below the default threshold
+])
+def test_warp_specialised_path_matches_reference(m, h, kw):
+    args = _inputs(m * 7 + h, m, h)
+    _check_against_reference(_kernel(args, **kw), args)
 
 
 def test_reference_matches_numpy():
@@ -52,6 +88,25 @@ def test_reference_matches_numpy():
     ref = fc_gemm_reference(*args, eps=1e-5)
     want = _numpy_fc(*args, eps=1e-5)
     assert _rel_err(ref, want) < 1e-2
+
+
+def test_fold_fc_weight():
+    e, h, ne, nh, w = _inputs(4, 2, 64)
+    wf = fold_fc_weight(ne, nh, w)
+    assert wf.shape == w.shape and wf.dtype == w.dtype
+    col = 1.0 + np.concatenate([np.asarray(ne, np.float32), np.asarray(nh, np.float32)])
+    want = np.asarray(w, np.float32) * col[None, :]
+    np.testing.assert_allclose(np.asarray(wf, np.float32), want, rtol=2 ** -8, atol=0)
+    # Folded weights and per-row scales reproduce the unfolded reference.
+    r = lambda x: 1.0 / np.sqrt(np.mean(np.asarray(x, np.float32) ** 2, -1) + 1e-6)
+    wfn = np.asarray(wf, np.float32)
+    out = (r(e)[:, None] * (np.asarray(e, np.float32) @ wfn[:, :64].T)
+           + r(h)[:, None] * (np.asarray(h, np.float32) @ wfn[:, 64:].T))
+    assert _rel_err(out, _numpy_fc(e, h, ne, nh, w, 1e-6)) < 1e-2
+    with pytest.raises(ValueError, match=r"\[H, 2H\]"):
+        fold_fc_weight(ne, nh, w.T)
+    with pytest.raises(ValueError, match="norm weights"):
+        fold_fc_weight(ne[:3], nh, w)
 
 
 def test_bad_inputs_raise():
@@ -64,15 +119,63 @@ def test_bad_inputs_raise():
         fc_gemm(e, h, ne[:10], nh, w, eps=1e-6, impl="reference")
     with pytest.raises(ValueError, match="choose one of"):
         fc_gemm(e, h, ne, nh, w, eps=1e-6, impl="gpu")
+    wf = fold_fc_weight(ne, nh, w)
+    with pytest.raises(ValueError, match=r"w_folded must be \[H, 2H\].*\(64, 64\)"):
+        fc_gemm_folded(e, h, wf[:, :64], eps=1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        fc_gemm_folded(e.astype(jnp.float32), h, wf, eps=1e-6)
+    with pytest.raises(ValueError, match="embed and hidden"):
+        fc_gemm_folded(e, h[:, :32], wf, eps=1e-6)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        e2, h2, ne2, nh2, w2 = _inputs(0, 4, 96)
+        fc_gemm_folded(e2, h2, fold_fc_weight(ne2, nh2, w2), eps=1e-6)
+    with pytest.raises(ValueError, match="k_splits=3"):
+        fc_gemm_folded(e, h, wf, eps=1e-6, k_splits=3)
+    with pytest.raises(ValueError, match="acc='one'"):
+        fc_gemm_folded(jnp.concatenate([e] * 20), jnp.concatenate([h] * 20), wf, eps=1e-6,
+                       acc="one")
 
 
-@pytest.mark.parametrize("k_splits", [2, 4])
-def test_split_k_path_matches_reference(k_splits):
-    """The propose path splits the 2H reduction across programs; each split stays in one half."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    from mtp.pallas.fc_gemm import _fc_gemm_pallas
+def test_auto_on_cpu_is_the_reference():
+    args = _inputs(5, 6, 64)
+    out = fc_gemm(*args, eps=1e-6)
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(fc_gemm_reference(*args, eps=1e-6), np.float32))
 
-    args = _inputs(k_splits, 3, 256)
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        out = _fc_gemm_pallas(*args, eps=1e-6, k_splits=k_splits)
-    assert _rel_err(out, fc_gemm_reference(*args, eps=1e-6)) < 1e-2
+
+def test_quantize_head_folds_fc_weight_and_fc_input_uses_it():
+    """The load-time hook adds the folded weight; fc_input's kernel path then uses it."""
+    from mtp.mtp_head import fc_input, quantize_head
+
+    h, vocab = 128, 11
+    e, hid, ne, nh, w = _inputs(9, 5, h)
+    table = jnp.asarray(np.random.default_rng(1).standard_normal((vocab, h)), jnp.bfloat16)
+    params = {"model": {"embed_tokens": {"weight": table}},
+              "mtp": {"fc": {"weight": w}, "pre_fc_norm_embedding": {"weight": ne},
+                      "pre_fc_norm_hidden": {"weight": nh}}}
+    assert quantize_head(params, "bf16") is params  # CPU: the kernel path is not active
+    folded = quantize_head(params, "bf16", fold_fc=True)
+    np.testing.assert_array_equal(np.asarray(folded["mtp"]["fc"]["weight_folded"], np.float32),
+                                  np.asarray(fold_fc_weight(ne, nh, w), np.float32))
+    assert folded["mtp"]["fc"]["weight"] is w and params["mtp"]["fc"].keys() == {"weight"}
+
+    class Cfg:
+        rms_norm_eps = 1e-6
+
+    tokens = jnp.asarray([[1, 4, 7, 2, 9]], jnp.int32)
+    hidden = hid[None]
+    ref = fc_input(Cfg, params, tokens, hidden, "reference")
+    # A poisoned raw weight: the kernel path must read the folded one.
+    poisoned = {**folded, "mtp": {**folded["mtp"], "fc": {**folded["mtp"]["fc"],
+                                                          "weight": jnp.zeros_like(w)}}}
+    out = fc_input(Cfg, poisoned, tokens, hidden, "interpret")
+    assert out.shape == ref.shape
+    assert _rel_err(out, ref) < 1e-2
+
+
+def test_plans():
+    assert fcmod._plan_small(4096, 132) == (128, 4, 6)
+    assert fcmod._plan_small(2048, 132)[1] == 8
+    wm, tn, st, npg = fcmod._plan_large(12288, 4096, 132)
+    assert (wm, tn) == (64, 128) and npg == 132
+    assert fcmod._plan_large(130, 128, 132)[3] == 2

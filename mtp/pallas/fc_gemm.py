@@ -1,24 +1,49 @@
-"""The MTP drafter's input projection with both RMSNorms and the concat fused in.
+"""The MTP drafter's input projection: both RMSNorms, the concat and the fc GEMM in one op.
 
 ``out = concat(norm_e(embed), norm_h(hidden)) @ w.T`` with Qwen3-Next's ``(1 + w)``
-RMSNorm. Done unfused, XLA writes and re-reads the normalised ``[M, 2H]`` input;
-here it never reaches device memory. The kernel streams raw ``embed``/``hidden``
-tiles and weight tiles through a TMA pipeline; before each wgmma the warpgroup
-scales its A tile by the row's ``rsqrt`` and the column's ``(1 + w)``, rounds to
-bf16 exactly as the Hugging Face norm does (all in f32, one cast at the end) and
-stores it into a shared-memory operand buffer. The embedding half of ``w``
-(columns ``[0, H)``) meets the normalised embedding, the other half the hidden.
+RMSNorm, ``w`` in the Hugging Face Linear layout ``[H, 2H]`` (embedding columns first).
+``fc_gemm_reference`` is the definition (the Hugging Face numerics); ``fc_gemm`` is the
+one public op and picks the path.
 
-The per-row ``rsqrt(mean(x^2) + eps)`` needs the whole row before the first tile
-can be scaled, so a small XLA reduction computes it first; it reads ``embed`` and
-``hidden`` once (``4 M H`` bytes), a few percent of the GEMM's time at large M.
+How the kernel path computes it. The norm is ``x * r * (1 + w_n)`` with a per-row
+``r = rsqrt(mean(x^2) + eps)`` and a per-column ``(1 + w_n)``. The column factor is
+folded into the weight once, at load (``fold_fc_weight``):
+``W_f = bf16(W * (1 + concat(w_ne, w_nh)))``, so that
 
-Two regimes share the kernel. Drafter prefill (M in the thousands) is
-compute-bound: 64 x 128 output tiles, one per program, bf16 written straight out.
-Batched propose (M = 1..64) is a weight stream: M is padded to one 64-row tile and
-the 2H reduction is split across programs (split-K) so that every multiprocessor
-streams its share of ``w``; the f32 partials (``splits x 64 x H`` floats) are
-summed by XLA.
+    out = r_e * (embed @ W_f[:, :H].T) + r_h * (hidden @ W_f[:, H:].T)
+
+The row scales come from a small XLA reduction before the kernel (it reads embed and
+hidden once, ``4 M H`` bytes). The ``[M, 2H]`` normalised input never exists; the
+kernel's inner loop is a plain bf16 GEMM (f32 accumulation) that takes its A tiles
+from ``embed`` for the first H reduction columns and from ``hidden`` for the rest, and
+applies the row scales in its epilogue: the single accumulator is multiplied by
+``r_e / r_h`` at the half boundary and by ``r_h`` at the end (``r > 0`` always).
+
+Rounding moves. Hugging Face rounds the normalised input ``x * r * (1 + w_n)`` to bf16
+and multiplies by ``W``; here ``W * (1 + w_n)`` is rounded to bf16 instead and ``x`` is
+used as is (exact in bf16), with ``r`` applied to the f32 accumulator. Both are one
+bf16 rounding per product term, so the kernel agrees with the reference to bf16
+precision (relative error ~1e-3..1e-2 of the output norm), not bit for bit.
+
+Two kernels (Mosaic GPU, Hopper):
+
+* M > 64 (drafter prefill, compute-bound): a persistent warp-specialised GEMM. Its
+  structure follows JAX's ``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``
+  (one TMA producer warpgroup and two consumer warpgroups that each own half of a
+  ``tile_m x 2 tile_n`` output tile, 128x128x64 tiles per warpgroup, 4 stages), but the
+  producer loop is written by hand here so that it can take the A tile from ``embed``
+  or from ``hidden`` depending on the reduction step (no ``[M, 2H]`` concat, and
+  no bubble at the half boundary or between output tiles: the stage ring runs
+  across all tiles a program owns). ``w`` stays in its ``[N, K]`` layout: the B tile
+  is a ``(2 tile_n, tile_k)`` slab of ``W_f`` used through a transposed view. The
+  consumer keeps one wgmma in flight (``wgmma_wait(1)``) and releases a stage as soon
+  as the wgmma that read it has finished.
+* M <= 64 (batched propose, a weight stream): M sits in one 64-row tile (rows past M
+  are TMA zero-fill, never materialised) and the 2H reduction is split across
+  programs (split-K, each split inside one half) so that >= ~128 programs stream
+  ``W_f``; each streams ``(tile_n, 64)`` weight tiles through a ``stages``-deep TMA
+  pipeline with one wgmma in flight. The f32 partials (``splits x M x H``) are summed
+  and scaled by ``r`` in one small XLA fusion.
 """
 
 from __future__ import annotations
@@ -32,6 +57,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mtp.pallas.backend import resolve_impl
+
+SMALL_M = 64  # at most this many rows take the split-K weight-streaming kernel
+_SMEM_LIMIT = 232_448 - 2048  # bytes per block, less headroom for Mosaic's own scratch
 
 
 def _rms_scale(x, eps):
@@ -61,6 +89,28 @@ def _check_inputs(embed, hidden, norm_e_w, norm_h_w, w):
         )
 
 
+def _check_kernel_inputs(embed, hidden, w_folded):
+    if embed.ndim != 2 or embed.shape != hidden.shape:
+        raise ValueError(
+            f"embed and hidden must both be [M, H]; got {embed.shape} and {hidden.shape}"
+        )
+    m, h = embed.shape
+    if w_folded.shape != (h, 2 * h):
+        raise ValueError(
+            f"w_folded must be [H, 2H] = [{h}, {2 * h}] (out_features, in_features); "
+            f"got {w_folded.shape}")
+    dtypes = {jnp.dtype(embed.dtype), jnp.dtype(hidden.dtype), jnp.dtype(w_folded.dtype)}
+    if len(dtypes) != 1 or jnp.dtype(embed.dtype) not in (jnp.dtype(jnp.bfloat16),
+                                                          jnp.dtype(jnp.float16)):
+        raise ValueError(
+            "embed, hidden and w_folded must share a 16-bit float dtype (bfloat16 or float16); "
+            f"got embed {embed.dtype}, hidden {hidden.dtype}, w_folded {w_folded.dtype}")
+    if m < 1:
+        raise ValueError(f"embed must have at least one row; got shape {embed.shape}")
+    if h % 64:
+        raise ValueError(f"H={h} must be a multiple of 64 for the fc kernel")
+
+
 def fc_gemm_reference(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="reference"):
     """Norm both inputs, concat (embedding first), one f32-accumulated dot; bf16 out.
 
@@ -76,6 +126,22 @@ def fc_gemm_reference(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="refere
     return out.astype(embed.dtype)
 
 
+def fold_fc_weight(norm_e_w, norm_h_w, w):
+    """``W_f = W * (1 + concat(norm_e_w, norm_h_w))`` per column, in ``w``'s dtype.
+
+    The kernel path's weight: do it once, at load (``mtp.mtp_head.quantize_head``), not
+    per step (it reads and writes all of ``w``).
+    """
+    h = w.shape[0] if w.ndim == 2 else None
+    if w.ndim != 2 or w.shape[1] != 2 * w.shape[0]:
+        raise ValueError(f"w must be [H, 2H] (out_features, in_features); got {w.shape}")
+    if norm_e_w.shape != (h,) or norm_h_w.shape != (h,):
+        raise ValueError(
+            f"norm weights must be [H={h}]; got {norm_e_w.shape} and {norm_h_w.shape}")
+    col = 1.0 + jnp.concatenate([norm_e_w, norm_h_w]).astype(jnp.float32)
+    return (w.astype(jnp.float32) * col[None, :]).astype(w.dtype)
+
+
 def _num_sms() -> int:
     try:
         return jax.devices()[0].core_count or 132
@@ -83,151 +149,336 @@ def _num_sms() -> int:
         return 132
 
 
-def _plan(m: int, h: int, num_sms: int):
-    """(tile_m, tile_n, k_splits) for M rows: split-K only while programs are scarce."""
-    # Measured on the H200 (results/kernels_h200.md, run 2): M=8, H=4096: 64x128 tiles with
-    # 4 stages 29.1 µs vs 64x64 32.0 µs; M=12288: 64x128 with 2 stages (three programs per
-    # SM overlap each other's prologue) 2.22 ms vs 128x128 2.89 ms.
-    tile_k = 64
-    tile_m, tile_n, stages = (64, 128, 4) if m <= 64 else (64, 128, 2)
+def _swizzle_transforms(minor_elems: int, dtype):
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+# ------------------------------------------------------------------ small M: split-K stream
+
+
+def _plan_small(h: int, num_sms: int, tile_n=None, k_splits=None, stages=None):
+    tile_n = tile_n or 128
     while h % tile_n:
         tile_n //= 2
-    if tile_n < 8:
-        raise ValueError(f"H={h} must be a multiple of 8")
-    programs = (h // tile_n) * (-(-m // tile_m))
-    splits = 1
-    # Each split must lie inside one half (embed or hidden) and hold whole k tiles.
-    # At most one wave: at M=8, H=4096 four splits (128 programs) ran 29.1 µs, eight 32.8 µs.
-    while (programs * splits * 2 <= num_sms and (2 * h) % (2 * splits * tile_k) == 0
-           and 2 * h // (2 * splits) >= 4 * tile_k):
-        splits *= 2
-    if h % tile_k:
-        raise ValueError(f"H={h} must be a multiple of {tile_k}")
-    return tile_m, tile_n, tile_k, splits, stages
+    if k_splits is None:
+        # Programs = (H / tile_n) * splits: the fewest splits giving ~one wave of programs.
+        k_splits = 2
+        while ((h // tile_n) * k_splits * 2 <= num_sms and h % (k_splits * 64) == 0
+               and h // k_splits >= 4 * 64):
+            k_splits *= 2
+    if k_splits % 2 or h % ((k_splits // 2) * 64):
+        raise ValueError(f"k_splits={k_splits} must be even and split H={h} into 64-column tiles")
+    stages = stages or 6
+    return tile_n, k_splits, stages
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tile_m", "tile_n", "k_splits", "stages"))
-def _fc_gemm_pallas(embed, hidden, norm_e_w, norm_h_w, w, *, eps, tile_m=None, tile_n=None,
-                    k_splits=None, stages=None):
+def _splitk_partials(embed, hidden, w_f, *, tile_n, k_splits, stages, tile_k=64):
+    """[k_splits, M, H] f32: split s holds x_s @ W_f[:, cols_s].T (embed for s < S/2)."""
     m, h = embed.shape
     dtype = embed.dtype
-    if dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != dtype:
-        raise ValueError(f"embed, hidden and w must share a 16-bit dtype; got {dtype}, {w.dtype}")
-    p_m, p_n, tile_k, p_s, p_st = _plan(m, h, _num_sms())
-    tile_m, tile_n, k_splits = tile_m or p_m, tile_n or p_n, k_splits or p_s
-    stages = stages or p_st
-    m_pad = -(-m // tile_m) * tile_m
-    pad = ((0, m_pad - m), (0, 0))
-    e_p, h_p = jnp.pad(embed, pad), jnp.pad(hidden, pad)
-    row_scale = jnp.stack([_rms_scale(e_p, eps), _rms_scale(h_p, eps)])  # [2, M_pad]
-    col_scale = 1.0 + jnp.concatenate([norm_e_w, norm_h_w]).astype(jnp.float32)  # [2H]
+    tile_m = SMALL_M
+    per_half = k_splits // 2
+    chunk = h // per_half  # reduction columns per program
+    nk = chunk // tile_k
+    stages = max(1, min(stages, nk))
+    delay = 1 if stages > 1 else 0
+    in_tr = _swizzle_transforms(tile_k, dtype)
+    out_tr = _swizzle_transforms(tile_n, jnp.float32)
 
-    chunk = 2 * h // k_splits  # reduction columns per program
-    out_dtype = dtype if k_splits == 1 else jnp.float32
-    swizzle = 128
-    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-    out_swizzle = plgpu.find_swizzle(tile_n * jnp.dtype(out_dtype).itemsize * 8)
-    out_transforms = (
-        plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
-        plgpu.SwizzleTransform(out_swizzle),
-    )
-
-    def kernel(e_ref, h_ref, rs_ref, cs_ref, w_ref, o_ref, a_smem, o_smem):
+    def kernel(e_ref, h_ref, w_ref, o_ref, o_smem):
         ni = lax.axis_index("n")
-        mi = lax.axis_index("m")
         si = lax.axis_index("k")
-        rows = pl.ds(mi * tile_m, tile_m)
+        zero = ni * 0  # a traced 0: row windows past M are TMA zero-fill / clipped stores
         cols = pl.ds(ni * tile_n, tile_n)
+        k0 = lax.rem(si, per_half) * chunk
 
-        def run_half(acc_ref, x_ref, half, k_begin, k_end):
-            """Accumulates x[:, k_begin:k_end] (normalised) times w's matching columns."""
-            r = plgpu.load(rs_ref.at[half, rows], layout=plgpu.Layout.WGMMA.reduce(1),
-                           optimized=False)
-            base = half * h + k_begin
+        def half(x_ref, base):
+            def scope(acc_ref):
+                def step(_, x_smem, w_smem):
+                    plgpu.wgmma(acc_ref, x_smem, w_smem.T)
+                    plgpu.wgmma_wait(delay)
 
-            def step(_, x_smem, w_smem, c_smem):
-                c = plgpu.load(c_smem, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-                x = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-                y = x * lax.broadcast_in_dim(r, x.shape, [0])
-                y = y * lax.broadcast_in_dim(c, x.shape, [1])
-                a_smem[...] = y.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.wgmma(acc_ref, a_smem, w_smem.T)
-                plgpu.wgmma_wait(0)
+                plgpu.emit_pipeline(
+                    step,
+                    grid=(nk,),
+                    in_specs=[
+                        plgpu.BlockSpec((tile_m, tile_k), lambda k: (zero, k), transforms=in_tr,
+                                        delay_release=delay),
+                        plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=in_tr,
+                                        delay_release=delay),
+                    ],
+                    max_concurrent_steps=stages,
+                )(x_ref.at[:, pl.ds(k0, chunk)], w_ref.at[cols, pl.ds(base + k0, chunk)])
+                return acc_ref[...]
 
-            plgpu.emit_pipeline(
-                step,
-                grid=((k_end - k_begin) // tile_k,),
-                in_specs=[
-                    plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=transforms),
-                    plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=transforms),
-                    plgpu.BlockSpec((tile_k,), lambda k: (k,)),
-                ],
-                max_concurrent_steps=stages,
-            )(
-                x_ref.at[rows, pl.ds(k_begin, k_end - k_begin)],
-                w_ref.at[cols, pl.ds(base, k_end - k_begin)],
-                cs_ref.at[pl.ds(base, k_end - k_begin)],
-            )
+            acc = pl.run_scoped(scope, plgpu.ACC((tile_m, tile_n), jnp.float32))
+            o_smem[...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[si, pl.ds(zero, tile_m), cols])
+            plgpu.wait_smem_to_gmem(0)
 
-        def acc_scope(acc_ref, s):
-            lo, hi = s * chunk, (s + 1) * chunk
-            for half, x_ref in ((0, e_ref), (1, h_ref)):
-                a, b = max(lo, half * h), min(hi, (half + 1) * h)
-                if a < b:
-                    run_half(acc_ref, x_ref, half, a - half * h, b - half * h)
-            return acc_ref[...]
+        pl.when(si < per_half)(lambda: half(e_ref, 0))
+        pl.when(si >= per_half)(lambda: half(h_ref, h))
 
-        for s in range(k_splits):
-            @pl.when(si == s)
-            def _split(s=s):
-                acc = pl.run_scoped(functools.partial(acc_scope, s=s),
-                                    plgpu.ACC((tile_m, tile_n), jnp.float32))
-                o_smem[...] = acc.astype(out_dtype)
-                plgpu.commit_smem()
-                dst = o_ref.at[rows, cols] if k_splits == 1 else o_ref.at[s, rows, cols]
-                plgpu.copy_smem_to_gmem(o_smem, dst)
-                plgpu.wait_smem_to_gmem(0)
-
-    out_shape = (m_pad, h) if k_splits == 1 else (k_splits, m_pad, h)
+    smem = stages * (tile_m + tile_n) * tile_k * 2 + tile_m * tile_n * 4
+    if smem > _SMEM_LIMIT:
+        raise ValueError(f"split-K fc kernel needs {smem} bytes of shared memory "
+                         f"(tile_n={tile_n}, stages={stages}); the limit is {_SMEM_LIMIT}")
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=(h // tile_n, m_pad // tile_m, k_splits),
-        grid_names=("n", "m", "k"),
+        out_type=jax.ShapeDtypeStruct((k_splits, m, h), jnp.float32),
+        grid=(h // tile_n, k_splits),
+        grid_names=("n", "k"),
         scratch_types=dict(
-            a_smem=plgpu.SMEM((tile_m, tile_k), dtype, transforms=transforms),
-            o_smem=plgpu.SMEM((tile_m, tile_n), out_dtype, transforms=out_transforms),
+            o_smem=plgpu.SMEM((tile_m, tile_n), jnp.float32, transforms=out_tr),
         ),
     )
-    out = call(e_p, h_p, row_scale, col_scale, w)
-    if k_splits > 1:
-        out = jnp.sum(out, axis=0).astype(dtype)
-    return out[:m]
+    return call(embed, hidden, w_f)
 
 
-def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto"):
+# ------------------------------------------------------------------ large M: warp-specialised
+
+
+def _plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=None,
+                num_programs=None, acc="two"):
+    """(wg_m, tile_n, stages, programs): each consumer warpgroup owns a wg_m x tile_n tile."""
+    if acc not in ("two", "rescale"):
+        raise ValueError(f"acc={acc!r}: choose 'two' or 'rescale'")
+    wg_m = wg_m or (64 if acc == "two" else 128)
+    tile_n = tile_n or 128
+    cta_m, cta_n = (2 * wg_m, tile_n) if acc == "two" else (wg_m, 2 * tile_n)
+    while h % cta_n:
+        tile_n //= 2
+        cta_n //= 2
+    if tile_n < 8:
+        raise ValueError(f"H={h} must be a multiple of 16")
+    stages = stages or (5 if acc == "two" else 4)
+    tiles = (-(-m // cta_m)) * (h // cta_n)
+    num_programs = min(num_programs or num_sms, tiles)
+    return wg_m, tile_n, stages, num_programs
+
+
+def _ws_gemm(embed, hidden, w_f, scales, *, wg_m, tile_n, stages, num_programs, acc,
+             tile_k=64, epi_m=64):
+    """bf16 [M, H] = r_e * (embed @ W_f[:, :H].T) + r_h * (hidden @ W_f[:, H:].T).
+
+    Persistent and warp-specialised: warpgroup 2 is the TMA producer, warpgroups 0 and 1
+    consume. ``acc="two"``: each consumer keeps two f32 accumulators (embed half, hidden
+    half) for a ``wg_m x tile_n`` tile, the CTA tile is ``2 wg_m x tile_n``, ``scales``
+    is [2, M_pad] = (r_e, r_h). ``acc="rescale"``: one accumulator, multiplied by
+    ``r_e / r_h`` at the half boundary and by ``r_h`` at the end, so a consumer can own a
+    larger tile (CTA ``wg_m x 2 tile_n``); ``scales`` = (r_e / r_h, r_h). Pallas' GPU
+    interpreter cannot store to an accumulator, so only ``"two"`` runs in CPU tests.
+    """
+    m, h = embed.shape
+    dtype = embed.dtype
+    split_m = acc == "two"
+    cta_m, cta_n = (2 * wg_m, tile_n) if split_m else (wg_m, 2 * tile_n)
+    m_tiles = -(-m // cta_m)
+    n_tiles = h // cta_n
+    num_tiles = m_tiles * n_tiles
+    kh = h // tile_k  # k steps per half
+    epi_m = min(epi_m, wg_m)
+    in_tr = _swizzle_transforms(tile_k, dtype)
+    out_tr = _swizzle_transforms(tile_n, dtype)
+    smem = stages * (cta_m + cta_n) * tile_k * 2 + 2 * epi_m * tile_n * 2
+    if smem > _SMEM_LIMIT:
+        raise ValueError(f"warp-specialised fc kernel needs {smem} bytes of shared memory "
+                         f"(wg_m={wg_m}, tile_n={tile_n}, stages={stages}, acc={acc}); "
+                         f"the limit is {_SMEM_LIMIT}")
+
+    def kernel(e_ref, h_ref, w_ref, s_ref, o_ref, a_smem, b_smem, o_smem, full, empty):
+        pid = lax.axis_index("p")
+        wg = lax.axis_index("wg")
+        my_tiles = lax.div(num_tiles - 1 - pid, num_programs) + 1
+
+        def tile_coords(i):
+            t = pid + i * num_programs
+            return lax.div(t, n_tiles), lax.rem(t, n_tiles)  # n minor: W slabs shared in a wave
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def tile_body(i, step):
+                mi, ni = tile_coords(i)
+                rows = pl.ds(mi * cta_m, cta_m)
+                cols = pl.ds(ni * cta_n, cta_n)
+                for src, base in ((e_ref, 0), (h_ref, h)):
+                    def k_body(k, step, src=src, base=base):
+                        slot = lax.rem(step, stages)
+
+                        @pl.when(step >= stages)
+                        def _():
+                            plgpu.barrier_wait(empty.at[slot])
+
+                        plgpu.copy_gmem_to_smem(src.at[rows, pl.ds(k * tile_k, tile_k)],
+                                                a_smem.at[slot], full.at[slot])
+                        plgpu.copy_gmem_to_smem(w_ref.at[cols, pl.ds(base + k * tile_k, tile_k)],
+                                                b_smem.at[slot], full.at[slot])
+                        return step + 1
+
+                    step = lax.fori_loop(0, kh, k_body, step)
+                return step
+
+            total = lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
+
+            # Observe the releases of the last stages too, so that no barrier is left with
+            # an unobserved phase (the interpreter checks this; on the GPU it is free).
+            @pl.loop(lax.max(total - stages, 0), total)
+            def _(j):
+                plgpu.barrier_wait(empty.at[lax.rem(j, stages)])
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            if split_m:
+                a_of = lambda slot: a_smem.at[slot, pl.ds(wg * wg_m, wg_m)]
+                b_of = lambda slot: b_smem.at[slot].T
+            else:
+                a_of = lambda slot: a_smem.at[slot]
+                b_of = lambda slot: b_smem.at[slot, pl.ds(wg * tile_n, tile_n)].T
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+            def run_half(acc_ref, step):
+                def k_body(k, step):
+                    slot = lax.rem(step, stages)
+                    plgpu.barrier_wait(full.at[slot])
+                    plgpu.wgmma(acc_ref, a_of(slot), b_of(slot))
+                    plgpu.wgmma_wait(1)  # the previous step's wgmma is done: free its stage
+
+                    @pl.when(k > 0)
+                    def _():
+                        plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
+
+                    return step + 1
+
+                step = lax.fori_loop(0, kh, k_body, step)
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
+                return step
+
+            def tile_body(i, step):
+                mi, ni = tile_coords(i)
+                row0 = mi * cta_m + (wg * wg_m if split_m else 0)
+                col0 = ni * cta_n + (0 if split_m else wg * tile_n)
+                rows = pl.ds(row0, wg_m)
+                bcast = lambda v: lax.broadcast_in_dim(v, (wg_m, tile_n), [0])
+                s0 = plgpu.load(s_ref.at[0, rows], layout=row_layout, optimized=False)
+                s1 = plgpu.load(s_ref.at[1, rows], layout=row_layout, optimized=False)
+
+                if split_m:
+                    def scope(acc_e, acc_h):
+                        s = run_half(acc_e, step)
+                        s = run_half(acc_h, s)
+                        return s, acc_e[...] * bcast(s0) + acc_h[...] * bcast(s1)
+
+                    step, out = pl.run_scoped(scope, plgpu.ACC((wg_m, tile_n), jnp.float32),
+                                              plgpu.ACC((wg_m, tile_n), jnp.float32))
+                else:
+                    def scope(acc_ref):
+                        s = run_half(acc_ref, step)
+                        acc_ref[...] = acc_ref[...] * bcast(s0)
+                        s = run_half(acc_ref, s)
+                        return s, acc_ref[...] * bcast(s1)
+
+                    step, out = pl.run_scoped(scope, plgpu.ACC((wg_m, tile_n), jnp.float32))
+                out = out.astype(dtype)
+                for j in range(wg_m // epi_m):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    o_smem[wg] = out[j * epi_m:(j + 1) * epi_m] if wg_m > epi_m else out
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        o_smem.at[wg],
+                        o_ref.at[pl.ds(row0 + j * epi_m, epi_m), pl.ds(col0, tile_n)])
+                return step
+
+            lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
+            plgpu.wait_smem_to_gmem(0)
+
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m, h), dtype),
+        grid=(num_programs,),
+        grid_names=("p",),
+        num_threads=3,
+        thread_name="wg",
+        scratch_types=dict(
+            a_smem=plgpu.SMEM((stages, cta_m, tile_k), dtype, transforms=in_tr),
+            b_smem=plgpu.SMEM((stages, cta_n, tile_k), dtype, transforms=in_tr),
+            o_smem=plgpu.SMEM((2, epi_m, tile_n), dtype, transforms=out_tr),
+            full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            empty=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ),
+    )
+    return call(embed, hidden, w_f, scales)
+
+
+# ------------------------------------------------------------------ entry points
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "wg_m", "tile_n", "k_splits", "stages",
+                                             "num_programs", "small_m", "acc"))
+def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_splits=None,
+                   stages=None, num_programs=None, small_m=SMALL_M, acc="two"):
+    """The kernel path: ``fc_gemm`` given the folded weight ``fold_fc_weight(...)``.
+
+    embed, hidden: [M, H]; w_folded: [H, 2H]; all three the same 16-bit dtype. The tile
+    arguments override the plan (benchmarks, tests); M <= ``small_m`` takes the
+    split-K stream, larger M the warp-specialised GEMM.
+    """
+    _check_kernel_inputs(embed, hidden, w_folded)
+    m, h = embed.shape
+    r_e, r_h = _rms_scale(embed, eps), _rms_scale(hidden, eps)
+    if m <= small_m:
+        if m > SMALL_M:
+            raise ValueError(f"small_m={small_m} exceeds the {SMALL_M}-row split-K tile")
+        tn, ks, st = _plan_small(h, _num_sms(), tile_n, k_splits, stages)
+        parts = _splitk_partials(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st)
+        half = ks // 2
+        out = (jnp.sum(parts[:half], axis=0) * r_e[:, None]
+               + jnp.sum(parts[half:], axis=0) * r_h[:, None])
+        return out.astype(embed.dtype)
+    wm, tn, st, npg = _plan_large(m, h, _num_sms(), wg_m, tile_n, stages, num_programs, acc)
+    m_pad = -(-m // (2 * wm)) * (2 * wm)  # rows past M: zero-filled by TMA, scale 1, never stored
+    scales = jnp.stack([r_e / r_h, r_h] if acc == "rescale" else [r_e, r_h])
+    scales = jnp.pad(scales, ((0, 0), (0, m_pad - m)), constant_values=1.0)
+    return _ws_gemm(embed, hidden, w_folded, scales, wg_m=wm, tile_n=tn, stages=st,
+                    num_programs=npg, acc=acc)
+
+
+def _kernel_wins(m: int, h: int) -> bool:
+    """Where ``impl="auto"`` takes the kernel on a GPU (set from results/kernels_h200.md)."""
+    del m, h
+    return False
+
+
+def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=None):
     """``concat(norm_e(embed), norm_h(hidden)) @ w.T`` -> [M, H] in embed's dtype.
 
     embed, hidden: [M, H]; norm_e_w, norm_h_w: [H] Qwen3-Next ``(1 + w)`` RMSNorm
     weights; w: [H, 2H] in the Hugging Face Linear layout, embedding columns first.
-    f32 accumulation. ``impl`` picks the path (see ``mtp.pallas.backend``);
-    ``"interpret"`` must be called eagerly, as interpret mode is switched on
-    around this call's own lowering.
+    f32 accumulation. ``impl`` picks the path (see ``mtp.pallas.backend``); the
+    reference path is the Hugging Face numerics exactly. The kernel path needs the
+    folded weight: pass ``w_folded = fold_fc_weight(norm_e_w, norm_h_w, w)`` made once
+    at load; without it the kernel path folds here, per call (one more read and
+    write of ``w``). ``"interpret"`` must be called eagerly, as interpret mode is
+    switched on around this call's own lowering.
     """
+    _check_inputs(embed, hidden, norm_e_w, norm_h_w, w)
     mode = resolve_impl(impl)
-    if mode == "pallas" and impl == "auto":
-        # Measured on the H200 (results/kernels_h200.md): the fused kernel runs at
-        # 0.4-0.8x of XLA's norm + concat + dot, so "auto" keeps XLA until it wins.
+    if mode == "pallas" and impl == "auto" and not _kernel_wins(embed.shape[0], embed.shape[1]):
         mode = "reference"
     if mode == "reference":
         return _reference_jit(embed, hidden, norm_e_w, norm_h_w, w, eps=eps)
-    _check_inputs(embed, hidden, norm_e_w, norm_h_w, w)
-    args = (embed, hidden, norm_e_w, norm_h_w, w)
+    if w_folded is None:
+        w_folded = fold_fc_weight(norm_e_w, norm_h_w, w)
     if mode == "interpret":
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            return _fc_gemm_pallas(*args, eps=eps)
-    return _fc_gemm_pallas(*args, eps=eps)
+            return fc_gemm_folded(embed, hidden, w_folded, eps=eps)
+    return fc_gemm_folded(embed, hidden, w_folded, eps=eps)
 
 
 _reference_jit = jax.jit(fc_gemm_reference, static_argnames=("eps", "impl"))
