@@ -23,6 +23,7 @@ from mtp.config import ModelConfig
 from mtp.model.layers import dense, gated_rms_norm
 
 CHUNK = 64
+UNROLL_STEPS = 8  # verify widths up to this many steps run as straight-line code
 
 
 def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -137,7 +138,10 @@ def recurrent_delta_rule(q, k, v, beta, g, state):
         return s, (out, s)
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, beta, g))
-    state, (out, states) = jax.lax.scan(step, state.astype(jnp.float32), xs)
+    # Verify runs T = K <= 8 steps: unrolled, they are straight-line code, where a
+    # loop would cost a GPU while-loop (a predicate read back by the host) per layer.
+    state, (out, states) = jax.lax.scan(step, state.astype(jnp.float32), xs,
+                                        unroll=min(q.shape[1], UNROLL_STEPS))
     return jnp.moveaxis(out, 0, 1), state, jnp.moveaxis(states, 0, 1)
 
 

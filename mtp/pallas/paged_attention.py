@@ -129,6 +129,29 @@ def _num_sms() -> int:
         return 132
 
 
+def kernel_unsupported(q, k_pages, block_kv: int | None = None) -> str | None:
+    """Why the kernel cannot take these inputs, or None when it can.
+
+    ``impl="auto"`` sends such calls (a long prefill chunk, f32 caches, odd head
+    dims) to the reference; an explicit ``impl="pallas"`` raises this message.
+    """
+    _, nq, hq, d = q.shape
+    _, page, hkv, _ = k_pages.shape
+    rows_used = nq * (hq // hkv)
+    if rows_used > _ROWS:
+        return (f"Q * (Hq / Hkv) = {nq} * {hq // hkv} = {rows_used} query rows per KV head "
+                f"exceeds the kernel's {_ROWS}; split the queries into several calls")
+    if d % 64 or d > 256:
+        return f"head dim {d} must be 64, 128, 192 or 256"
+    if q.dtype != k_pages.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"q and pages must share a 16-bit dtype, got {q.dtype}, {k_pages.dtype}"
+    try:
+        _choose_block_kv(d, page, block_kv)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "stages", "splits", "block_kv"))
 def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, scale, gate,
                             stages=None, splits=None, block_kv=None):
@@ -136,15 +159,9 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, scale
     _, page, hkv, _ = k_pages.shape
     g = hq // hkv
     rows_used = nq * g
-    if rows_used > _ROWS:
-        raise ValueError(
-            f"Q * (Hq / Hkv) = {nq} * {g} = {rows_used} query rows per KV head exceeds the "
-            f"kernel's {_ROWS}; split the queries into several calls"
-        )
-    if d % 64 or d > 256:
-        raise ValueError(f"head dim {d} must be 64, 128, 192 or 256")
-    if q.dtype != k_pages.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"q and pages must share a 16-bit dtype, got {q.dtype}, {k_pages.dtype}")
+    why = kernel_unsupported(q, k_pages, block_kv)
+    if why:
+        raise ValueError(why)
     block_kv = _choose_block_kv(d, page, block_kv)
     pages_per_tile = max(1, block_kv // page)
     tiles_per_page = max(1, page // block_kv)
@@ -323,11 +340,14 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
     zeros. ``gate`` ([B, Q, Hq, D]) multiplies the output by ``sigmoid(gate)``.
     Returns [B, Q, Hq, D] in q's dtype; softmax and accumulation in f32.
 
-    ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas interpreter
+    ``impl="auto"`` uses the kernel on a GPU wherever `kernel_unsupported` has no
+    objection and the reference otherwise. ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas interpreter
     (CPU tests); call it eagerly then, since interpret mode is switched on around
     this call's own lowering.
     """
     mode = resolve_impl(impl)
+    if mode == "pallas" and impl == "auto" and kernel_unsupported(q, k_pages):
+        mode = "reference"
     if mode == "reference":
         return _reference_jit(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                               gate=gate)
