@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import time
 
@@ -40,6 +41,7 @@ flags.DEFINE_integer("context", 2048, "KV positions already in the cache per seq
 flags.DEFINE_integer("reps", 20, "Timed repetitions per measurement (median reported).")
 flags.DEFINE_list("parts", ["A", "B"], "Which parts to run.")
 flags.DEFINE_integer("steps_per_call", 16, "Part A: steps run back to back inside one call.")
+flags.DEFINE_list("batches", ["1", "8"], "Batch sizes to run.")
 
 BIG = dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=16,
            full_attention_interval=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
@@ -52,7 +54,8 @@ BIG = dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hid
 class Report:
     def __init__(self, out: pathlib.Path):
         self.out, self.data = out, {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                    "device": str(jax.devices()[0].device_kind), "rows": []}
+                                    "device": str(jax.devices()[0].device_kind),
+                                    "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}
         out.mkdir(parents=True, exist_ok=True)
 
     def add(self, **row):
@@ -155,7 +158,7 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
     weight_bytes = 2 * n_target
     report.add(part="A", what="model", params_target=n_target, params_total=count_params(params),
                context=context, copy_bandwidth_TBps=bw / 1e12)
-    for batch in ((1, 8) if not FLAGS.small else (1, 2)):
+    for batch in [int(b) for b in FLAGS.batches]:
         cache = _random_cache(cfg, batch, context, 16, dtype, jax.random.key(2))
         kv_bytes = batch * len(cfg.attention_layers) * 2 * context * cfg.num_key_value_heads * cfg.head_dim * 2
         state_bytes = batch * len(cfg.linear_layers) * 4 * (
@@ -215,7 +218,7 @@ def part_b(report: Report, reps: int):
     pre = load_preamble("assets/sessions/preamble.txt")
     sessions = load_sessions("assets/sessions/eval_sessions.jsonl")
     new = 128 if not FLAGS.small else 16
-    for batch in (1, 8):
+    for batch in [int(b) for b in FLAGS.batches]:
         prompts = [first_prompt_ids(pre, s.turns[0].user, tok) for s in sessions[:batch]]
         runs = [("plain", 0)] + [("spec", k) for k in ((2, 3, 4, 5, 6) if batch == 1 else (2, 3, 4))]
         base = None
@@ -247,7 +250,7 @@ def _guarded(report, part, fn, *args):
 
 
 def _markdown(data) -> str:
-    lines = [f"# Decode benchmark\n\n{data['device']}, {data['date']}\n", "| part | what | batch | value | ratio |",
+    lines = [f"# Decode benchmark\n\n{data['device']}, {data['date']}, XLA_FLAGS={data['xla_flags']!r}\n", "| part | what | batch | value | ratio |",
              "|---|---|---|---|---|"]
     for r in data["rows"]:
         if r["what"] == "model":

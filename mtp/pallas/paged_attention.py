@@ -132,8 +132,9 @@ def _num_sms() -> int:
 def kernel_unsupported(q, k_pages, block_kv: int | None = None) -> str | None:
     """Why the kernel cannot take these inputs, or None when it can.
 
-    ``impl="auto"`` sends such calls (a long prefill chunk, f32 caches, odd head
-    dims) to the reference; an explicit ``impl="pallas"`` raises this message.
+    `paged_attention` sends such calls (a long prefill chunk, f32 caches, odd head
+    dims) to the reference whatever ``impl`` says, so one switch can turn the
+    kernels on for a whole model; the kernel entry itself raises this message.
     """
     _, nq, hq, d = q.shape
     _, page, hkv, _ = k_pages.shape
@@ -340,13 +341,12 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
     zeros. ``gate`` ([B, Q, Hq, D]) multiplies the output by ``sigmoid(gate)``.
     Returns [B, Q, Hq, D] in q's dtype; softmax and accumulation in f32.
 
-    ``impl="auto"`` uses the kernel on a GPU wherever `kernel_unsupported` has no
-    objection and the reference otherwise. ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas interpreter
+    Inputs the kernel cannot take (`kernel_unsupported`) always go to the reference. ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas interpreter
     (CPU tests); call it eagerly then, since interpret mode is switched on around
     this call's own lowering.
     """
     mode = resolve_impl(impl)
-    if mode == "pallas" and impl == "auto" and kernel_unsupported(q, k_pages):
+    if mode != "reference" and kernel_unsupported(q, k_pages):
         mode = "reference"
     if mode == "reference":
         return _reference_jit(q, k_pages, v_pages, block_tables, lengths, scale=scale,
