@@ -120,7 +120,8 @@ def bench_fc(m, h, reps, variants=None):
     ref_fn = jax.jit(lambda e, hd, ne, nh, w: fcmod.fc_gemm_reference(e, hd, ne, nh, w, eps=eps))
     ref_sets = [s[:5] for s in sets]
     our_sets = [(s[0], s[1], s[5]) for s in sets]
-    ours = lambda e, hd, wf, **kw: fcmod.fc_gemm_folded(e, hd, wf, eps=eps, **kw)
+    base_kw = {"acc": "two"} if FLAGS.small else {}  # the interpreter has no accumulator stores
+    ours = lambda e, hd, wf, **kw: fcmod.fc_gemm_folded(e, hd, wf, eps=eps, **{**base_kw, **kw})
     want = ref_fn(*ref_sets[0])
     res["rel_err"] = _rel_err(ours(*our_sets[0]), want)
     # XLA's dot alone, on an input already normalised and concatenated (not counted).
@@ -142,15 +143,18 @@ def bench_fc(m, h, reps, variants=None):
 
 def fc_variants(m, h):
     """Tile/stage alternatives timed beside the default plan."""
-    if m >= 2048 and h == 4096:
-        v = {"s4": dict(stages=4), "s6": dict(stages=6),
-             "rescale_128x256_s4": dict(acc="rescale"),
-             "rescale_128x256_s3": dict(acc="rescale", stages=3)}
-        return v if m == 12288 else {"rescale_128x256_s4": dict(acc="rescale")}
-    if m <= 32 and h == 4096 and m in (8,):
-        return {"s4": dict(stages=4), "s8": dict(stages=8), "k8": dict(k_splits=8),
-                "k2": dict(k_splits=2), "n64_k2": dict(tile_n=64, k_splits=2),
-                "n64_k4_s8": dict(tile_n=64, k_splits=4, stages=8)}
+    if m >= 2048:
+        v = {"two_acc_64x2_s5": dict(acc="two")}
+        if m == 12288 and h == 4096:
+            v.update({"rescale_s3": dict(stages=3), "rescale_n64_s6": dict(tile_n=64, stages=6)})
+        return v
+    if m == 8 and h == 4096:
+        return {"s8": dict(stages=8), "k8": dict(k_splits=8),
+                "n256_k8_s4": dict(tile_n=256, k_splits=8, stages=4),
+                "n256_k4_s4": dict(tile_n=256, k_splits=4, stages=4)}
+    if m == 8 and h == 2048:
+        return {"k4": dict(k_splits=4), "k16_s4": dict(k_splits=16, stages=4),
+                "n256_k16_s4": dict(tile_n=256, k_splits=16, stages=4)}
     return {}
 
 
@@ -350,6 +354,7 @@ def main(_):
         variants = fc_variants(m, h)
         if FLAGS.small:
             variants = {"s2": dict(stages=2)} if m > 64 else {"k2": dict(k_splits=2)}
+            variants = {k: {**v, "acc": "two"} for k, v in variants.items()}
         r = _safe(bench_fc, m, h, reps, variants)
         if "error" in r:
             r.update(M=m, H=h)

@@ -37,6 +37,8 @@ def _rel_err(a, b):
 
 
 def _kernel(args, **kw):
+    """The kernel in interpret mode (``acc="two"``: the interpreter has no accumulator stores)."""
+    kw.setdefault("acc", "two")
     e, h, ne, nh, w = args
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         return fc_gemm_folded(e, h, fold_fc_weight(ne, nh, w), eps=1e-6, **kw)
@@ -178,4 +180,10 @@ def test_plans():
     assert fcmod._plan_small(2048, 132)[1] == 8
     wm, tn, st, npg = fcmod._plan_large(12288, 4096, 132)
     assert (wm, tn) == (64, 128) and npg == 132
+    assert fcmod._plan_large(12288, 4096, 132, acc="rescale")[:3] == (128, 128, 4)
     assert fcmod._plan_large(130, 128, 132)[3] == 2
+
+
+def test_auto_rule():
+    assert fcmod._kernel_wins(2048, 4096) and fcmod._kernel_wins(12288, 2048)
+    assert not fcmod._kernel_wins(8, 4096) and not fcmod._kernel_wins(512, 4096)

@@ -38,6 +38,10 @@ Two kernels (Mosaic GPU, Hopper):
   is a ``(2 tile_n, tile_k)`` slab of ``W_f`` used through a transposed view. The
   consumer keeps one wgmma in flight (``wgmma_wait(1)``) and releases a stage as soon
   as the wgmma that read it has finished.
+  Pallas' GPU interpreter cannot store to an accumulator, so in interpret mode (CPU
+  tests) the consumers instead keep two f32 accumulators (embed half, hidden half) for a
+  64x128 tile each (``acc="two"``, 128x128 CTA tiles; same producer and stage ring);
+  on the H200 that form measured 13% slower (results/kernels_h200.md, run 3).
 * M <= 64 (batched propose, a weight stream): M sits in one 64-row tile (rows past M
   are TMA zero-fill, never materialised) and the 2H reduction is split across
   programs (split-K, each split inside one half) so that >= ~128 programs stream
@@ -422,12 +426,16 @@ def _ws_gemm(embed, hidden, w_f, scales, *, wg_m, tile_n, stages, num_programs, 
 @functools.partial(jax.jit, static_argnames=("eps", "wg_m", "tile_n", "k_splits", "stages",
                                              "num_programs", "small_m", "acc"))
 def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_splits=None,
-                   stages=None, num_programs=None, small_m=SMALL_M, acc="two"):
+                   stages=None, num_programs=None, small_m=SMALL_M, acc="rescale"):
     """The kernel path: ``fc_gemm`` given the folded weight ``fold_fc_weight(...)``.
 
     embed, hidden: [M, H]; w_folded: [H, 2H]; all three the same 16-bit dtype. The tile
     arguments override the plan (benchmarks, tests); M <= ``small_m`` takes the
-    split-K stream, larger M the warp-specialised GEMM.
+    split-K stream, larger M the warp-specialised GEMM, by default with one rescaled
+    accumulator per consumer (``acc="rescale"``: 128x256 CTA tiles, measured 13-15%
+    faster than ``acc="two"`` on the H200, results/kernels_h200.md run 3). Pallas' GPU
+    interpreter cannot store to an accumulator, so interpret mode needs ``acc="two"``
+    (``fc_gemm(impl="interpret")`` passes it).
     """
     _check_kernel_inputs(embed, hidden, w_folded)
     m, h = embed.shape
@@ -450,9 +458,14 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
 
 
 def _kernel_wins(m: int, h: int) -> bool:
-    """Where ``impl="auto"`` takes the kernel on a GPU (set from results/kernels_h200.md)."""
-    del m, h
-    return False
+    """Where ``impl="auto"`` takes the kernel on a GPU (results/kernels_h200.md, run 3).
+
+    Measured against XLA's norm + concat + dot: M = 2048 and 12288 at H = 2048 and 4096
+    1.00-1.09x (kernel); M = 1, 8, 32 at H = 2048 0.75-0.79x and at H = 4096 0.90-1.18x
+    (mixed, so the reference); M in (64, 2048) was not measured (reference).
+    """
+    del h
+    return m >= 2048
 
 
 def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=None):
@@ -477,7 +490,7 @@ def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=
         w_folded = fold_fc_weight(norm_e_w, norm_h_w, w)
     if mode == "interpret":
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            return fc_gemm_folded(embed, hidden, w_folded, eps=eps)
+            return fc_gemm_folded(embed, hidden, w_folded, eps=eps, acc="two")
     return fc_gemm_folded(embed, hidden, w_folded, eps=eps)
 
 
