@@ -55,12 +55,11 @@ from mtp.config import ModelConfig
 from mtp.metrics import AcceptanceStats
 from mtp.model import target
 from mtp.model.params import Params
-from mtp.mtp_head import PREFILL_CHUNK, DrafterCache, append_rows, quantize_head
+from mtp.mtp_head import APPEND_BUCKETS, DrafterCache, append_chunks, append_rows, quantize_head
 from mtp.speculative import SpecConfig, greedy_loop, pick_token, speculative_loop
 
 DRAFTER_POLICIES = ("cold", "blind", "rebuild", "carry")
 SNAPSHOT_INTERVAL = 64  # prefill chunk and snapshot granularity (a multiple of the page size)
-APPEND_BUCKETS = (64, 128, 256, PREFILL_CHUNK)  # drafter-append chunk sizes (one compile each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,22 +401,14 @@ class Engine:
         return pages
 
     def _append(self, slot, prompt, first_key, count):
-        """Drafter rows for keys ``first_key .. first_key+count-1`` from the slot's hidden store.
-
-        Chunks of `PREFILL_CHUNK` rows, the last one in the smallest of `APPEND_BUCKETS`
-        that holds it: a carry appends a turn's tail (tens of rows), which a full
-        512-row chunk would mostly spend on padding.
-        """
+        """Drafter rows for keys ``first_key .. first_key+count-1`` from the slot's hidden store."""
         ids = np.asarray(list(prompt) + [0], np.int32)
-        off = 0
-        while off < count:
-            chunk = next(c for c in APPEND_BUCKETS if c >= min(count - off, PREFILL_CHUNK))
-            keys = first_key + off + np.arange(chunk)
+        for off, width in append_chunks(count):
+            keys = first_key + off + np.arange(width)
             tok = ids[np.clip(keys + 1, 0, len(prompt))][None]
             self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, slot, jnp.asarray(tok),
                                        jnp.array([first_key + off], jnp.int32),
-                                       jnp.array([min(chunk, count - off)], jnp.int32), impl=self.spec.impl)
-            off += chunk
+                                       jnp.array([min(width, count - off)], jnp.int32), impl=self.spec.impl)
 
     def precompile_appends(self) -> None:
         """Compile every drafter-append bucket (count 0 writes nothing), so no timed turn does."""

@@ -28,6 +28,7 @@ from mtp.pallas.backend import resolve_impl
 from mtp.pallas.fc_gemm import fc_gemm, fold_fc_weight
 
 PREFILL_CHUNK = 512  # drafter-prefill rows per call, as in the reference system
+APPEND_BUCKETS = (64, 128, 256, PREFILL_CHUNK)  # widths of a last, partial chunk (one compile each)
 
 
 @struct.dataclass
@@ -206,9 +207,25 @@ def draft_step(cfg: ModelConfig, params: Params, dcache: DrafterCache, token: ja
     return dcache, logits, chained
 
 
+def append_chunks(count: int, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int]]:
+    """``(offset, width)`` of the `append_rows` calls that write ``count`` rows.
+
+    Full chunks, then the last one in the smallest of `APPEND_BUCKETS` that holds
+    it: a carry appends a turn's tail (tens of rows), which a full chunk would
+    mostly spend on padding, and a handful of widths keeps the compiles few.
+    """
+    widths = sorted({c for c in APPEND_BUCKETS if c < chunk} | {chunk})
+    plan, off = [], 0
+    while off < count:
+        width = next(c for c in widths if c >= min(count - off, chunk))
+        plan.append((off, width))
+        off += width
+    return plan
+
+
 def prefill_drafter(cfg: ModelConfig, params: Params, dcache: DrafterCache, tokens, hiddens,
                     first_key, count, *, impl: str = "auto", chunk: int = PREFILL_CHUNK) -> DrafterCache:
-    """Host-side driver: append pair keys in fixed-size chunks so one compile serves all.
+    """Host-side driver: append pair keys chunk by chunk (`append_chunks`).
 
     ``tokens [B, L]`` and ``hiddens [B, L, H]`` are in sequence space; keys
     ``first_key[b] ... first_key[b] + count[b] - 1`` are written (key k reads
@@ -219,9 +236,9 @@ def prefill_drafter(cfg: ModelConfig, params: Params, dcache: DrafterCache, toke
     first_key = np.asarray(first_key, np.int32)
     count = np.asarray(count, np.int32)
     b, length = tokens.shape
-    for off in range(0, int(count.max(initial=0)), chunk):
-        n = np.clip(count - off, 0, chunk).astype(np.int32)
-        keys = first_key[:, None] + off + np.arange(chunk)[None, :]
+    for off, width in append_chunks(int(count.max(initial=0)), chunk):
+        n = np.clip(count - off, 0, width).astype(np.int32)
+        keys = first_key[:, None] + off + np.arange(width)[None, :]
         tok_idx = np.clip(keys + 1, 0, length - 1)
         hid_idx = np.clip(keys, 0, length - 1)
         nt = jnp.take_along_axis(tokens, jnp.asarray(tok_idx), axis=1)
@@ -230,5 +247,6 @@ def prefill_drafter(cfg: ModelConfig, params: Params, dcache: DrafterCache, toke
     return dcache
 
 
-__all__ = ["DrafterCache", "PREFILL_CHUNK", "append_rows", "draft_step", "draft_vocabulary", "fc_input",
+__all__ = ["APPEND_BUCKETS", "DrafterCache", "PREFILL_CHUNK", "append_chunks", "append_rows", "draft_step",
+           "draft_vocabulary", "fc_input",
            "forward_sequence", "prefill_drafter", "quantize_head"]

@@ -86,6 +86,20 @@ def test_oracle_heads_give_acceptance_one_and_zero(agree):
     assert res.stats.draft_acceptance_rate == (1.0 if agree else 0.0)
 
 
+def test_append_chunks_cover_every_row_once_in_few_widths():
+    from mtp.mtp_head import APPEND_BUCKETS, PREFILL_CHUNK, append_chunks
+
+    for count in (0, 1, 63, 64, 65, 511, 512, 513, 1300):
+        plan = append_chunks(count)
+        assert [off for off, _ in plan] == [sum(w for _, w in plan[:i]) for i in range(len(plan))]
+        assert sum(w for _, w in plan) >= count and all(w in APPEND_BUCKETS for _, w in plan)
+        assert all(w == PREFILL_CHUNK for _, w in plan[:-1])  # only the last chunk is narrow
+        if plan:  # the last chunk is the narrowest width that holds what is left
+            left = count - plan[-1][0]
+            assert plan[-1][1] == min(w for w in APPEND_BUCKETS if w >= left)
+    assert append_chunks(10, chunk=4) == [(0, 4), (4, 4), (8, 4)]
+
+
 def test_drafter_prefill_rows_equal_step_by_step_drafts():
     """Batch-filled drafter K/V equal what one draft step per pair key writes."""
     cfg = tiny_config("tiny_moe")
