@@ -17,6 +17,7 @@ markdown table, written after every measurement so a cut-off run keeps its numbe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -235,7 +236,9 @@ def part_b(report: Report, reps: int):
             row = dict(part="B", what=f"{name} K={k}" if k else name, batch=batch, tokens_per_s=tps,
                        speedup=tps / base, identical_to_plain=res[0].tokens == base_tokens)
             if k:
-                row.update(res[0].stats.as_dict())
+                # The lossless check at equal GEMM shapes (SpecConfig.plain_width): untimed.
+                wide = generate(cfg, params, prompts, dataclasses.replace(spec, plain_width=k), speculative=False)
+                row.update(res[0].stats.as_dict(), identical_to_plain_same_width=res[0].tokens == wide.tokens)
             report.add(**row)
 
 
@@ -264,8 +267,10 @@ def _markdown(data) -> str:
             lines.append(f"| A | {r['what']} | {r['batch']} | {r['ms']:.3f} ms | {ratio} |")
         else:
             acc = f", mean acc. len {r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else ""
+            same = (f", identical at the verify's width={r['identical_to_plain_same_width']}"
+                    if "identical_to_plain_same_width" in r else "")
             lines.append(f"| B | {r['what']} | {r['batch']} | {r['tokens_per_s']:.1f} tok/s{acc} | "
-                         f"{r['speedup']:.2f}x plain, identical={r['identical_to_plain']} |")
+                         f"{r['speedup']:.2f}x plain, identical={r['identical_to_plain']}{same} |")
     lines += [f"\nError: {e}" for e in data.get("errors", [])]
     return "\n".join(lines) + "\n"
 

@@ -43,10 +43,18 @@ class SpecConfig:
     draft_conf_tau: float = 0.0  # D-Cut: stop a chain once its min top-1 prob < tau
     eos_id: int = -1  # -1 = no EOS
     impl: str = "auto"  # kernel backend (mtp.pallas.backend)
+    # Rows per plain decode step. 1 is the fastest. XLA's GPU GEMMs pick their
+    # algorithm by shape, so a row's bf16 result can depend on how many rows share
+    # the call; with ``plain_width = verify_width`` the plain loop runs the verify's
+    # shapes (one real token, the rest discarded), which makes its tokens bitwise
+    # comparable with speculative decoding on a GPU (results/decode_h200.md).
+    plain_width: int = 1
 
     def __post_init__(self):
         if not 2 <= self.verify_width <= 8:
             raise ValueError(f"verify_width K={self.verify_width} must be in 2..8 (drafts D = K - 1 in 1..7)")
+        if not 1 <= self.plain_width <= self.verify_width:
+            raise ValueError(f"plain_width={self.plain_width} must be in 1..verify_width={self.verify_width}")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
         if not 0 <= self.draft_conf_tau < 1:
@@ -146,7 +154,8 @@ def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_toke
 
     def body(s: LoopState) -> LoopState:
         rng, key = jax.random.split(s.rng)
-        cache, vout = target.verify(cfg, params, s.cache, s.last_token[:, None], impl=spec.impl)
+        rows = jnp.repeat(s.last_token[:, None], spec.plain_width, axis=1)  # row 0 is the real one
+        cache, vout = target.verify(cfg, params, s.cache, rows, impl=spec.impl)
         cache = target.commit(cache, vout, jnp.where(s.done, 0, 1))
         nxt = pick_token(vout.logits[:, 0], spec.temperature, key)
         out, num_out, done, _ = _emit(s, nxt[:, None], jnp.ones_like(nxt), spec.eos_id)

@@ -165,6 +165,16 @@ def test_rejection_sampling_keeps_the_target_distribution(temperature):
 def test_bad_verify_width_is_a_clear_error():
     with pytest.raises(ValueError, match="verify_width K=9"):
         SpecConfig(verify_width=9)
+    with pytest.raises(ValueError, match="plain_width=4"):
+        SpecConfig(verify_width=3, plain_width=4)
+
+
+def test_plain_loop_at_verify_width_decodes_the_same_tokens(greedy_reference):
+    """The padded rows of a wide plain step are discarded: same tokens as one row per step."""
+    cfg, params, prompts, base = greedy_reference["tiny_moe"]
+    wide = generate(cfg, params, prompts, SpecConfig(max_new_tokens=MAX_NEW, verify_width=4, plain_width=4),
+                    speculative=False)
+    assert wide.tokens == base
 
 
 def test_reduced_draft_vocabulary_is_lossless_and_maps_back(greedy_reference):
