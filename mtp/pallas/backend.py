@@ -40,3 +40,18 @@ def resolve_impl(impl: str) -> str:
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "reference"
     return impl
+
+
+def interpret_forced() -> bool:
+    """Whether Pallas' GPU interpreter is switched on around the current trace.
+
+    Tests turn it on around a whole jitted model (``plgpu.force_gpu_interpret_mode``);
+    a kernel with a form the interpreter cannot run picks its other form then.
+    jax keeps this setting in a private config entry, so a jax without it reads False.
+    """
+    try:
+        from jax._src import config as jax_config
+
+        return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+    except AttributeError:
+        return False

@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mtp.pallas.backend import resolve_impl
+from mtp.pallas.backend import interpret_forced, resolve_impl
 
 SMALL_M = 64  # at most this many rows take the split-K weight-streaming kernel
 _SMEM_LIMIT = 232_448 - 2048  # bytes per block, less headroom for Mosaic's own scratch
@@ -491,7 +491,7 @@ def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=
     if mode == "interpret":
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
             return fc_gemm_folded(embed, hidden, w_folded, eps=eps, acc="two")
-    return fc_gemm_folded(embed, hidden, w_folded, eps=eps)
+    return fc_gemm_folded(embed, hidden, w_folded, eps=eps, acc="two" if interpret_forced() else "rescale")
 
 
 _reference_jit = jax.jit(fc_gemm_reference, static_argnames=("eps", "impl"))
