@@ -43,6 +43,7 @@ flags.DEFINE_integer("reps", 20, "Timed repetitions per measurement (median repo
 flags.DEFINE_list("parts", ["A", "B"], "Which parts to run.")
 flags.DEFINE_integer("steps_per_call", 16, "Part A: steps run back to back inside one call.")
 flags.DEFINE_list("batches", ["1", "8"], "Batch sizes to run.")
+flags.DEFINE_bool("decode_only", False, "Part A: time the plain decode step only (e.g. to compare XLA_FLAGS).")
 
 BIG = dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=16,
            full_attention_interval=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
@@ -183,6 +184,8 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
         decode_ms, state = _per_step_ms(verify_step, state, reps, params, n)
         report.add(part="A", what="decode", batch=batch, ms=decode_ms, floor_ms=floor_ms,
                    ratio_to_floor=decode_ms / floor_ms, **_kernel_profile(verify_step, state, params))
+        if FLAGS.decode_only:
+            continue
         for k in (2, 4, 8):
             state = (state[0], jnp.ones((batch, k), jnp.int32))
             ms, state = _per_step_ms(verify_step, state, reps, params, n)
