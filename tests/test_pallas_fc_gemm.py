@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 
-import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
