@@ -341,7 +341,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
     zeros. ``gate`` ([B, Q, Hq, D]) multiplies the output by ``sigmoid(gate)``.
     Returns [B, Q, Hq, D] in q's dtype; softmax and accumulation in f32.
 
-    Inputs the kernel cannot take (`kernel_unsupported`) always go to the reference. ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas interpreter
+    Inputs the kernel cannot take (`kernel_unsupported`) always go to the reference.
+    ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas interpreter
     (CPU tests); call it eagerly then, since interpret mode is switched on around
     this call's own lowering.
     """
