@@ -22,6 +22,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import time
 
 import jax
@@ -96,11 +97,60 @@ def _per_step_ms(step, state, reps, params, steps_per_call):
     return ms / steps_per_call, state
 
 
-def _kernel_profile(step, state, params, top=8):
+_HLO_LINE = re.compile(r"^\s*%?([\w.-]+) = (\S+) .*?stack_frame_id=(\d+)")
+_TABLE_ROW = re.compile(r"^(\d+) (?:\"(.*)\"|\{(.*)\})$")
+
+
+def _kernel_sources(compiled_text: str, depth: int = 3) -> dict[str, str]:
+    """Kernel (fusion) name -> where in the model it comes from, from the optimised HLO.
+
+    XLA keeps each op's Python stack in the module's stack-frame tables; the key is the
+    innermost ``depth`` frames inside ``mtp/`` (``dense:19 < project:41 < gdn_layer:170``)
+    and the op's output shape, which tells apart the projections that share ``dense``.
+    """
+    tables: dict[str, dict[int, object]] = {}
+    section = None
+    where = {}
+    frames: dict[int, str] = {}
+    for line in compiled_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = tables.setdefault(line, {})
+            continue
+        row = _TABLE_ROW.match(line) if section is not None else None
+        if row:
+            fields = row.group(2) if row.group(2) is not None else dict(
+                kv.split("=") for kv in row.group(3).split())
+            section[int(row.group(1))] = fields
+            continue
+        section = None
+        m = _HLO_LINE.match(line)
+        if m:
+            where[m.group(1)] = (int(m.group(3)), m.group(2).split("{")[0])
+    files, funcs = tables.get("FileNames", {}), tables.get("FunctionNames", {})
+    locs, stack = tables.get("FileLocations", {}), tables.get("StackFrames", {})
+
+    def describe(frame_id: int) -> str:
+        if frame_id not in frames:
+            chain, fid, seen = [], frame_id, set()
+            while fid in stack and fid not in seen and len(chain) < depth:
+                seen.add(fid)
+                loc = locs[int(stack[fid]["file_location_id"])]
+                if "/mtp/" in files[int(loc["file_name_id"])]:
+                    chain.append(f"{funcs[int(loc['function_name_id'])]}:{loc['line']}")
+                fid = int(stack[fid]["parent_frame_id"]) - 1  # printed one-based, 0 = none
+            frames[frame_id] = " < ".join(chain) or "?"
+        return frames[frame_id]
+
+    return {name: f"{describe(fid)} -> {shape}" for name, (fid, shape) in where.items()}
+
+
+def _kernel_profile(step, state, params, top=8, by_source=False):
     """CUPTI view of one step: kernel count, summed kernel time and the costliest kernels.
 
-    Their sum against the in-loop step time tells launch gaps from slow kernels.
-    Returns {} where CUPTI is unavailable (a CPU run).
+    Their sum against the in-loop step time tells launch gaps from slow kernels. With
+    ``by_source`` the kernels are also grouped by the model source line (and output shape)
+    they come from: where a step's time goes, in the model's own terms. Returns {} where
+    CUPTI is unavailable (a CPU run).
     """
     try:
         from jax.experimental.mosaic.gpu import profiler
@@ -114,8 +164,19 @@ def _kernel_profile(step, state, params, top=8):
     for name, ms in timings:
         by_name[name] = by_name.get(name, 0.0) + ms
     worst = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-    return {"kernels": len(timings), "kernel_sum_ms": sum(ms for _, ms in timings),
-            "top_kernels": [(n[:80], round(ms * 1e3, 1)) for n, ms in worst]}
+    out = {"kernels": len(timings), "kernel_sum_ms": sum(ms for _, ms in timings),
+           "top_kernels": [(n[:80], round(ms * 1e3, 1)) for n, ms in worst]}
+    if by_source:
+        where = _kernel_sources(jax.jit(step).lower(state, params).compile().as_text())
+        groups: dict[str, list] = {}
+        for name, ms in timings:
+            key = where.get(name) or where.get(name.split(".")[0]) or f"? {name[:40]}"
+            g = groups.setdefault(key, [0, 0.0])
+            g[0] += 1
+            g[1] += ms
+        ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])
+        out["by_source"] = [(k, n, round(ms * 1e3, 1)) for k, (n, ms) in ranked[:40]]
+    return out
 
 
 def copy_bandwidth(nbytes: int) -> float:
@@ -183,7 +244,8 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
         state = (cache, jnp.ones((batch, 1), jnp.int32))
         decode_ms, state = _per_step_ms(verify_step, state, reps, params, n)
         report.add(part="A", what="decode", batch=batch, ms=decode_ms, floor_ms=floor_ms,
-                   ratio_to_floor=decode_ms / floor_ms, **_kernel_profile(verify_step, state, params))
+                   ratio_to_floor=decode_ms / floor_ms,
+                   **_kernel_profile(verify_step, state, params, by_source=FLAGS.decode_only))
         if FLAGS.decode_only:
             continue
         for k in (2, 4, 8):

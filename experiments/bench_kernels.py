@@ -27,15 +27,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp.model.layers import dense
 from mtp.pallas import fc_gemm as fcmod
 from mtp.pallas import paged_attention as pamod
+from mtp.pallas import stream_gemm as streammod
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Correctness plus the goal shapes only.")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_kernels"), "Where results go.")
 flags.DEFINE_integer("reps", 30, "Timed calls per variant.")
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens.")
-flags.DEFINE_enum("only", "all", ["all", "fc", "pa"], "Which kernels to check and time.")
+flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv"], "Which kernels to check and time.")
+flags.DEFINE_list("pa_batches", None, "Paged attention: only these batch sizes (default: all).")
+flags.DEFINE_string("pa_heads", None, "Paged attention: only this (Hq,Hkv,D), e.g. 16,2,256.")
 flags.DEFINE_bool("small", False, "fc only, tiny shapes in Pallas interpret mode: a CPU check "
                   "that the script runs end to end (timings meaningless).")
 
@@ -94,7 +98,8 @@ def bench_fc(m, h, reps, variants=None):
     """Checks, then times, the fc kernel path against XLA.
 
     "ours" is what the model runs per call: ``fc_gemm_folded`` on the load-time folded
-    weight (the per-row rsqrt reduction, the kernel, and for M <= 64 the split-K sum).
+    weight (M <= 64: the one stream kernel; larger M: the per-row rsqrt reduction and
+    the warp-specialised kernel).
     "XLA dot" is ``jnp.dot`` alone on an input already normalised and concatenated;
     "unfused" is the reference (norm + concat + dot), what ``impl="reference"`` runs.
     """
@@ -145,17 +150,46 @@ def fc_variants(m, h):
     """Tile/stage alternatives timed beside the default plan."""
     if m >= 2048:
         v = {"two_acc_64x2_s5": dict(acc="two")}
-        if m == 12288 and h == 4096:
-            v.update({"rescale_s3": dict(stages=3), "rescale_n64_s6": dict(tile_n=64, stages=6)})
+        if h == 2048:
+            v.update({"rescale_n64_s6": dict(tile_n=64, stages=6),
+                      "rescale_p128": dict(num_programs=128)})
         return v
-    if m == 8 and h == 4096:
-        return {"s8": dict(stages=8), "k8": dict(k_splits=8),
-                "n256_k8_s4": dict(tile_n=256, k_splits=8, stages=4),
-                "n256_k4_s4": dict(tile_n=256, k_splits=4, stages=4)}
-    if m == 8 and h == 2048:
-        return {"k4": dict(k_splits=4), "k16_s4": dict(k_splits=16, stages=4),
-                "n256_k16_s4": dict(tile_n=256, k_splits=16, stages=4)}
-    return {}
+    v = {"split_k": dict(small="splitk"), "tk64": dict(tile_k=64), "s8": dict(stages=8)}
+    if h == 2048:
+        v["tn32"] = dict(tile_n=32)
+    return v
+
+
+# ------------------------------------------------------------------ weight streaming (decode GEMVs)
+
+# The 1.38B Qwen3-Next-shaped model of experiments/bench_decode.py (hidden 2048):
+# its per-layer projections, [N, K] = [out, in], and what each is.
+GEMV_SHAPES = [(12288, 2048, "in_proj_qkvz"), (2048, 4096, "out_proj / o_proj"),
+               (5632, 2048, "gate / up"), (11264, 2048, "gate+up concatenated"),
+               (2048, 5632, "down"), (8192, 2048, "q_proj (+gate)"), (512, 2048, "k / v"),
+               (64, 2048, "in_proj_ba"), (151936, 2048, "LM head")]
+
+
+def bench_gemv(m, n, k, reps):
+    """The stream kernel vs the model's own ``dense`` (XLA) for ``[M, K] @ [N, K].T``.
+
+    Weights rotate among copies that together exceed L2 several times, as the layers
+    of a decode step do: a step reads every weight once.
+    """
+    w_bytes = n * k * 2
+    n_sets = max(2, min(16, math.ceil(ROTATE_BYTES / w_bytes)))
+    ks = jax.random.split(jax.random.key(n + k + m), 2 * n_sets)
+    sets = [(jax.random.normal(ks[2 * i], (m, k), jnp.bfloat16),
+             (jax.random.normal(ks[2 * i + 1], (n, k)) / math.sqrt(k)).astype(jnp.bfloat16))
+            for i in range(n_sets)]
+    ours = lambda x, w: streammod.stream_gemm((x,), w)
+    xla = jax.jit(dense)
+    res = {"M": m, "N": n, "K": k, "w_bytes": w_bytes,
+           "rel_err": _rel_err(ours(*sets[0]), streammod.stream_gemm_reference((sets[0][0],), sets[0][1]))}
+    res["t_ours"], res["timing"] = _time(ours, sets, reps)
+    res["t_xla"] = _time(xla, sets, reps)[0]
+    del sets
+    return res
 
 
 # ------------------------------------------------------------------ paged attention
@@ -284,6 +318,19 @@ def render(results):
             f"{r['rel_err']:.1e} | {_fmt_us(r['t_ours'])} | {tb(r['t_ours'])} | {tb(tx)} | "
             f"{tb(tj) if tj else '-'} | {f'{tj / r['t_ours']:.2f}x' if tj else '-'} | "
             f"{f'{tx / r['t_ours']:.2f}x' if isinstance(tx, float) else '-'} |")
+    if results.get("gemv"):
+        lines += ["", "### weight streaming, [M, K] @ [N, K].T (TB/s = weight bytes / time)", "",
+                  "| M | N | K | what | rel err | ours µs | ours TB/s | XLA µs | XLA TB/s | ours / XLA (speed) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results["gemv"]:
+            if "error" in r:
+                lines.append(f"| {r['M']} | {r['N']} | {r['K']} | {r['what']} | {r['error'][:80]} |")
+                continue
+            tb = lambda t: f"{r['w_bytes'] / t / 1e12:.2f}"
+            lines.append(
+                f"| {r['M']} | {r['N']} | {r['K']} | {r['what']} | {r['rel_err']:.1e} | "
+                f"{_fmt_us(r['t_ours'])} | {tb(r['t_ours'])} | {_fmt_us(r['t_xla'])} | "
+                f"{tb(r['t_xla'])} | {r['t_xla'] / r['t_ours']:.2f}x |")
     if results.get("pa_checks"):
         lines += ["", "### paged attention on ragged lengths (0, 2, 17, 1000, 2047, 2560), gated",
                   "", "| Hq,Hkv,D | Q | rel err | finite | idle slot zero |", "|---|---|---|---|---|"]
@@ -337,6 +384,12 @@ def main(_):
                       if (m, h) not in fc_shapes]
     if not run_pa:
         pa_shapes = []
+    if FLAGS.pa_batches or FLAGS.pa_heads:  # a partial table: no sweeps
+        heads = tuple(int(v) for v in FLAGS.pa_heads.split(",")) if FLAGS.pa_heads else None
+        batches = {int(b) for b in FLAGS.pa_batches} if FLAGS.pa_batches else None
+        pa_shapes = [s for s in pa_shapes if (heads is None or s[3:] == heads)
+                     and (batches is None or s[0] in batches)]
+        sweeps = {}
     for i, (b, ctx, nq, hq, hkv, d) in enumerate(pa_shapes):
         logging.info("paged attention B=%d ctx=%d Q=%d heads=%s", b, ctx, nq, (hq, hkv, d))
         r = _safe(bench_pa, b, ctx, nq, hq, hkv, d, page, reps, split_sweep=sweeps.get(i, ()))
@@ -345,7 +398,17 @@ def main(_):
         results["pa"].append(r)
         print(json.dumps(r, default=str), flush=True)
         save()
-    if FLAGS.only == "pa":
+    if FLAGS.only in ("all", "gemv"):
+        gemv_shapes = [(1, 256, 128, "tiny"), (8, 200, 256, "tiny")] if FLAGS.small else [
+            (m, n, k, what) for m in (1, 8) for n, k, what in GEMV_SHAPES]
+        for m, n, k, what in gemv_shapes:
+            logging.info("stream GEMM M=%d N=%d K=%d (%s)", m, n, k, what)
+            r = _safe(bench_gemv, m, n, k, reps)
+            r.update(M=m, N=n, K=k, what=what)
+            results.setdefault("gemv", []).append(r)
+            print(json.dumps(r, default=str), flush=True)
+            save()
+    if FLAGS.only in ("pa", "gemv"):
         fc_shapes = []
     if FLAGS.small:
         fc_shapes = [(8, 256), (200, 256)]
@@ -353,7 +416,7 @@ def main(_):
         logging.info("fc GEMM M=%d H=%d", m, h)
         variants = fc_variants(m, h)
         if FLAGS.small:
-            variants = {"s2": dict(stages=2)} if m > 64 else {"k2": dict(k_splits=2)}
+            variants = {"s2": dict(stages=2)} if m > 64 else {"split_k": dict(small="splitk")}
             variants = {k: {**v, "acc": "two"} for k, v in variants.items()}
         r = _safe(bench_fc, m, h, reps, variants)
         if "error" in r:

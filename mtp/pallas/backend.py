@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 
 CHOICES = ("auto", "reference", "pallas", "interpret")
 ENV_VAR = "MTP_KERNELS"
@@ -55,3 +56,20 @@ def interpret_forced() -> bool:
         return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
     except AttributeError:
         return False
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the default device (132 on an H100/H200; the plan's default)."""
+    try:
+        return jax.devices()[0].core_count or 132
+    except Exception:  # CPU devices have no core_count in some jaxlib builds.
+        return 132
+
+
+def swizzle_transforms(minor_elems: int, dtype):
+    """The widest TMA swizzle for a tile ``minor_elems`` wide, and the matching tiling."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))

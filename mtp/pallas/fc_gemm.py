@@ -60,10 +60,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mtp.pallas.backend import interpret_forced, resolve_impl
+from mtp.pallas import stream_gemm as stream
+from mtp.pallas.backend import interpret_forced, num_sms, resolve_impl, swizzle_transforms
 
-SMALL_M = 64  # at most this many rows take the split-K weight-streaming kernel
-_SMEM_LIMIT = 232_448 - 2048  # bytes per block, less headroom for Mosaic's own scratch
+SMALL_M = stream.MAX_ROWS  # at most this many rows take the weight-streaming kernel
 
 
 def _rms_scale(x, eps):
@@ -146,19 +146,6 @@ def fold_fc_weight(norm_e_w, norm_h_w, w):
     return (w.astype(jnp.float32) * col[None, :]).astype(w.dtype)
 
 
-def _num_sms() -> int:
-    try:
-        return jax.devices()[0].core_count or 132
-    except Exception:  # CPU devices have no core_count in some jaxlib builds.
-        return 132
-
-
-def _swizzle_transforms(minor_elems: int, dtype):
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
 # ------------------------------------------------------------------ small M: split-K stream
 
 
@@ -188,8 +175,8 @@ def _splitk_partials(embed, hidden, w_f, *, tile_n, k_splits, stages, tile_k=64)
     nk = chunk // tile_k
     stages = max(1, min(stages, nk))
     delay = 1 if stages > 1 else 0
-    in_tr = _swizzle_transforms(tile_k, dtype)
-    out_tr = _swizzle_transforms(tile_n, jnp.float32)
+    in_tr = swizzle_transforms(tile_k, dtype)
+    out_tr = swizzle_transforms(tile_n, jnp.float32)
 
     def kernel(e_ref, h_ref, w_ref, o_ref, o_smem):
         ni = lax.axis_index("n")
@@ -227,9 +214,9 @@ def _splitk_partials(embed, hidden, w_f, *, tile_n, k_splits, stages, tile_k=64)
         pl.when(si >= per_half)(lambda: half(h_ref, h))
 
     smem = stages * (tile_m + tile_n) * tile_k * 2 + tile_m * tile_n * 4
-    if smem > _SMEM_LIMIT:
+    if smem > stream.SMEM_LIMIT:
         raise ValueError(f"split-K fc kernel needs {smem} bytes of shared memory "
-                         f"(tile_n={tile_n}, stages={stages}); the limit is {_SMEM_LIMIT}")
+                         f"(tile_n={tile_n}, stages={stages}); the limit is {stream.SMEM_LIMIT}")
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((k_splits, m, h), jnp.float32),
@@ -285,13 +272,13 @@ def _ws_gemm(embed, hidden, w_f, scales, *, wg_m, tile_n, stages, num_programs, 
     num_tiles = m_tiles * n_tiles
     kh = h // tile_k  # k steps per half
     epi_m = min(epi_m, wg_m)
-    in_tr = _swizzle_transforms(tile_k, dtype)
-    out_tr = _swizzle_transforms(tile_n, dtype)
+    in_tr = swizzle_transforms(tile_k, dtype)
+    out_tr = swizzle_transforms(tile_n, dtype)
     smem = stages * (cta_m + cta_n) * tile_k * 2 + 2 * epi_m * tile_n * 2
-    if smem > _SMEM_LIMIT:
+    if smem > stream.SMEM_LIMIT:
         raise ValueError(f"warp-specialised fc kernel needs {smem} bytes of shared memory "
                          f"(wg_m={wg_m}, tile_n={tile_n}, stages={stages}, acc={acc}); "
-                         f"the limit is {_SMEM_LIMIT}")
+                         f"the limit is {stream.SMEM_LIMIT}")
 
     def kernel(e_ref, h_ref, w_ref, s_ref, o_ref, a_smem, b_smem, o_smem, full, empty):
         pid = lax.axis_index("p")
@@ -424,9 +411,11 @@ def _ws_gemm(embed, hidden, w_f, scales, *, wg_m, tile_n, stages, num_programs, 
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "wg_m", "tile_n", "k_splits", "stages",
-                                             "num_programs", "small_m", "acc"))
+                                             "num_programs", "small_m", "acc", "tile_k",
+                                             "small"))
 def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_splits=None,
-                   stages=None, num_programs=None, small_m=SMALL_M, acc="rescale"):
+                   stages=None, num_programs=None, small_m=SMALL_M, acc="rescale",
+                   tile_k=None, small="stream"):
     """The kernel path: ``fc_gemm`` given the folded weight ``fold_fc_weight(...)``.
 
     embed, hidden: [M, H]; w_folded: [H, 2H]; all three the same 16-bit dtype. The tile
@@ -440,16 +429,21 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     _check_kernel_inputs(embed, hidden, w_folded)
     m, h = embed.shape
     r_e, r_h = _rms_scale(embed, eps), _rms_scale(hidden, eps)
+    if m <= small_m and small == "stream":
+        if m > SMALL_M:
+            raise ValueError(f"small_m={small_m} exceeds the {SMALL_M}-row stream tile")
+        return stream.stream_gemm((embed, hidden), w_folded, eps=eps, tile_n=tile_n,
+                                  tile_k=tile_k, stages=stages)
     if m <= small_m:
         if m > SMALL_M:
             raise ValueError(f"small_m={small_m} exceeds the {SMALL_M}-row split-K tile")
-        tn, ks, st = _plan_small(h, _num_sms(), tile_n, k_splits, stages)
+        tn, ks, st = _plan_small(h, num_sms(), tile_n, k_splits, stages)
         parts = _splitk_partials(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st)
         half = ks // 2
         out = (jnp.sum(parts[:half], axis=0) * r_e[:, None]
                + jnp.sum(parts[half:], axis=0) * r_h[:, None])
         return out.astype(embed.dtype)
-    wm, tn, st, npg = _plan_large(m, h, _num_sms(), wg_m, tile_n, stages, num_programs, acc)
+    wm, tn, st, npg = _plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc)
     m_pad = -(-m // (2 * wm)) * (2 * wm)  # rows past M: zero-filled by TMA, scale 1, never stored
     scales = jnp.stack([r_e / r_h, r_h] if acc == "rescale" else [r_e, r_h])
     scales = jnp.pad(scales, ((0, 0), (0, m_pad - m)), constant_values=1.0)

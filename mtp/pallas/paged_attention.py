@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mtp.pallas.backend import resolve_impl
+from mtp.pallas.backend import num_sms, resolve_impl
 
 _ROWS = 64  # wgmma's M: query rows (G heads x Q queries, zero-padded) per program.
 _LOG2E = math.log2(math.e)
@@ -122,13 +122,6 @@ def _choose_splits(b: int, hkv: int, max_tiles: int, num_sms: int) -> int:
     return max(1, min(num_sms // (b * hkv), max_tiles))
 
 
-def _num_sms() -> int:
-    try:
-        return jax.devices()[0].core_count or 132
-    except Exception:  # CPU devices have no core_count in some jaxlib builds.
-        return 132
-
-
 def kernel_unsupported(q, k_pages, block_kv: int | None = None) -> str | None:
     """Why the kernel cannot take these inputs, or None when it can.
 
@@ -172,7 +165,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, scale
     padded = -(-max_blocks // pages_per_tile) * pages_per_tile
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded - max_blocks)))
     max_tiles = padded // pages_per_tile * tiles_per_page
-    num_splits = splits or _choose_splits(b, hkv, max_tiles, _num_sms())
+    num_splits = splits or _choose_splits(b, hkv, max_tiles, num_sms())
     tiles_per_split = -(-max_tiles // num_splits)
     if stages is None:
         # Barriers and Mosaic's own scratch take ~3 KB beyond the buffers listed here.
