@@ -141,7 +141,9 @@ def _kernel_sources(compiled_text: str, depth: int = 3) -> dict[str, str]:
             frames[frame_id] = " < ".join(chain) or "?"
         return frames[frame_id]
 
-    return {name: f"{describe(fid)} -> {shape}" for name, (fid, shape) in where.items()}
+    # Kernels are named after their fusion with '.' made '_' (gemm_fusion_dot.142 -> _142).
+    return {name.replace(".", "_"): f"{describe(fid)} -> {shape}"
+            for name, (fid, shape) in where.items()}
 
 
 def _kernel_profile(step, state, params, top=8, by_source=False):

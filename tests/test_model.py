@@ -11,6 +11,7 @@ from mtp.cache.state import TargetCache
 from mtp.config import ConfigError, ModelConfig
 from mtp.model import target
 from mtp.model import gated_deltanet as gdn
+from mtp.model import layers
 from tests.conftest import tiny_config
 
 PAGE = 4
@@ -40,7 +41,39 @@ def test_chunked_delta_rule_matches_recurrent():
     np.testing.assert_allclose(steps[:, -1], s_r, rtol=1e-6)
 
 
-def test_prefill_then_decode_equals_forward(tiny):
+@pytest.fixture
+def padded_gemms(request, monkeypatch):
+    """``dense``'s small-row padding forced on ("1": every projection pads) or off ("0")."""
+    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", request.param)
+    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
+    jax.clear_caches()  # the setting is read at trace time
+    yield request.param
+    jax.clear_caches()
+
+
+def test_dense_pads_few_rows_of_large_weights(monkeypatch):
+    x = jax.random.normal(jax.random.key(0), (2, 1, 32))
+    w = jax.random.normal(jax.random.key(1), (48, 32))
+    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 32 * 48 - 1)
+    # A fresh function per call: traces are cached, and the setting is read while tracing.
+    has_pad = lambda x: "pad" in str(jax.make_jaxpr(lambda a: layers.dense(a, w))(x))
+    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "1")
+    assert has_pad(x) and not has_pad(jnp.ones((8, 32)))
+    out = layers.dense(x, w)
+    assert out.shape == (2, 1, 48)
+    np.testing.assert_allclose(out, jnp.einsum("...i,oi->...o", x, w), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 32 * 48)  # a weight at the bound keeps its shape
+    assert not has_pad(x)
+    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
+    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "0")
+    assert not has_pad(x)
+    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "yes")
+    with pytest.raises(ValueError, match="MTP_PAD_SMALL_GEMMS='yes'"):
+        layers.dense(x, w)
+
+
+@pytest.mark.parametrize("padded_gemms", ["0", "1"], indirect=True)
+def test_prefill_then_decode_equals_forward(tiny, padded_gemms):
     cfg, params = tiny
     b, total = 3, 23
     toks = jax.random.randint(jax.random.key(5), (b, total), 0, cfg.vocab_size)

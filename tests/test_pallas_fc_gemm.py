@@ -68,15 +68,8 @@ def test_fc_gemm_interpret_matches_reference(m, h):
     (17, 128, dict(tile_n=64, stages=1)),
 ])
 def test_split_k_path_matches_reference(m, h, kw):
-    """The split-K alternative: rows past M are TMA zero-fill; each split stays in one half."""
+    """The propose path: rows past M are TMA zero-fill; each split stays in one half."""
     args = _inputs(m * 31 + h, m, h)
-    _check_against_reference(_kernel(args, small="splitk", **kw), args)
-
-
-@pytest.mark.parametrize("m,h,kw", [(3, 256, {}), (17, 128, dict(tile_n=32, tile_k=64, stages=3))])
-def test_stream_path_matches_reference(m, h, kw):
-    """The propose path: one stream kernel, the row scales made inside it."""
-    args = _inputs(m * 37 + h, m, h)
     _check_against_reference(_kernel(args, **kw), args)
 
 
@@ -138,7 +131,7 @@ def test_bad_inputs_raise():
         e2, h2, ne2, nh2, w2 = _inputs(0, 4, 96)
         fc_gemm_folded(e2, h2, fold_fc_weight(ne2, nh2, w2), eps=1e-6)
     with pytest.raises(ValueError, match="k_splits=3"):
-        fc_gemm_folded(e, h, wf, eps=1e-6, k_splits=3, small="splitk")
+        fc_gemm_folded(e, h, wf, eps=1e-6, k_splits=3)
     with pytest.raises(ValueError, match="acc='one'"):
         fc_gemm_folded(jnp.concatenate([e] * 20), jnp.concatenate([h] * 20), wf, eps=1e-6,
                        acc="one")

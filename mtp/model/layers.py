@@ -7,17 +7,42 @@ are the checkpoint's own nesting. Numerics follow the Hugging Face implementatio
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from mtp.config import ModelConfig
+from mtp.pallas.backend import pad_small_gemms
+
+
+# Decode multiplies a few rows by each weight: a weight stream. On the H200 (jax 0.11.2)
+# XLA's GPU GEMM streams a large weight much faster for 8 rows than for 1 (results/
+# kernels_h200.md, "small-row GEMMs": e.g. [5632, 2048] at 1.8 TB/s for one row, 3.7
+# for eight), so `dense` pads fewer rows to 8 there; weights of at most 2048 x 4096
+# elements measured no gain (or a loss) and keep their shape.
+PAD_ROWS = 8
+PAD_MIN_WEIGHT = 2048 * 4096
+
+
+def _einsum(x: jax.Array, w: jax.Array) -> jax.Array:
+    y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def padded_einsum(x: jax.Array, w: jax.Array, rows_to: int = PAD_ROWS) -> jax.Array:
+    """``x @ w.T`` computed on ``x``'s rows zero-padded to ``rows_to`` (the extra rows dropped)."""
+    rows = math.prod(x.shape[:-1])
+    padded = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, rows_to - rows), (0, 0)))
+    return _einsum(padded, w)[:rows].reshape(*x.shape[:-1], w.shape[0])
 
 
 def dense(x: jax.Array, w) -> jax.Array:
     """``x @ w.T`` for a HF ``[out, in]`` weight, plain or quantized (`mtp.quant`)."""
     if isinstance(w, jax.Array):
-        y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-        return y.astype(x.dtype)
+        if math.prod(x.shape[:-1]) < PAD_ROWS and w.size > PAD_MIN_WEIGHT and pad_small_gemms():
+            return padded_einsum(x, w)
+        return _einsum(x, w)
     from mtp import quant  # quantized MTP projections only; the target is never quantized
 
     return quant.linear(x, w)

@@ -43,6 +43,24 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
+PAD_ENV_VAR = "MTP_PAD_SMALL_GEMMS"
+
+
+def pad_small_gemms() -> bool:
+    """Whether `mtp.model.layers.dense` pads a few-row product with a large weight to 8 rows.
+
+    On by default on a GPU, where XLA's GEMM streams such weights faster for 8 rows
+    than for 1 (measured, see ``dense``); ``MTP_PAD_SMALL_GEMMS=0`` or ``1`` decides
+    instead (benchmarks flip it to compare). Read when a function is traced.
+    """
+    value = os.environ.get(PAD_ENV_VAR)
+    if value is None:
+        return jax.default_backend() == "gpu"
+    if value not in ("0", "1"):
+        raise ValueError(f"{PAD_ENV_VAR}={value!r}: set it to 0 or 1")
+    return value == "1"
+
+
 def interpret_forced() -> bool:
     """Whether Pallas' GPU interpreter is switched on around the current trace.
 

@@ -60,10 +60,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mtp.pallas import stream_gemm as stream
 from mtp.pallas.backend import interpret_forced, num_sms, resolve_impl, swizzle_transforms
 
-SMALL_M = stream.MAX_ROWS  # at most this many rows take the weight-streaming kernel
+SMALL_M = 64  # at most this many rows take the split-K weight-streaming kernel
+_SMEM_LIMIT = 232_448 - 2048  # bytes per block, less headroom for Mosaic's own scratch
 
 
 def _rms_scale(x, eps):
@@ -214,9 +214,9 @@ def _splitk_partials(embed, hidden, w_f, *, tile_n, k_splits, stages, tile_k=64)
         pl.when(si >= per_half)(lambda: half(h_ref, h))
 
     smem = stages * (tile_m + tile_n) * tile_k * 2 + tile_m * tile_n * 4
-    if smem > stream.SMEM_LIMIT:
+    if smem > _SMEM_LIMIT:
         raise ValueError(f"split-K fc kernel needs {smem} bytes of shared memory "
-                         f"(tile_n={tile_n}, stages={stages}); the limit is {stream.SMEM_LIMIT}")
+                         f"(tile_n={tile_n}, stages={stages}); the limit is {_SMEM_LIMIT}")
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((k_splits, m, h), jnp.float32),
@@ -275,10 +275,10 @@ def _ws_gemm(embed, hidden, w_f, scales, *, wg_m, tile_n, stages, num_programs, 
     in_tr = swizzle_transforms(tile_k, dtype)
     out_tr = swizzle_transforms(tile_n, dtype)
     smem = stages * (cta_m + cta_n) * tile_k * 2 + 2 * epi_m * tile_n * 2
-    if smem > stream.SMEM_LIMIT:
+    if smem > _SMEM_LIMIT:
         raise ValueError(f"warp-specialised fc kernel needs {smem} bytes of shared memory "
                          f"(wg_m={wg_m}, tile_n={tile_n}, stages={stages}, acc={acc}); "
-                         f"the limit is {stream.SMEM_LIMIT}")
+                         f"the limit is {_SMEM_LIMIT}")
 
     def kernel(e_ref, h_ref, w_ref, s_ref, o_ref, a_smem, b_smem, o_smem, full, empty):
         pid = lax.axis_index("p")
@@ -411,11 +411,9 @@ def _ws_gemm(embed, hidden, w_f, scales, *, wg_m, tile_n, stages, num_programs, 
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "wg_m", "tile_n", "k_splits", "stages",
-                                             "num_programs", "small_m", "acc", "tile_k",
-                                             "small"))
+                                             "num_programs", "small_m", "acc"))
 def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_splits=None,
-                   stages=None, num_programs=None, small_m=SMALL_M, acc="rescale",
-                   tile_k=None, small="stream"):
+                   stages=None, num_programs=None, small_m=SMALL_M, acc="rescale"):
     """The kernel path: ``fc_gemm`` given the folded weight ``fold_fc_weight(...)``.
 
     embed, hidden: [M, H]; w_folded: [H, 2H]; all three the same 16-bit dtype. The tile
@@ -429,11 +427,6 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     _check_kernel_inputs(embed, hidden, w_folded)
     m, h = embed.shape
     r_e, r_h = _rms_scale(embed, eps), _rms_scale(hidden, eps)
-    if m <= small_m and small == "stream":
-        if m > SMALL_M:
-            raise ValueError(f"small_m={small_m} exceeds the {SMALL_M}-row stream tile")
-        return stream.stream_gemm((embed, hidden), w_folded, eps=eps, tile_n=tile_n,
-                                  tile_k=tile_k, stages=stages)
     if m <= small_m:
         if m > SMALL_M:
             raise ValueError(f"small_m={small_m} exceeds the {SMALL_M}-row split-K tile")
