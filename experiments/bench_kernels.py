@@ -14,6 +14,7 @@ Writes ``kernels.json`` and ``kernels.md`` under ``--out_dir``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -38,6 +39,8 @@ flags.DEFINE_integer("reps", 30, "Timed calls per variant.")
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens.")
 flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv"],
                   "Which kernels to check and time (gemv: XLA's small-row GEMMs, as is vs padded).")
+flags.DEFINE_list("gemv_rows", ["1", "2"], "Small-row GEMMs: the row counts M to time.")
+flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.")
 flags.DEFINE_list("pa_batches", None, "Paged attention: only these batch sizes (default: all).")
 flags.DEFINE_string("pa_heads", None, "Paged attention: only this (Hq,Hkv,D), e.g. 16,2,256.")
 flags.DEFINE_bool("small", False, "fc only, tiny shapes in Pallas interpret mode: a CPU check "
@@ -173,7 +176,7 @@ GEMV_SHAPES = [(12288, 2048, "in_proj_qkvz"), (2048, 4096, "out_proj / o_proj"),
 
 
 def bench_gemv(m, n, k, reps):
-    """XLA's ``[M, K] @ [N, K].T`` as is vs with the rows zero-padded to 8 (``dense``'s rule).
+    """XLA's ``[M, K] @ [N, K].T`` as is vs with the rows zero-padded (``dense``'s rule).
 
     Weights rotate among copies that together exceed L2 several times, as the layers
     of a decode step do: a step reads every weight once.
@@ -185,8 +188,8 @@ def bench_gemv(m, n, k, reps):
              (jax.random.normal(ks[2 * i + 1], (n, k)) / math.sqrt(k)).astype(jnp.bfloat16))
             for i in range(n_sets)]
     as_is = jax.jit(layers._einsum)
-    padded = jax.jit(layers.padded_einsum)
-    res = {"M": m, "N": n, "K": k, "w_bytes": w_bytes,
+    padded = jax.jit(functools.partial(layers.padded_einsum, rows_to=max(m, FLAGS.pad_rows)))
+    res = {"M": m, "N": n, "K": k, "w_bytes": w_bytes, "padded_to": max(m, FLAGS.pad_rows),
            "rel_err": _rel_err(padded(*sets[0]), as_is(*sets[0]))}
     res["t_padded"], res["timing"] = _time(padded, sets, reps)
     res["t_xla"] = _time(as_is, sets, reps)[0]
@@ -321,10 +324,10 @@ def render(results):
             f"{tb(tj) if tj else '-'} | {f'{tj / r['t_ours']:.2f}x' if tj else '-'} | "
             f"{f'{tx / r['t_ours']:.2f}x' if isinstance(tx, float) else '-'} |")
     if results.get("gemv"):
-        lines += ["", "### small-row GEMMs, [M, K] @ [N, K].T: XLA as is vs rows padded to 8 "
+        lines += ["", "### small-row GEMMs, [M, K] @ [N, K].T: XLA as is vs rows zero-padded "
                   "(TB/s = weight bytes / time)", "",
-                  "| M | N | K | what | as is µs | as is TB/s | padded µs | padded TB/s "
-                  "| padded / as is (speed) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| M | N | K | what | as is µs | as is TB/s | padded to | padded µs | padded TB/s "
+                  "| padded / as is (speed) |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["gemv"]:
             if "error" in r:
                 lines.append(f"| {r['M']} | {r['N']} | {r['K']} | {r['what']} | {r['error'][:80]} |")
@@ -332,7 +335,7 @@ def render(results):
             tb = lambda t: f"{r['w_bytes'] / t / 1e12:.2f}"
             lines.append(
                 f"| {r['M']} | {r['N']} | {r['K']} | {r['what']} | {_fmt_us(r['t_xla'])} | "
-                f"{tb(r['t_xla'])} | {_fmt_us(r['t_padded'])} | {tb(r['t_padded'])} | "
+                f"{tb(r['t_xla'])} | {r['padded_to']} | {_fmt_us(r['t_padded'])} | {tb(r['t_padded'])} | "
                 f"{r['t_xla'] / r['t_padded']:.2f}x |")
     if results.get("pa_checks"):
         lines += ["", "### paged attention on ragged lengths (0, 2, 17, 1000, 2047, 2560), gated",
@@ -403,7 +406,7 @@ def main(_):
         save()
     if FLAGS.only in ("all", "gemv"):
         gemv_shapes = [(1, 256, 128, "tiny"), (4, 200, 256, "tiny")] if FLAGS.small else [
-            (m, n, k, what) for m in (1, 4) for n, k, what in GEMV_SHAPES]
+            (int(m), n, k, what) for m in FLAGS.gemv_rows for n, k, what in GEMV_SHAPES]
         for m, n, k, what in gemv_shapes:
             logging.info("small-row GEMM M=%d N=%d K=%d (%s)", m, n, k, what)
             r = _safe(bench_gemv, m, n, k, reps)

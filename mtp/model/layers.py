@@ -17,11 +17,12 @@ from mtp.pallas.backend import pad_small_gemms
 
 
 # Decode multiplies a few rows by each weight: a weight stream. On the H200 (jax 0.11.2)
-# XLA's GPU GEMM streams a large weight much faster for 8 rows than for 1 (results/
-# kernels_h200.md, "small-row GEMMs": e.g. [5632, 2048] at 1.8 TB/s for one row, 3.7
-# for eight), so `dense` pads fewer rows to 8 there; weights of at most 2048 x 4096
-# elements measured no gain (or a loss) and keep their shape.
-PAD_ROWS = 8
+# XLA's GPU GEMM streams a large weight much faster for 4 rows than for 1 (results/
+# kernels_h200.md, "small-row GEMMs": [5632, 2048] at 1.8 TB/s for one row, 3.8 for
+# four; padded to 8 rows it was slower than at 4), so `dense` pads fewer rows to 4
+# there; weights of at most 2048 x 4096 elements measured no gain (or a loss) and keep
+# their shape.
+PAD_ROWS = 4
 PAD_MIN_WEIGHT = 2048 * 4096
 
 
