@@ -39,7 +39,7 @@ flags.DEFINE_integer("reps", 30, "Timed calls per variant.")
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens.")
 flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv"],
                   "Which kernels to check and time (gemv: XLA's small-row GEMMs, as is vs padded).")
-flags.DEFINE_list("gemv_rows", ["1", "2"], "Small-row GEMMs: the row counts M to time.")
+flags.DEFINE_list("gemv_rows", ["1"], "Small-row GEMMs: the row counts M to time.")
 flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.")
 flags.DEFINE_list("pa_batches", None, "Paged attention: only these batch sizes (default: all).")
 flags.DEFINE_string("pa_heads", None, "Paged attention: only this (Hq,Hkv,D), e.g. 16,2,256.")

@@ -43,24 +43,25 @@ def test_chunked_delta_rule_matches_recurrent():
 
 @pytest.fixture
 def padded_gemms(request, monkeypatch):
-    """``dense``'s small-row padding forced on ("1": every projection pads) or off ("0")."""
+    """``dense``'s small-row padding forced on ("1": every projection of < 8 rows pads) or off."""
     monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", request.param)
     monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
+    monkeypatch.setattr(layers, "PAD_ROWS", 8)
     jax.clear_caches()  # the setting is read at trace time
     yield request.param
     jax.clear_caches()
 
 
-def test_dense_pads_few_rows_of_large_weights(monkeypatch):
-    x = jax.random.normal(jax.random.key(0), (2, 1, 32))
+def test_dense_pads_one_row_products_of_large_weights(monkeypatch):
+    x = jax.random.normal(jax.random.key(0), (1, 1, 32))
     w = jax.random.normal(jax.random.key(1), (48, 32))
     monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 32 * 48 - 1)
     # A fresh function per call: traces are cached, and the setting is read while tracing.
     has_pad = lambda x: "pad" in str(jax.make_jaxpr(lambda a: layers.dense(a, w))(x))
     monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "1")
-    assert has_pad(x) and not has_pad(jnp.ones((8, 32)))
+    assert has_pad(x) and not has_pad(jnp.ones((2, 32)))
     out = layers.dense(x, w)
-    assert out.shape == (2, 1, 48)
+    assert out.shape == (1, 1, 48)
     np.testing.assert_allclose(out, jnp.einsum("...i,oi->...o", x, w), rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 32 * 48)  # a weight at the bound keeps its shape
     assert not has_pad(x)

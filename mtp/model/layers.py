@@ -16,13 +16,14 @@ from mtp.config import ModelConfig
 from mtp.pallas.backend import pad_small_gemms
 
 
-# Decode multiplies a few rows by each weight: a weight stream. On the H200 (jax 0.11.2)
-# XLA's GPU GEMM streams a large weight much faster for 4 rows than for 1 (results/
-# kernels_h200.md, "small-row GEMMs": [5632, 2048] at 1.8 TB/s for one row, 3.8 for
-# four; padded to 8 rows it was slower than at 4), so `dense` pads fewer rows to 4
-# there; weights of at most 2048 x 4096 elements measured no gain (or a loss) and keep
+# Plain decode at batch 1 multiplies one row by each weight: a weight stream. On the
+# H200 (jax 0.11.2) XLA's GPU GEMM streams a large weight much slower for one row than
+# for two (results/kernels_h200.md, "small-row GEMMs": [5632, 2048] at 1.8 TB/s for
+# one row, 3.5 for two; [8192, 2048] 2.3 vs 4.3), so `dense` gives such a product a
+# second, zero row there. Padding further (to 4 or 8 rows) measured slower than 2, and
+# weights of at most 2048 x 4096 elements measured no gain (or a loss): they keep
 # their shape.
-PAD_ROWS = 4
+PAD_ROWS = 2
 PAD_MIN_WEIGHT = 2048 * 4096
 
 
@@ -42,7 +43,7 @@ def dense(x: jax.Array, w) -> jax.Array:
     """``x @ w.T`` for a HF ``[out, in]`` weight, plain or quantized (`mtp.quant`)."""
     if isinstance(w, jax.Array):
         if math.prod(x.shape[:-1]) < PAD_ROWS and w.size > PAD_MIN_WEIGHT and pad_small_gemms():
-            return padded_einsum(x, w)
+            return padded_einsum(x, w, PAD_ROWS)
         return _einsum(x, w)
     from mtp import quant  # quantized MTP projections only; the target is never quantized
 

@@ -47,9 +47,9 @@ PAD_ENV_VAR = "MTP_PAD_SMALL_GEMMS"
 
 
 def pad_small_gemms() -> bool:
-    """Whether `mtp.model.layers.dense` pads a few-row product with a large weight to 4 rows.
+    """Whether `mtp.model.layers.dense` pads a one-row product with a large weight to 2 rows.
 
-    On by default on a GPU, where XLA's GEMM streams such weights faster for 4 rows
+    On by default on a GPU, where XLA's GEMM streams such weights faster for 2 rows
     than for 1 (measured, see ``dense``); ``MTP_PAD_SMALL_GEMMS=0`` or ``1`` decides
     instead (benchmarks flip it to compare). Read when a function is traced.
     """
