@@ -29,3 +29,16 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None):
 def tiny(request):
     cfg = tiny_config(request.param)
     return cfg, random_params(cfg)
+
+
+@pytest.fixture
+def padded_gemms(request, monkeypatch):
+    """``dense``'s small-row padding forced on ("1": every projection of < 8 rows pads) or off."""
+    from mtp.model import layers
+
+    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", request.param)
+    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
+    monkeypatch.setattr(layers, "PAD_ROWS", 8)
+    jax.clear_caches()  # the setting is read at trace time
+    yield request.param
+    jax.clear_caches()

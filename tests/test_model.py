@@ -41,17 +41,6 @@ def test_chunked_delta_rule_matches_recurrent():
     np.testing.assert_allclose(steps[:, -1], s_r, rtol=1e-6)
 
 
-@pytest.fixture
-def padded_gemms(request, monkeypatch):
-    """``dense``'s small-row padding forced on ("1": every projection of < 8 rows pads) or off."""
-    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", request.param)
-    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
-    monkeypatch.setattr(layers, "PAD_ROWS", 8)
-    jax.clear_caches()  # the setting is read at trace time
-    yield request.param
-    jax.clear_caches()
-
-
 def test_dense_pads_one_row_products_of_large_weights(monkeypatch):
     x = jax.random.normal(jax.random.key(0), (1, 1, 32))
     w = jax.random.normal(jax.random.key(1), (48, 32))

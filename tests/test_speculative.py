@@ -188,3 +188,13 @@ def test_reduced_draft_vocabulary_is_lossless_and_maps_back(greedy_reference):
     assert res.tokens == base
     with pytest.raises(ValueError, match="mtp_vocab_size=200 must be in 1..97"):
         draft_vocabulary(counts, 200)
+
+
+@pytest.mark.parametrize("padded_gemms", ["1"], indirect=True)
+def test_padded_gemms_keep_speculative_equal_to_plain(greedy_reference, padded_gemms):
+    """``dense``'s row padding (on by default on a GPU) forced onto every projection."""
+    cfg, params, prompts, base = greedy_reference["tiny_dense"]
+    plain = generate(cfg, params, prompts, SpecConfig(max_new_tokens=MAX_NEW), speculative=False)
+    assert plain.tokens == base
+    res = generate(cfg, params, prompts, SpecConfig(max_new_tokens=MAX_NEW, verify_width=3))
+    assert res.tokens == plain.tokens
