@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mtp.pallas.backend import num_sms, resolve_impl
+from mtp.pallas.backend import num_sms, resolve_impl, swizzle_transforms
 
 _ROWS = 64  # wgmma's M: query rows (G heads x Q queries, zero-padded) per program.
 _LOG2E = math.log2(math.e)
@@ -278,8 +278,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, scale
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, h, split])
         plgpu.wait_smem_to_gmem(0)
 
-    swizzle = 128
-    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    transforms = swizzle_transforms(64, dtype)  # every tile here is >= 64 wide: 128-byte swizzle
     arrivals = pages_per_tile if tiles_per_page == 1 else 1
     call = plgpu.kernel(
         kernel,
