@@ -7,7 +7,9 @@ ms per plain decode step, per verify step at K = 2, 4, 8, and per propose (one M
 draft step), at batch 1 and 8, with ``verify(K)/decode`` and ``propose/decode``; and
 each decode step against its memory-bandwidth floor (weight + KV + state bytes read
 per step / the device copy bandwidth measured in the same run). Random weights give
-no meaningful acceptance, so part A reports speed per step only.
+no meaningful acceptance, so part A reports speed per step only. Each row carries a
+CUPTI kernel count; with ``--decode_only`` the decode step's kernels are also grouped by
+the model source lines (and output shapes) they come from.
 
 Part B, the embedded default model on its evaluation prompts: tokens/s of plain
 greedy vs speculative decoding (drafter prefilled, K = 2..6 at batch 1, 2..4 at 8), with

@@ -7,7 +7,11 @@ among input sets whose total exceeds the 50 MB L2 so that no call reads a warm
 cache; if CUPTI is unavailable, the mean of a back-to-back loop of calls is used
 and the table says so.
 
-  PYTHONPATH=. python3 experiments/bench_kernels.py --out_dir $OUT [--quick]
+Besides the kernels, ``--only gemv`` times XLA's own small-row GEMMs on the decode
+model's projection shapes, as is and with the rows zero-padded: the measurement
+behind ``mtp.model.layers.dense``'s one-row padding.
+
+  PYTHONPATH=. python3 experiments/bench_kernels.py --out_dir $OUT [--quick] [--only fc|pa|gemv]
 
 Writes ``kernels.json`` and ``kernels.md`` under ``--out_dir``.
 """
