@@ -7,11 +7,12 @@ among input sets whose total exceeds the 50 MB L2 so that no call reads a warm
 cache; if CUPTI is unavailable, the mean of a back-to-back loop of calls is used
 and the table says so.
 
-Besides the kernels, ``--only gemv`` times XLA's own small-row GEMMs on the decode
+``--only gdn`` checks and times the fused Gated DeltaNet decode step against XLA running
+the model's own functions. Besides the kernels, ``--only gemv`` times XLA's own small-row GEMMs on the decode
 model's projection shapes, as is and with the rows zero-padded: the measurement
 behind ``mtp.model.layers.dense``'s one-row padding.
 
-  PYTHONPATH=. python3 experiments/bench_kernels.py --out_dir $OUT [--quick] [--only fc|pa|gemv]
+  PYTHONPATH=. python3 experiments/bench_kernels.py --out_dir $OUT [--quick] [--only fc|pa|gemv|gdn]
 
 Writes ``kernels.json`` and ``kernels.md`` under ``--out_dir``.
 """
@@ -34,6 +35,7 @@ import numpy as np
 
 from mtp.model import layers
 from mtp.pallas import fc_gemm as fcmod
+from mtp.pallas import gdn_step as gdnmod
 from mtp.pallas import paged_attention as pamod
 
 FLAGS = flags.FLAGS
@@ -41,7 +43,7 @@ flags.DEFINE_bool("quick", False, "Correctness plus the goal shapes only.")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_kernels"), "Where results go.")
 flags.DEFINE_integer("reps", 30, "Timed calls per variant.")
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens.")
-flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv"],
+flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "gdn"],
                   "Which kernels to check and time (gemv: XLA's small-row GEMMs, as is vs padded).")
 flags.DEFINE_list("gemv_rows", ["1"], "Small-row GEMMs: the row counts M to time.")
 flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.")
@@ -201,6 +203,37 @@ def bench_gemv(m, n, k, reps):
     return res
 
 
+# ------------------------------------------------------------------ fused Gated DeltaNet step
+
+
+def bench_gdn(b, nk, nv, d, reps):
+    """The fused decode step vs XLA running the model's own functions, one layer's worth.
+
+    TB/s counts the f32 state read and written (the step's dominant bytes).
+    """
+    state_bytes = 2 * b * nv * d * d * 4
+    n_sets = max(2, min(16, math.ceil(ROTATE_BYTES / state_bytes)))
+    sets = []
+    for i in range(n_sets):
+        ks = jax.random.split(jax.random.key(100 * b + i), 8)
+        bf = lambda x: x.astype(jnp.bfloat16)
+        sets.append((bf(jax.random.normal(ks[0], (b, (2 * nk + nv) * d))),
+                     bf(jax.random.normal(ks[1], (b, nv))), bf(jax.random.normal(ks[2], (b, nv))),
+                     bf(jax.random.normal(ks[3], (b, nv, d))), jnp.ones((b,), bool),
+                     0.3 * jax.random.normal(ks[4], (b, nv, d, d), jnp.float32),
+                     jax.random.normal(ks[5], (nv,)), jax.random.normal(ks[6], (nv,)),
+                     bf(1 + 0.1 * jax.random.normal(ks[7], (d,)))))
+    kw = dict(num_k_heads=nk, eps=1e-6)
+    ours = jax.jit(functools.partial(gdnmod.gdn_step, impl="pallas", **kw))
+    ref = jax.jit(functools.partial(gdnmod.gdn_step_reference, **kw))
+    (y, s), (y_r, s_r) = ours(*sets[0]), ref(*sets[0])
+    res = {"B": b, "nk": nk, "nv": nv, "D": d, "state_bytes": state_bytes,
+           "rel_err_y": _rel_err(y, y_r), "rel_err_state": _rel_err(s, s_r)}
+    res["t_ours"], res["timing"] = _time(ours, sets, reps)
+    res["t_xla"] = _time(ref, sets, reps)[0]
+    return res
+
+
 # ------------------------------------------------------------------ paged attention
 
 
@@ -341,6 +374,18 @@ def render(results):
                 f"| {r['M']} | {r['N']} | {r['K']} | {r['what']} | {_fmt_us(r['t_xla'])} | "
                 f"{tb(r['t_xla'])} | {r['padded_to']} | {_fmt_us(r['t_padded'])} | {tb(r['t_padded'])} | "
                 f"{r['t_xla'] / r['t_padded']:.2f}x |")
+    if results.get("gdn"):
+        lines += ["", "### fused Gated DeltaNet decode step (nk=16, nv=32, D=128; TB/s = state bytes / time)",
+                  "", "| B | rel err y | rel err state | ours µs | ours TB/s | XLA µs | XLA TB/s | ours / XLA (speed) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in results["gdn"]:
+            if "error" in r:
+                lines.append(f"| {r['B']} | {r['error'][:100]} |")
+                continue
+            tb = lambda t: f"{r['state_bytes'] / t / 1e12:.2f}"
+            lines.append(f"| {r['B']} | {r['rel_err_y']:.1e} | {r['rel_err_state']:.1e} | "
+                         f"{_fmt_us(r['t_ours'])} | {tb(r['t_ours'])} | {_fmt_us(r['t_xla'])} | "
+                         f"{tb(r['t_xla'])} | {r['t_xla'] / r['t_ours']:.2f}x |")
     if results.get("pa_checks"):
         lines += ["", "### paged attention on ragged lengths (0, 2, 17, 1000, 2047, 2560), gated",
                   "", "| Hq,Hkv,D | Q | rel err | finite | idle slot zero |", "|---|---|---|---|---|"]
@@ -418,7 +463,15 @@ def main(_):
             results.setdefault("gemv", []).append(r)
             print(json.dumps(r, default=str), flush=True)
             save()
-    if FLAGS.only in ("pa", "gemv"):
+    if FLAGS.only in ("all", "gdn") and not FLAGS.small:
+        for b in (1, 8):
+            logging.info("fused Gated DeltaNet step B=%d", b)
+            r = _safe(bench_gdn, b, 16, 32, 128, reps)
+            r.update(B=b)
+            results.setdefault("gdn", []).append(r)
+            print(json.dumps(r, default=str), flush=True)
+            save()
+    if FLAGS.only in ("pa", "gemv", "gdn"):
         fc_shapes = []
     if FLAGS.small and FLAGS.only in ("all", "fc"):
         fc_shapes = [(8, 256), (200, 256)]

@@ -64,13 +64,13 @@ def quantize_head(params: Params, mtp_quant: str, *, fold_fc: bool | None = None
     The load-time hook for the head's weights. At bf16 it also adds
     ``mtp.fc.weight_folded = fold_fc_weight(...)`` (the fc kernel's weight, with the two
     pre-fc norms' ``(1 + w)`` folded in) when ``fold_fc`` is true, by default when the
-    kernel path is active (``resolve_impl("auto") != "reference"``), so that no step
+    kernel path is active (``resolve_impl("auto", op="fc_gemm") != "reference"``), so that no step
     refolds it. The reference path ignores it.
     """
     mtp_quant = quant.parse_quant(mtp_quant)
     if mtp_quant == "bf16":
         if fold_fc is None:
-            fold_fc = resolve_impl("auto") != "reference"
+            fold_fc = resolve_impl("auto", op="fc_gemm") != "reference"
         if not fold_fc:
             return params
         m = params["mtp"]

@@ -104,6 +104,13 @@ def test_bad_impl_flag_names_the_choices(monkeypatch):
     monkeypatch.setenv(backend.ENV_VAR, "reference")
     assert backend.resolve_impl("auto") == "reference"
     assert backend.resolve_impl("interpret") == "interpret"
+    monkeypatch.setenv(backend.ENV_VAR, "interpret,gdn_step=reference")  # all, then one op
+    assert backend.resolve_impl("auto", op="gdn_step") == "reference"
+    assert backend.resolve_impl("auto", op="paged_attention") == "interpret"
+    assert backend.resolve_impl("pallas", op="gdn_step") == "pallas"  # an explicit choice wins
+    monkeypatch.setenv(backend.ENV_VAR, "gdn_step=fast")
+    with pytest.raises(ValueError, match="MTP_KERNELS entry gdn_step='fast'"):
+        backend.resolve_impl("auto", op="gdn_step")
     monkeypatch.delenv(backend.ENV_VAR)
     expected = "pallas" if jax.default_backend() == "gpu" else "reference"
     assert backend.resolve_impl("auto") == expected

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from mtp.config import ModelConfig
 from mtp.model.layers import dense, gated_rms_norm
+from mtp.pallas.gdn_step import gdn_step
 
 CHUNK = 64
 UNROLL_STEPS = 8  # verify widths up to this many steps run as straight-line code
@@ -151,9 +152,13 @@ def mask_updates(k, beta, g, valid):
     return jnp.where(m[..., None], k, 0.0), jnp.where(m, beta, 0.0), jnp.where(m, g, 0.0)
 
 
-def output(p, core: jax.Array, z: jax.Array, x_dtype, cfg: ModelConfig) -> jax.Array:
-    y = gated_rms_norm(core.astype(x_dtype), z, p["norm"]["weight"], cfg.rms_norm_eps)
+def out_project(p, y: jax.Array) -> jax.Array:
+    """``out_proj`` over the gated, normed per-head outputs ``[.., H, Dv]``."""
     return dense(y.reshape(*y.shape[:-2], -1), p["out_proj"]["weight"])
+
+
+def output(p, core: jax.Array, z: jax.Array, x_dtype, cfg: ModelConfig) -> jax.Array:
+    return out_project(p, gated_rms_norm(core.astype(x_dtype), z, p["norm"]["weight"], cfg.rms_norm_eps))
 
 
 def conv_state_after(conv_state: jax.Array, mixed: jax.Array, counts: jax.Array) -> jax.Array:
@@ -163,26 +168,37 @@ def conv_state_after(conv_state: jax.Array, mixed: jax.Array, counts: jax.Array)
     return jax.vmap(lambda f, c: jax.lax.dynamic_slice_in_dim(f, c, keep, axis=0))(full, counts)
 
 
-def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bool):
+def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bool,
+              impl: str = "reference"):
     """One Gated DeltaNet layer over ``x [B, T, H]``.
 
     ``valid [B, T]`` marks the real tokens, which are a prefix of each row. With
-    ``per_step`` (verify) the state after every position is returned as well.
-    Returns ``(y, new_conv, new_rec, step_states)``.
+    ``per_step`` (verify) the state after every position is returned as well. A
+    one-token step after the conv is `mtp.pallas.gdn_step` (one kernel where ``impl``
+    picks it). Returns ``(y, new_conv, new_rec, step_states)``.
     """
     mixed, z, b, a = project(p, x, cfg)
     mixed = jnp.where(valid[..., None], mixed, 0)
     conv_out = conv_windows(p, conv_state, mixed)
-    q, k, v, beta, g = split_heads(conv_out, b, a, p, cfg)
-    k, beta, g = mask_updates(k, beta, g, valid)
     counts = jnp.sum(valid, axis=1).astype(jnp.int32)
+    steps = None
+    if per_step and x.shape[1] == 1:
+        y, new_rec = gdn_step(conv_out[:, 0], b[:, 0], a[:, 0], z[:, 0], valid[:, 0], rec_state,
+                              p["A_log"], p["dt_bias"], p["norm"]["weight"],
+                              num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, impl=impl)
+        out = out_project(p, y[:, None])
+        rec_steps = new_rec[:, None]
+    else:
+        q, k, v, beta, g = split_heads(conv_out, b, a, p, cfg)
+        k, beta, g = mask_updates(k, beta, g, valid)
+        if per_step:
+            core, new_rec, rec_steps = recurrent_delta_rule(q, k, v, beta, g, rec_state)
+        else:
+            core, new_rec = chunked_delta_rule(q, k, v, beta, g, rec_state)
+        out = output(p, core, z, x.dtype, cfg)
     if per_step:
-        core, new_rec, rec_steps = recurrent_delta_rule(q, k, v, beta, g, rec_state)
         conv_steps = jnp.stack([conv_state_after(conv_state, mixed, jnp.full_like(counts, i + 1))
                                 for i in range(x.shape[1])], axis=1)
         steps = (conv_steps, rec_steps)
-    else:
-        core, new_rec = chunked_delta_rule(q, k, v, beta, g, rec_state)
-        steps = None
     new_conv = conv_state_after(conv_state, mixed, counts)
-    return output(p, core, z, x.dtype, cfg), new_conv, new_rec, steps
+    return out, new_conv, new_rec, steps

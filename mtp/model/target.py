@@ -139,7 +139,7 @@ def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, at
 
             def mixer(h, p=p, j=j, res=res):
                 y, c, r, steps = gdn.gdn_layer(p["linear_attn"], h, cfg, linear_init.conv[j],
-                                               linear_init.recurrent[j], valid, per_step)
+                                               linear_init.recurrent[j], valid, per_step, impl)
                 res.update(conv=c, rec=r, steps=steps)
                 return y
 

@@ -29,15 +29,29 @@ def _check(impl: str, where: str) -> str:
     return impl
 
 
-def resolve_impl(impl: str) -> str:
+def _env_choice(op: str | None) -> str:
+    """``MTP_KERNELS``' setting for ``op``: ``"auto,gdn_step=reference"`` sets all, then one op."""
+    choice = "auto"
+    for entry in filter(None, os.environ.get(ENV_VAR, "").split(",")):
+        name, _, value = entry.rpartition("=")
+        if not name:
+            choice = _check(value, ENV_VAR)
+        elif name == op:
+            return _check(value, f"{ENV_VAR} entry {name}")
+    return choice
+
+
+def resolve_impl(impl: str, op: str | None = None) -> str:
     """Returns the concrete implementation ("reference", "pallas" or "interpret").
 
-    An explicit choice wins; "auto" first consults ``MTP_KERNELS`` and then the
-    default backend, so a CPU-only process never tries to compile a GPU kernel.
+    An explicit choice wins; "auto" first consults ``MTP_KERNELS`` (a global value
+    and/or ``op=value`` entries, e.g. ``MTP_KERNELS=gdn_step=reference`` to compare a
+    run without one kernel) and then the default backend, so a CPU-only process never
+    tries to compile a GPU kernel.
     """
     _check(impl, "impl")
     if impl == "auto":
-        impl = _check(os.environ.get(ENV_VAR, "auto"), ENV_VAR)
+        impl = _env_choice(op)
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "reference"
     return impl

@@ -468,7 +468,7 @@ def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=
     switched on around this call's own lowering.
     """
     _check_inputs(embed, hidden, norm_e_w, norm_h_w, w)
-    mode = resolve_impl(impl)
+    mode = resolve_impl(impl, op="fc_gemm")
     if mode == "pallas" and impl == "auto" and not _kernel_wins(embed.shape[0], embed.shape[1]):
         mode = "reference"
     if mode == "reference":

@@ -338,7 +338,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
     (CPU tests); call it eagerly then, since interpret mode is switched on around
     this call's own lowering.
     """
-    mode = resolve_impl(impl)
+    mode = resolve_impl(impl, op="paged_attention")
     if mode != "reference" and kernel_unsupported(q, k_pages):
         mode = "reference"
     if mode == "reference":

@@ -1,0 +1,164 @@
+"""One decode step of a Gated DeltaNet layer, after its conv, as one kernel.
+
+At batch 1 the step's arithmetic is tiny, but XLA spreads it over ~10 kernels per
+layer (two l2norms, the gates, three delta-rule fusions, the gated RMSNorm's reduce
+and scale), each a few microseconds of launch and tail: together about as long as
+streaming the layer's weights (results/decode_h200.md). Here one program per
+``(sequence, value head)`` does all of it on its ``[Dk, Dv]`` state in registers:
+
+    q, k = l2norm(q) * Dk^-1/2, l2norm(k);  beta = sigmoid(b);  g = -exp(A_log) softplus(a + dt_bias)
+    S = exp(g) S;  S += k (beta (v - k^T S));  o = q^T S
+    y = silu(z) * w * rmsnorm(o)
+
+and writes ``y`` (the out projection's input) and the new state.
+
+Why Pallas' Triton lowering and not Mosaic GPU (the project's default, since Triton's
+Pallas backend is deprecated): the step is two mat-vec reductions over the state's
+rows and an outer-product update, on 128 x 128 f32 blocks with no matmul to feed a
+wgmma; Triton expresses reductions along either axis of a block directly, while the
+Mosaic GPU register layouts are built around wgmma tiles.
+
+``gdn_step_reference`` is the definition: the model's own functions, composed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from mtp.pallas.backend import interpret_forced, resolve_impl
+
+
+def _l2norm(x, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def gdn_step_reference(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps):
+    """The step as the model computes it (``split_heads`` + one delta-rule step + gated norm).
+
+    mixed: [B, 2 nk Dk + nv Dv] conv output (q heads, k heads, v heads); b, a: [B, nv];
+    z: [B, nv, Dv]; valid: [B] bool; state: [B, nv, Dk, Dv] f32; a_log, dt_bias: [nv];
+    norm_w: [Dv]. Returns ``(y [B, nv, Dv] in mixed's dtype, new_state)``. The kernel
+    takes Dk = Dv (Qwen3-Next's 128) only.
+    """
+    from mtp.model import gated_deltanet as gdn
+    from mtp.model.layers import gated_rms_norm
+
+    nv = b.shape[-1]
+    dk, dv = state.shape[-2:]
+    bsz = mixed.shape[0]
+    cfg_like = _HeadShape(num_k_heads, nv, dk)
+    q, k, v, beta, g = gdn.split_heads(mixed[:, None], b[:, None], a[:, None],
+                                       {"A_log": a_log, "dt_bias": dt_bias}, cfg_like)
+    k, beta, g = gdn.mask_updates(k, beta, g, valid[:, None])
+    core, new_state, _ = gdn.recurrent_delta_rule(q, k, v, beta, g, state)
+    y = gated_rms_norm(core[:, 0].astype(mixed.dtype), z, norm_w, eps)
+    return y.reshape(bsz, nv, dv), new_state
+
+
+class _HeadShape:
+    """The three config fields ``split_heads`` reads."""
+
+    def __init__(self, nk, nv, dk):
+        self.linear_num_key_heads, self.linear_num_value_heads = nk, nv
+        self.linear_key_dim = nk * dk
+
+
+def kernel_unsupported(mixed, state, num_k_heads) -> str | None:
+    """Why the kernel cannot take these inputs (the caller then runs the reference), or None."""
+    _, nv, dk, dv = state.shape
+    if dk != dv:
+        return f"key and value head dims differ ({dk} vs {dv})"
+    if dk & (dk - 1) or dk < 8:
+        return f"head dim {dk} is not a power of two >= 8"
+    if mixed.shape[-1] != (2 * num_k_heads + nv) * dk:
+        return f"mixed has {mixed.shape[-1]} channels, not (2 nk + nv) D = {(2 * num_k_heads + nv) * dk}"
+    if nv % num_k_heads:
+        return f"{nv} value heads do not group over {num_k_heads} key heads"
+    return None
+
+
+def _kernel(q_ref, k_ref, v_ref, b_ref, a_ref, z_ref, valid_ref, s_ref, alog_ref, dtb_ref, w_ref,
+            y_ref, s_out_ref, *, eps):
+    d = s_ref.shape[-1]
+    f32 = jnp.float32
+    q = _l2norm(q_ref[0, 0, :].astype(f32)) * (d ** -0.5)
+    k = _l2norm(k_ref[0, 0, :].astype(f32))
+    v = v_ref[0, 0, :].astype(f32)
+    live = valid_ref[0, 0] != 0
+    beta = jnp.where(live, jax.nn.sigmoid(b_ref[0, 0].astype(f32)), 0.0)
+    g = -jnp.exp(alog_ref[0, 0].astype(f32)) * jax.nn.softplus(
+        a_ref[0, 0].astype(f32) + dtb_ref[0, 0].astype(f32))
+    g = jnp.where(live, g, 0.0)
+    k = jnp.where(live, k, 0.0)
+    s = s_ref[0, 0, :, :] * jnp.exp(g)
+    kv = jnp.sum(s * k[:, None], axis=0)
+    delta = (v - kv) * beta
+    s = s + k[:, None] * delta[None, :]
+    o = jnp.sum(s * q[:, None], axis=0)
+    s_out_ref[0, 0, :, :] = s
+    # gated RMSNorm, with the reference's casts: o to x's dtype, w * normed in x's dtype
+    dtype = y_ref.dtype
+    of = o.astype(dtype).astype(f32)
+    normed = (of * jax.lax.rsqrt(jnp.mean(of * of) + eps)).astype(dtype)
+    y = (w_ref[...] * normed).astype(f32) * jax.nn.silu(z_ref[0, 0, :].astype(f32))
+    y_ref[0, 0, :] = y.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "interpret"))
+def _gdn_step_pallas(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
+                     interpret=False):
+    bsz, nv, d, _ = state.shape
+    nk = num_k_heads
+    r = nv // nk
+    heads = mixed.reshape(bsz, 2 * nk + nv, d)  # [q heads | k heads | v heads], a free reshape
+    col = lambda off: pl.BlockSpec((1, 1, d), lambda i, h, off=off: (i, off(h), 0))
+    scalar = pl.BlockSpec((1, 1), lambda i, h: (i, h))
+    per_head = pl.BlockSpec((1, 1), lambda i, h: (h, 0))
+    in_specs = [
+        col(lambda h: h // r),               # q of the value head's key head
+        col(lambda h: nk + h // r),          # k
+        col(lambda h: 2 * nk + h),           # v
+        scalar, scalar,                      # b, a
+        pl.BlockSpec((1, 1, d), lambda i, h: (i, h, 0)),        # z
+        pl.BlockSpec((1, 1), lambda i, h: (i, 0)),              # valid
+        pl.BlockSpec((1, 1, d, d), lambda i, h: (i, h, 0, 0)),  # state
+        per_head, per_head,                  # A_log, dt_bias
+        pl.BlockSpec((d,), lambda i, h: (0,)),                  # norm weight
+    ]
+    out_specs = [pl.BlockSpec((1, 1, d), lambda i, h: (i, h, 0)),
+                 pl.BlockSpec((1, 1, d, d), lambda i, h: (i, h, 0, 0))]
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pl_triton
+
+        kwargs["compiler_params"] = pl_triton.CompilerParams(num_warps=8, num_stages=1)
+    return pl.pallas_call(
+        functools.partial(_kernel, eps=eps),
+        grid=(bsz, nv),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct((bsz, nv, d), mixed.dtype),
+                   jax.ShapeDtypeStruct(state.shape, jnp.float32)],
+        interpret=interpret,
+        **kwargs,
+    )(heads, heads, heads, b, a, z, valid.astype(jnp.int32)[:, None], state.astype(jnp.float32),
+      a_log[:, None], dt_bias[:, None], norm_w)
+
+
+def gdn_step(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
+             impl="auto"):
+    """``gdn_step_reference``'s signature and results; ``impl`` picks the path (``backend``).
+
+    Inputs the kernel cannot take (``kernel_unsupported``) go to the reference.
+    """
+    mode = resolve_impl(impl, op="gdn_step")
+    if mode == "reference" or kernel_unsupported(mixed, state, num_k_heads):
+        return gdn_step_reference(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w,
+                                  num_k_heads=num_k_heads, eps=eps)
+    return _gdn_step_pallas(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w,
+                            num_k_heads=num_k_heads, eps=eps,
+                            interpret=mode == "interpret" or interpret_forced())

@@ -1,0 +1,77 @@
+"""The fused Gated DeltaNet decode step: the kernel (interpret mode) against the model's own code."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp.cache.pages import PageAllocator, block_table_row
+from mtp.cache.state import TargetCache
+from mtp.model import target
+from mtp.pallas.gdn_step import gdn_step, gdn_step_reference, kernel_unsupported
+from tests.conftest import random_params, tiny_config
+
+
+def _case(seed, bsz, nk, nv, d, dtype):
+    ks = jax.random.split(jax.random.key(seed), 8)
+    mixed = jax.random.normal(ks[0], (bsz, (2 * nk + nv) * d)).astype(dtype)
+    b = jax.random.normal(ks[1], (bsz, nv)).astype(dtype)
+    a = jax.random.normal(ks[2], (bsz, nv)).astype(dtype)
+    z = jax.random.normal(ks[3], (bsz, nv, d)).astype(dtype)
+    valid = jnp.arange(bsz) % 3 != 1  # row 1 is padding: its state must not move
+    state = 0.3 * jax.random.normal(ks[4], (bsz, nv, d, d), jnp.float32)
+    a_log = jax.random.normal(ks[5], (nv,))
+    dt_bias = jax.random.normal(ks[6], (nv,))
+    norm_w = (1 + 0.1 * jax.random.normal(ks[7], (d,))).astype(dtype)
+    return mixed, b, a, z, valid, state, a_log, dt_bias, norm_w
+
+
+@pytest.mark.parametrize("bsz,nk,nv,d,dtype,y_tol", [
+    (3, 2, 4, 16, jnp.float32, 1e-5),
+    (2, 1, 2, 32, jnp.bfloat16, 2e-2),   # y rounds to bf16 where the reference does
+])
+def test_kernel_matches_reference(bsz, nk, nv, d, dtype, y_tol):
+    args = _case(bsz + d, bsz, nk, nv, d, dtype)
+    assert kernel_unsupported(args[0], args[5], nk) is None
+    y, state = gdn_step(*args, num_k_heads=nk, eps=1e-6, impl="interpret")
+    y_ref, state_ref = gdn_step_reference(*args, num_k_heads=nk, eps=1e-6)
+    assert y.shape == (bsz, nv, d) and y.dtype == dtype and state.dtype == jnp.float32
+    f = lambda x: np.asarray(x, np.float32)
+    np.testing.assert_allclose(f(y), f(y_ref), atol=y_tol, rtol=y_tol)
+    np.testing.assert_allclose(state, state_ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(state[1], args[5][1])          # the padding row
+    assert np.abs(f(state[0]) - f(args[5][0])).max() > 1e-2      # a live row moved
+
+
+def test_unsupported_shapes_take_the_reference():
+    args = _case(0, 2, 2, 4, 12, jnp.float32)
+    assert "power of two" in kernel_unsupported(args[0], args[5], 2)
+    ok = _case(0, 2, 2, 4, 16, jnp.float32)
+    assert "channels" in kernel_unsupported(ok[0][:, :-16], ok[5], 2)
+    state = jnp.zeros((2, 4, 16, 8))
+    assert "differ" in kernel_unsupported(jnp.zeros((2, 2 * 2 * 16 + 4 * 8)), state, 2)
+    y, s = gdn_step(*args, num_k_heads=2, eps=1e-6, impl="interpret")
+    y_ref, s_ref = gdn_step_reference(*args, num_k_heads=2, eps=1e-6)
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(s, s_ref)
+
+
+def test_model_decode_with_the_kernel_equals_the_reference():
+    cfg = tiny_config("tiny_dense")  # Dk = Dv = 8: the kernel takes its Gated DeltaNet layers
+    params = random_params(cfg, seed=3)
+    b, blocks, page = 2, 6, 4
+    toks = jax.random.randint(jax.random.key(1), (b, 12), 0, cfg.vocab_size)
+    lens = jnp.asarray([7, 4], jnp.int32)
+    logits = {}
+    for impl in ("reference", "interpret"):
+        pool = PageAllocator(b * blocks + 1, page)
+        tables = np.stack([block_table_row(pool.allocate(blocks), blocks) for _ in range(b)])
+        cache = TargetCache.create(cfg, b, pool.num_pages, page, blocks, jnp.float32).replace(
+            block_tables=jnp.asarray(tables))
+        cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(b, jnp.int32), lens, impl=impl)
+        out = []
+        for step in range(3):
+            cache, o = target.decode(cfg, params, cache, toks[np.arange(b), lens + step][:, None], impl=impl)
+            out.append(o.logits)
+        logits[impl] = np.stack(out)
+    np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=2e-5, rtol=1e-5)
