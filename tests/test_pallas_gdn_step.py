@@ -75,3 +75,18 @@ def test_model_decode_with_the_kernel_equals_the_reference():
             out.append(o.logits)
         logits[impl] = np.stack(out)
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=2e-5, rtol=1e-5)
+
+
+def test_auto_keeps_the_reference_unless_the_kernel_is_named(monkeypatch):
+    """On a GPU ``auto`` would pick Pallas; this op stays on the reference unless asked for."""
+    import mtp.pallas.gdn_step as g
+
+    calls = []
+    monkeypatch.setattr(g, "_gdn_step_pallas", lambda *a, **k: calls.append(1) or ("kernel", None))
+    monkeypatch.setattr(g, "resolve_impl", lambda impl, op=None: "pallas")  # as on a GPU
+    args = _case(0, 2, 2, 4, 16, jnp.float32)
+    kw = dict(num_k_heads=2, eps=1e-6)
+    assert isinstance(g.gdn_step(*args, **kw)[0], jax.Array) and not calls
+    assert g.gdn_step(*args, impl="pallas", **kw)[0] == "kernel"
+    monkeypatch.setenv("MTP_KERNELS", "gdn_step=pallas")
+    assert g.gdn_step(*args, **kw)[0] == "kernel" and len(calls) == 2

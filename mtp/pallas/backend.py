@@ -29,7 +29,7 @@ def _check(impl: str, where: str) -> str:
     return impl
 
 
-def _env_choice(op: str | None) -> str:
+def env_choice(op: str | None) -> str:
     """``MTP_KERNELS``' setting for ``op``: ``"auto,gdn_step=reference"`` sets all, then one op."""
     choice = "auto"
     for entry in filter(None, os.environ.get(ENV_VAR, "").split(",")):
@@ -51,7 +51,7 @@ def resolve_impl(impl: str, op: str | None = None) -> str:
     """
     _check(impl, "impl")
     if impl == "auto":
-        impl = _env_choice(op)
+        impl = env_choice(op)
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "reference"
     return impl
