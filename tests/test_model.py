@@ -28,8 +28,8 @@ def test_chunked_delta_rule_matches_recurrent():
     key = jax.random.key(3)
     ks = jax.random.split(key, 6)
     b, t, h, dk, dv = 2, 150, 3, 8, 5  # t spans several 64-token chunks, last one partial
-    q = gdn._l2norm(jax.random.normal(ks[0], (b, t, h, dk)))
-    k = gdn._l2norm(jax.random.normal(ks[1], (b, t, h, dk)))
+    q = layers.l2norm(jax.random.normal(ks[0], (b, t, h, dk)))
+    k = layers.l2norm(jax.random.normal(ks[1], (b, t, h, dk)))
     v = jax.random.normal(ks[2], (b, t, h, dv))
     beta = jax.nn.sigmoid(jax.random.normal(ks[3], (b, t, h)))
     g = -jax.nn.softplus(jax.random.normal(ks[4], (b, t, h)))

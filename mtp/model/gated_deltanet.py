@@ -20,15 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from mtp.config import ModelConfig
-from mtp.model.layers import dense, gated_rms_norm
-from mtp.pallas.gdn_step import gdn_step
+from mtp.model.layers import dense, gated_rms_norm, l2norm
+from mtp.pallas import gdn_step as fused_step  # a module: it imports mtp.model.layers too
 
 CHUNK = 64
 UNROLL_STEPS = 8  # verify widths up to this many steps run as straight-line code
-
-
-def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
 def project(p, x: jax.Array, cfg: ModelConfig):
@@ -70,8 +66,8 @@ def split_heads(mixed: jax.Array, b: jax.Array, a: jax.Array, p, cfg: ModelConfi
     k = mixed[..., kd : 2 * kd].reshape(*lead, nk, -1)
     v = mixed[..., 2 * kd :].reshape(*lead, nv, -1).astype(jnp.float32)
     r = nv // nk
-    q = _l2norm(jnp.repeat(q, r, axis=-2).astype(jnp.float32))
-    k = _l2norm(jnp.repeat(k, r, axis=-2).astype(jnp.float32))
+    q = l2norm(jnp.repeat(q, r, axis=-2).astype(jnp.float32))
+    k = l2norm(jnp.repeat(k, r, axis=-2).astype(jnp.float32))
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
@@ -183,9 +179,10 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
     counts = jnp.sum(valid, axis=1).astype(jnp.int32)
     steps = None
     if per_step and x.shape[1] == 1:
-        y, new_rec = gdn_step(conv_out[:, 0], b[:, 0], a[:, 0], z[:, 0], valid[:, 0], rec_state,
-                              p["A_log"], p["dt_bias"], p["norm"]["weight"],
-                              num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps, impl=impl)
+        y, new_rec = fused_step.gdn_step(conv_out[:, 0], b[:, 0], a[:, 0], z[:, 0], valid[:, 0], rec_state,
+                                         p["A_log"], p["dt_bias"], p["norm"]["weight"],
+                                         num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
+                                         impl=impl)
         out = out_project(p, y[:, None])
         rec_steps = new_rec[:, None]
     else:

@@ -57,6 +57,11 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """Unit L2 norm over the last axis (the Gated DeltaNet's queries and keys)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
 def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """The Gated DeltaNet output norm: plain ``w`` scale (not ``1 + w``), then ``silu(z)``."""
     xf = x.astype(jnp.float32)

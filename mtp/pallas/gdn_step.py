@@ -29,11 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from mtp.model.layers import l2norm
 from mtp.pallas.backend import env_choice, interpret_forced, resolve_impl
-
-
-def _l2norm(x, eps=1e-6):
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
 def gdn_step_reference(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps):
@@ -85,8 +82,8 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, a_ref, z_ref, valid_ref, s_ref, alog_ref
             y_ref, s_out_ref, *, eps):
     d = s_ref.shape[-1]
     f32 = jnp.float32
-    q = _l2norm(q_ref[0, 0, :].astype(f32)) * (d ** -0.5)
-    k = _l2norm(k_ref[0, 0, :].astype(f32))
+    q = l2norm(q_ref[0, 0, :].astype(f32)) * (d ** -0.5)
+    k = l2norm(k_ref[0, 0, :].astype(f32))
     v = v_ref[0, 0, :].astype(f32)
     live = valid_ref[0, 0] != 0
     beta = jnp.where(live, jax.nn.sigmoid(b_ref[0, 0].astype(f32)), 0.0)
