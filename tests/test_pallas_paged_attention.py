@@ -108,6 +108,9 @@ def test_bad_impl_flag_names_the_choices(monkeypatch):
     assert backend.resolve_impl("auto", op="gdn_step") == "reference"
     assert backend.resolve_impl("auto", op="paged_attention") == "interpret"
     assert backend.resolve_impl("pallas", op="gdn_step") == "pallas"  # an explicit choice wins
+    monkeypatch.setenv(backend.ENV_VAR, "gdn-step=pallas")
+    with pytest.raises(ValueError, match="no op named 'gdn-step'; the ops are paged_attention"):
+        backend.resolve_impl("auto", op="gdn_step")
     monkeypatch.setenv(backend.ENV_VAR, "gdn_step=fast")
     with pytest.raises(ValueError, match="MTP_KERNELS entry gdn_step='fast'"):
         backend.resolve_impl("auto", op="gdn_step")

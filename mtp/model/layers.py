@@ -32,7 +32,7 @@ def _einsum(x: jax.Array, w: jax.Array) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def padded_einsum(x: jax.Array, w: jax.Array, rows_to: int = PAD_ROWS) -> jax.Array:
+def padded_einsum(x: jax.Array, w: jax.Array, rows_to: int) -> jax.Array:
     """``x @ w.T`` computed on ``x``'s rows zero-padded to ``rows_to`` (the extra rows dropped)."""
     rows = math.prod(x.shape[:-1])
     padded = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, rows_to - rows), (0, 0)))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 CHOICES = ("auto", "reference", "pallas", "interpret")
+OPS = ("paged_attention", "fc_gemm", "gdn_step")  # the names MTP_KERNELS' per-op entries take
 ENV_VAR = "MTP_KERNELS"
 
 
@@ -34,6 +35,9 @@ def env_choice(op: str | None) -> str:
     choice = "auto"
     for entry in filter(None, os.environ.get(ENV_VAR, "").split(",")):
         name, _, value = entry.rpartition("=")
+        if name and name not in OPS:
+            raise ValueError(f"{ENV_VAR} entry {entry!r}: no op named {name!r}; the ops are "
+                             f"{', '.join(OPS)}")
         if not name:
             choice = _check(value, ENV_VAR)
         elif name == op:
