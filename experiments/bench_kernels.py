@@ -49,7 +49,7 @@ flags.DEFINE_list("gemv_rows", ["1"], "Small-row GEMMs: the row counts M to time
 flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.")
 flags.DEFINE_list("pa_batches", None, "Paged attention: only these batch sizes (default: all).")
 flags.DEFINE_string("pa_heads", None, "Paged attention: only this (Hq,Hkv,D), e.g. 16,2,256.")
-flags.DEFINE_bool("small", False, "fc only, tiny shapes in Pallas interpret mode: a CPU check "
+flags.DEFINE_bool("small", False, "fc and gemv only, tiny shapes (Pallas interpret mode): a CPU check "
                   "that the script runs end to end (timings meaningless).")
 
 L2_BYTES = 50 * 2**20
@@ -193,8 +193,8 @@ def bench_gemv(m, n, k, reps):
     sets = [(jax.random.normal(ks[2 * i], (m, k), jnp.bfloat16),
              (jax.random.normal(ks[2 * i + 1], (n, k)) / math.sqrt(k)).astype(jnp.bfloat16))
             for i in range(n_sets)]
-    as_is = jax.jit(layers._einsum)
-    padded = jax.jit(functools.partial(layers.padded_einsum, rows_to=max(m, FLAGS.pad_rows)))
+    as_is = jax.jit(layers.linear)
+    padded = jax.jit(functools.partial(layers.padded_linear, rows_to=max(m, FLAGS.pad_rows)))
     res = {"M": m, "N": n, "K": k, "w_bytes": w_bytes, "padded_to": max(m, FLAGS.pad_rows),
            "rel_err": _rel_err(padded(*sets[0]), as_is(*sets[0]))}
     res["t_padded"], res["timing"] = _time(padded, sets, reps)

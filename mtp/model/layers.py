@@ -27,24 +27,25 @@ PAD_ROWS = 2
 PAD_MIN_WEIGHT = 2048 * 4096
 
 
-def _einsum(x: jax.Array, w: jax.Array) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w.T`` for a plain HF ``[out, in]`` weight: f32 accumulation, x's dtype out."""
     y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
 
-def padded_einsum(x: jax.Array, w: jax.Array, rows_to: int) -> jax.Array:
+def padded_linear(x: jax.Array, w: jax.Array, rows_to: int) -> jax.Array:
     """``x @ w.T`` computed on ``x``'s rows zero-padded to ``rows_to`` (the extra rows dropped)."""
     rows = math.prod(x.shape[:-1])
     padded = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, rows_to - rows), (0, 0)))
-    return _einsum(padded, w)[:rows].reshape(*x.shape[:-1], w.shape[0])
+    return linear(padded, w)[:rows].reshape(*x.shape[:-1], w.shape[0])
 
 
 def dense(x: jax.Array, w) -> jax.Array:
     """``x @ w.T`` for a HF ``[out, in]`` weight, plain or quantized (`mtp.quant`)."""
     if isinstance(w, jax.Array):
         if math.prod(x.shape[:-1]) < PAD_ROWS and w.size > PAD_MIN_WEIGHT and pad_small_gemms():
-            return padded_einsum(x, w, PAD_ROWS)
-        return _einsum(x, w)
+            return padded_linear(x, w, PAD_ROWS)
+        return linear(x, w)
     from mtp import quant  # quantized MTP projections only; the target is never quantized
 
     return quant.linear(x, w)

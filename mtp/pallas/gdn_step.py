@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from mtp.model.layers import l2norm
+from mtp.model.layers import gated_rms_norm, l2norm
 from mtp.pallas.backend import env_choice, interpret_forced, resolve_impl
 
 
@@ -41,8 +41,7 @@ def gdn_step_reference(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, 
     norm_w: [Dv]. Returns ``(y [B, nv, Dv] in mixed's dtype, new_state)``. The kernel
     takes Dk = Dv (Qwen3-Next's 128) only.
     """
-    from mtp.model import gated_deltanet as gdn
-    from mtp.model.layers import gated_rms_norm
+    from mtp.model import gated_deltanet as gdn  # imports this module: so here, not at the top
 
     nv = b.shape[-1]
     dk, dv = state.shape[-2:]
