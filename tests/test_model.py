@@ -6,23 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp.cache.pages import PageAllocator, PagePoolExhausted, block_table_row
-from mtp.cache.state import TargetCache
+from mtp.cache.pages import PageAllocator, PagePoolExhausted
 from mtp.config import ConfigError, ModelConfig
 from mtp.model import target
 from mtp.model import gated_deltanet as gdn
 from mtp.model import layers
-from tests.conftest import tiny_config
-
-PAGE = 4
-
-
-def _cache(cfg, batch, blocks):
-    pool = PageAllocator(batch * blocks + 1, PAGE)
-    tables = np.stack([block_table_row(pool.allocate(blocks), blocks) for _ in range(batch)])
-    return TargetCache.create(cfg, batch, pool.num_pages, PAGE, blocks, jnp.float32).replace(
-        block_tables=jnp.asarray(tables))
-
+from tests.conftest import paged_cache, tiny_config
 
 def test_chunked_delta_rule_matches_recurrent():
     key = jax.random.key(3)
@@ -71,7 +60,7 @@ def test_prefill_then_decode_equals_forward(tiny, padded_gemms):
     ref_rec = target.forward_with_hiddens(cfg, params, toks, gdn_mode="recurrent").logits
     np.testing.assert_allclose(ref, ref_rec, atol=2e-5)
     lens = np.array([13, 6, 9], np.int32)  # ragged; pages of 4 so all cross page boundaries
-    cache = _cache(cfg, b, blocks=8)
+    cache = paged_cache(cfg, b, blocks=8)
     cache, out = target.prefill(cfg, params, cache, toks[:, :16], jnp.zeros(b, jnp.int32), jnp.asarray(lens))
     for i in range(b):
         np.testing.assert_allclose(out.logits[i, : lens[i]], ref[i, : lens[i]], atol=2e-5)
@@ -87,7 +76,7 @@ def test_prefill_continues_from_cached_prefix(tiny):
     cfg, params = tiny
     toks = jax.random.randint(jax.random.key(6), (2, 20), 0, cfg.vocab_size)
     ref = target.forward(cfg, params, toks)
-    cache = _cache(cfg, 2, blocks=6)
+    cache = paged_cache(cfg, 2, blocks=6)
     cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(2, jnp.int32), jnp.array([8, 5]))
     tail = np.zeros((2, 12), np.int32)
     tail[0, :12] = toks[0, 8:20]
@@ -100,7 +89,7 @@ def test_prefill_continues_from_cached_prefix(tiny):
 def test_prefill_leaves_idle_slots_untouched(tiny):
     cfg, params = tiny
     toks = jax.random.randint(jax.random.key(7), (2, 8), 0, cfg.vocab_size)
-    cache = _cache(cfg, 2, blocks=4)
+    cache = paged_cache(cfg, 2, blocks=4)
     cache, _ = target.prefill(cfg, params, cache, toks, jnp.zeros(2, jnp.int32), jnp.array([8, 8]))
     before = jax.tree.map(np.asarray, cache)
     other = jax.random.randint(jax.random.key(8), (2, 8), 0, cfg.vocab_size)
@@ -115,7 +104,7 @@ def test_verify_states_equal_single_decodes(tiny):
     cfg, params = tiny
     b, k = 2, 4
     toks = jax.random.randint(jax.random.key(9), (b, 10 + k), 0, cfg.vocab_size)
-    cache = _cache(cfg, b, blocks=6)
+    cache = paged_cache(cfg, b, blocks=6)
     cache, _ = target.prefill(cfg, params, cache, toks[:, :10], jnp.zeros(b, jnp.int32), jnp.array([10, 7]))
     snapshot = jax.tree.map(jnp.copy, cache)
     lens = np.array([10, 7])
@@ -134,7 +123,7 @@ def test_commit_selects_the_state_at_the_kept_position(tiny):
     cfg, params = tiny
     toks = jax.random.randint(jax.random.key(10), (2, 12), 0, cfg.vocab_size)
     ref = target.forward(cfg, params, toks)
-    cache = _cache(cfg, 2, blocks=6)
+    cache = paged_cache(cfg, 2, blocks=6)
     cache, _ = target.prefill(cfg, params, cache, toks[:, :6], jnp.zeros(2, jnp.int32), jnp.array([6, 6]))
     cache, vout = target.verify(cfg, params, cache, toks[:, 6:10])
     cache = target.commit(cache, vout, jnp.array([1, 3]))  # keep 1 and 3 of the 4 verified
@@ -156,7 +145,7 @@ def test_jitted_entry_points_do_not_retrace():
         traces["n"] += 1
         return target.decode(cfg, params, cache, toks)
 
-    cache = _cache(cfg, 2, blocks=4)
+    cache = paged_cache(cfg, 2, blocks=4)
     for i in range(3):
         toks = jax.random.randint(jax.random.key(i), (2, 1), 0, cfg.vocab_size)
         cache, _ = counted(cache, toks)

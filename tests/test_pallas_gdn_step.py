@@ -5,11 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp.cache.pages import PageAllocator, block_table_row
-from mtp.cache.state import TargetCache
 from mtp.model import target
 from mtp.pallas.gdn_step import gdn_step, gdn_step_reference, kernel_unsupported
-from tests.conftest import random_params, tiny_config
+from tests.conftest import paged_cache, random_params, tiny_config
 
 
 def _case(seed, bsz, nk, nv, d, dtype):
@@ -59,15 +57,12 @@ def test_unsupported_shapes_take_the_reference():
 def test_model_decode_with_the_kernel_equals_the_reference():
     cfg = tiny_config("tiny_dense")  # Dk = Dv = 8: the kernel takes its Gated DeltaNet layers
     params = random_params(cfg, seed=3)
-    b, blocks, page = 2, 6, 4
+    b, blocks = 2, 6
     toks = jax.random.randint(jax.random.key(1), (b, 12), 0, cfg.vocab_size)
     lens = jnp.asarray([7, 4], jnp.int32)
     logits = {}
     for impl in ("reference", "interpret"):
-        pool = PageAllocator(b * blocks + 1, page)
-        tables = np.stack([block_table_row(pool.allocate(blocks), blocks) for _ in range(b)])
-        cache = TargetCache.create(cfg, b, pool.num_pages, page, blocks, jnp.float32).replace(
-            block_tables=jnp.asarray(tables))
+        cache = paged_cache(cfg, b, blocks)
         cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(b, jnp.int32), lens, impl=impl)
         out = []
         for step in range(3):
