@@ -46,6 +46,8 @@ flags.DEFINE_integer("reps", 20, "Timed repetitions per measurement (median repo
 flags.DEFINE_list("parts", ["A", "B"], "Which parts to run.")
 flags.DEFINE_integer("steps_per_call", 16, "Part A: steps run back to back inside one call.")
 flags.DEFINE_list("batches", ["1", "8"], "Batch sizes to run.")
+flags.DEFINE_list("spec_ks", ["2", "3", "4", "5", "6"], "Part B: verify widths K of the speculative runs "
+                  "(batch 8 runs those up to 4).")
 flags.DEFINE_bool("decode_only", False, "Part A: time the plain decode step only (e.g. to compare XLA_FLAGS).")
 
 BIG = dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=16,
@@ -60,7 +62,9 @@ class Report:
     def __init__(self, out: pathlib.Path):
         self.out, self.data = out, {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                     "device": str(jax.devices()[0].device_kind),
-                                    "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": []}
+                                    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                                    "mtp_env": {k: v for k, v in os.environ.items() if k.startswith("MTP_")},
+                                    "rows": []}
         out.mkdir(parents=True, exist_ok=True)
 
     def add(self, **row):
@@ -290,7 +294,8 @@ def part_b(report: Report, reps: int):
     new = 128 if not FLAGS.small else 16
     for batch in [int(b) for b in FLAGS.batches]:
         prompts = [first_prompt_ids(pre, s.turns[0].user, tok) for s in sessions[:batch]]
-        runs = [("plain", 0)] + [("spec", k) for k in ((2, 3, 4, 5, 6) if batch == 1 else (2, 3, 4))]
+        ks = [int(k) for k in FLAGS.spec_ks]
+        runs = [("plain", 0)] + [("spec", k) for k in ks if batch == 1 or k <= 4]
         base = None
         for name, k in runs:
             spec = SpecConfig(verify_width=max(k, 2), max_new_tokens=new)

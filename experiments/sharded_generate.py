@@ -57,6 +57,10 @@ flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
                   "Cast the weights on load (default: keep the file's dtype). Tensor parallelism reorders "
                   "the sums of row-parallel projections, so in bf16 a near-tied argmax may flip; float32 "
                   "makes that rounding negligible.")
+flags.DEFINE_enum("matmul_precision", "highest", ["default", "highest"],
+                  "jax.default_matmul_precision for the whole run. On a GPU, 'default' lets float32 GEMMs "
+                  "round through TF32, whose shape-dependent rounding flips near-tied argmaxes between runs "
+                  "that should agree.")
 flags.DEFINE_enum("kernels", "reference", ["auto", "reference", "pallas", "interpret"],
                   "Kernel backend. The Pallas kernels have no shard_map wrapper yet, so a mesh run uses the "
                   "references unless told otherwise (see results/sharding.md).")
@@ -133,6 +137,11 @@ def main(argv):
     del argv
     if not FLAGS.out:
         raise app.UsageError("--out is required")
+    with jax.default_matmul_precision(FLAGS.matmul_precision):
+        compare(FLAGS.out)
+
+
+def compare(out: str):
     mesh = sharding.make_mesh(FLAGS.tp, FLAGS.ep)
     dtype = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, None: None}[FLAGS.dtype]
     cfg, params = load_pretrained(FLAGS.checkpoint, dtype=dtype)
@@ -142,20 +151,20 @@ def main(argv):
     logging.info("model %d bytes; per device %s", total, per_device)
     tok = Tokenizer.load(os.path.join(FLAGS.checkpoint, "tokenizer.json"))
     prompts = session_prompts(FLAGS.sessions, tok, FLAGS.num_prompts, FLAGS.max_prompt_tokens)
-    runs, single_tokens = {}, {}
+    runs, single_tokens, sharded_tokens = {}, {}, {}
     for name, speculative, width in (("greedy", False, 2), ("speculative", True, FLAGS.num_speculative_tokens + 1)):
         spec = SpecConfig(verify_width=width, max_new_tokens=FLAGS.max_new_tokens, impl=FLAGS.kernels)
         single, single_stats = timed_generate(cfg, params, prompts, spec, speculative)
         multi, multi_stats = timed_generate(cfg, sharded, prompts, spec, speculative)
         mismatch = first_mismatch(single, multi)
-        single_tokens[name] = single
+        single_tokens[name], sharded_tokens[name] = single, multi
         runs[name] = dict(identical=mismatch is None, first_mismatch=mismatch,
                           sequences_identical=sum(a == b for a, b in zip(single, multi)),
                           single_device=single_stats, sharded=multi_stats, tokens=sum(map(len, single)))
         logging.info("%s: identical=%s single %s sharded %s", name, mismatch is None, single_stats, multi_stats)
     report = dict(
         checkpoint=FLAGS.checkpoint, tp=FLAGS.tp, ep=FLAGS.ep, kernels=FLAGS.kernels,
-        dtype=str(jax.tree.leaves(params)[0].dtype),
+        dtype=str(jax.tree.leaves(params)[0].dtype), matmul_precision=FLAGS.matmul_precision,
         platform=jax.default_backend(), devices=[str(d) for d in mesh.devices.flat],
         device_kind=jax.devices()[0].device_kind, host=platform.node(), jax=jax.__version__,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -169,8 +178,9 @@ def main(argv):
         # The same yardstick without a mesh: one device, plain vs speculative decoding.
         # Their verify shapes differ, so in bf16 they round differently too.
         single_device_greedy_vs_speculative=first_mismatch(single_tokens["greedy"], single_tokens["speculative"]),
+        sharded_greedy_vs_speculative=first_mismatch(sharded_tokens["greedy"], sharded_tokens["speculative"]),
     )
-    pathlib.Path(FLAGS.out).write_text(json.dumps(report, indent=2) + "\n")
+    pathlib.Path(out).write_text(json.dumps(report, indent=2) + "\n")
     print("| run | tokens | identical | single-device s | sharded s | accepted / drafts |")
     print("|---|---|---|---|---|---|")
     for name, r in runs.items():

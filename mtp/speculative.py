@@ -30,6 +30,7 @@ from mtp.config import ModelConfig
 from mtp.model import target
 from mtp.model.params import Params
 from mtp.mtp_head import DrafterCache, append_rows, draft_step
+from mtp.pallas import backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +140,8 @@ def pick_token(logits: jax.Array, temperature: float, key) -> jax.Array:
 
 
 # ------------------------------------------------------------------ plain greedy
-@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache",),
+                   compiler_options=backend.decode_loop_compiler_options())
 def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_token: jax.Array,
                 budget: jax.Array, spec: SpecConfig, rng: jax.Array | None = None):
     """Plain decoding of the target (greedy, or sampled at ``spec.temperature``).
@@ -234,7 +236,8 @@ def _accept_sampled(target_logits, drafts, num_drafted, q, temperature, key, dra
     return accepted, bonus
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache", "dcache"))
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache", "dcache"),
+                   compiler_options=backend.decode_loop_compiler_options())
 def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcache: DrafterCache,
                      first_token: jax.Array, first_hidden: jax.Array, budget: jax.Array,
                      spec: SpecConfig, rng: jax.Array | None = None,

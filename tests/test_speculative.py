@@ -9,6 +9,7 @@ from mtp.generation import generate
 from mtp.mtp_head import DrafterCache, draft_step, forward_sequence, prefill_drafter
 from mtp.model import target
 from mtp.model.params import flatten, unflatten
+from mtp.pallas import backend
 from mtp.speculative import SpecConfig
 from tests.conftest import random_params, tiny_config
 
@@ -198,3 +199,18 @@ def test_padded_gemms_keep_speculative_equal_to_plain(greedy_reference, padded_g
     assert plain.tokens == base
     res = generate(cfg, params, prompts, SpecConfig(max_new_tokens=MAX_NEW, verify_width=3))
     assert res.tokens == plain.tokens
+
+
+def test_decode_loop_graph_options_are_valid_xla_options(monkeypatch):
+    monkeypatch.setenv(backend.LOOP_GRAPH_ENV_VAR, "1")
+    opts = backend.decode_loop_compiler_options()
+    assert "WHILE" in opts["xla_gpu_enable_command_buffer"].split(",")
+    # XLA rejects an unknown field or value when it compiles, on every backend.
+    assert float(jax.jit(lambda x: x + 1, compiler_options=opts)(1.0)) == 2.0
+    with pytest.raises(Exception, match="xla_gpu_no_such_option"):
+        jax.jit(lambda x: x + 1, compiler_options={"xla_gpu_no_such_option": "1"})(1.0)
+    monkeypatch.setenv(backend.LOOP_GRAPH_ENV_VAR, "0")
+    assert backend.decode_loop_compiler_options() == {}
+    monkeypatch.setenv(backend.LOOP_GRAPH_ENV_VAR, "on")
+    with pytest.raises(ValueError, match="MTP_DECODE_LOOP_GRAPH='on'"):
+        backend.decode_loop_compiler_options()

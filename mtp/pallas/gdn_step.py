@@ -96,12 +96,9 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, a_ref, z_ref, valid_ref, s_ref, alog_ref
     s = s + k[:, None] * delta[None, :]
     o = jnp.sum(s * q[:, None], axis=0)
     s_out_ref[0, 0, :, :] = s
-    # gated RMSNorm, with the reference's casts: o to x's dtype, w * normed in x's dtype
-    dtype = y_ref.dtype
-    of = o.astype(dtype).astype(f32)
-    normed = (of * jax.lax.rsqrt(jnp.mean(of * of) + eps)).astype(dtype)
-    y = (w_ref[...] * normed).astype(f32) * jax.nn.silu(z_ref[0, 0, :].astype(f32))
-    y_ref[0, 0, :] = y.astype(dtype)
+    # The model's own gated norm, on [1, Dv] rows: Triton lowers 2-D reductions directly.
+    y = gated_rms_norm(o.astype(y_ref.dtype)[None, :], z_ref[0, 0, :][None, :], w_ref[...], eps)
+    y_ref[0, 0, :] = y[0]
 
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "interpret"))
