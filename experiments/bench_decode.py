@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from mtp import sharding
 from mtp.cache.state import TargetCache
 from mtp.config import ModelConfig
 from mtp.model import target
@@ -48,6 +49,8 @@ flags.DEFINE_integer("steps_per_call", 16, "Part A: steps run back to back insid
 flags.DEFINE_list("batches", ["1", "8"], "Batch sizes to run.")
 flags.DEFINE_list("spec_ks", ["2", "3", "4", "5", "6"], "Part B: verify widths K of the speculative runs "
                   "(batch 8 runs those up to 4).")
+flags.DEFINE_integer("tp", 1, "Part A: tensor-parallel devices (mtp.sharding). With tp > 1 the step runs the "
+                     "XLA references: the Pallas kernels have no shard_map wrapper yet.", lower_bound=1)
 flags.DEFINE_bool("decode_only", False, "Part A: time the plain decode step only (e.g. to compare XLA_FLAGS).")
 
 BIG = dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=16,
@@ -226,15 +229,24 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
     dtype = jnp.bfloat16
     params = init_params(cfg, jax.random.key(1), dtype)
     n_target = count_params(params, include_mtp=False)
-    weight_bytes = 2 * n_target
+    tp = FLAGS.tp
+    mesh = sharding.make_mesh(tp) if tp > 1 else None
+    impl = "reference" if mesh else "auto"
+    if mesh:
+        params = sharding.shard_params(params, cfg, mesh)
+    # Each device streams about 1/tp of the weights, KV and state (the norms and the MTP
+    # head's fc are replicated, a rounding error at this size).
+    weight_bytes = 2 * n_target / tp
     report.add(part="A", what="model", params_target=n_target, params_total=count_params(params),
-               context=context, copy_bandwidth_TBps=bw / 1e12)
+               context=context, copy_bandwidth_TBps=bw / 1e12, tp=tp, kernels=impl)
     for batch in [int(b) for b in FLAGS.batches]:
         cache = _random_cache(cfg, batch, context, 16, dtype, jax.random.key(2))
+        if mesh:
+            cache = sharding.shard_cache(cache, cfg, mesh)
         kv_bytes = batch * len(cfg.attention_layers) * 2 * context * cfg.num_key_value_heads * cfg.head_dim * 2
         state_bytes = batch * len(cfg.linear_layers) * 4 * (
             cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim) * 2
-        floor_ms = 1e3 * (weight_bytes + kv_bytes + state_bytes) / bw
+        floor_ms = 1e3 * (weight_bytes + (kv_bytes + state_bytes) / tp) / bw
         n = FLAGS.steps_per_call
         one = jnp.ones((batch,), jnp.int32)
 
@@ -245,7 +257,7 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
         # Constant inputs would let XLA hoist work out of the loop.
         def verify_step(state, p):
             c, toks = state
-            c, out = target.verify(cfg, p, c, toks)
+            c, out = target.verify(cfg, p, c, toks, impl=impl)
             c = target.commit(c, out, one)
             return c.replace(lengths=c.lengths - 1), jnp.argmax(out.logits, -1).astype(jnp.int32)
 
@@ -253,7 +265,7 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
         decode_ms, state = _per_step_ms(verify_step, state, reps, params, n)
         report.add(part="A", what="decode", batch=batch, ms=decode_ms, floor_ms=floor_ms,
                    ratio_to_floor=decode_ms / floor_ms,
-                   **_kernel_profile(verify_step, state, params, by_source=FLAGS.decode_only))
+                   **({} if mesh else _kernel_profile(verify_step, state, params, by_source=FLAGS.decode_only)))
         if FLAGS.decode_only:
             continue
         for k in (2, 4, 8):
@@ -266,11 +278,13 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
         dc = DrafterCache.create(cfg, batch, dcache.kv.num_pages, 16, dcache.block_tables.shape[1], dtype).replace(
             kv=dcache.kv.replace(k=dcache.kv.k[:1], v=dcache.kv.v[:1]), block_tables=dcache.block_tables,
             rows=jnp.full((batch,), context, jnp.int32), last_pair_key=jnp.full((batch,), context, jnp.int32))
+        if mesh:
+            dc = sharding.shard_cache(dc, cfg, mesh)
         hidden = jax.random.normal(jax.random.key(4), (batch, cfg.hidden_size), dtype)
 
         def propose(state, p):  # a chained draft: the last draft's token and hidden feed the next
             d, tok, h = state
-            d, logits, h = draft_step(cfg, p, d, tok, h, d.last_pair_key, jnp.ones((batch,), bool), "auto")
+            d, logits, h = draft_step(cfg, p, d, tok, h, d.last_pair_key, jnp.ones((batch,), bool), impl)
             return d.replace(rows=d.rows - 1), jnp.argmax(logits, -1).astype(jnp.int32), h.astype(dtype)
 
         ms, pstate = _per_step_ms(propose, (dc, one, hidden), reps, params, n)
