@@ -80,14 +80,14 @@ def session_prompts(path: str, tok: Tokenizer, n: int, max_tokens: int) -> list[
     return prompts
 
 
-def timed_generate(cfg, params, prompts, spec, speculative):
+def timed_generate(cfg, params, prompts, spec, speculative, mesh=None):
     """Each batch twice: the first compiles, the second is timed."""
     tokens, steps, drafts, accepted, seconds = [], 0, 0, 0, 0.0
     for lo in range(0, len(prompts), FLAGS.batch_size):
         batch = prompts[lo : lo + FLAGS.batch_size]
-        generate(cfg, params, batch, spec, speculative=speculative)
+        generate(cfg, params, batch, spec, speculative=speculative, mesh=mesh)
         start = time.perf_counter()
-        res = generate(cfg, params, batch, spec, speculative=speculative)
+        res = generate(cfg, params, batch, spec, speculative=speculative, mesh=mesh)
         seconds += time.perf_counter() - start
         tokens += res.tokens
         if res.stats is not None:
@@ -155,7 +155,7 @@ def compare(out: str):
     for name, speculative, width in (("greedy", False, 2), ("speculative", True, FLAGS.num_speculative_tokens + 1)):
         spec = SpecConfig(verify_width=width, max_new_tokens=FLAGS.max_new_tokens, impl=FLAGS.kernels)
         single, single_stats = timed_generate(cfg, params, prompts, spec, speculative)
-        multi, multi_stats = timed_generate(cfg, sharded, prompts, spec, speculative)
+        multi, multi_stats = timed_generate(cfg, sharded, prompts, spec, speculative, mesh)
         mismatch = first_mismatch(single, multi)
         single_tokens[name], sharded_tokens[name] = single, multi
         runs[name] = dict(identical=mismatch is None, first_mismatch=mismatch,

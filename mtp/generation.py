@@ -16,8 +16,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from mtp import quant
+from mtp import quant, sharding
 from mtp.cache.pages import PageAllocator, block_table_row
 from mtp.cache.state import TargetCache
 from mtp.config import ModelConfig
@@ -61,8 +62,12 @@ def first_from_prefill(out: target.StepOutput, lengths: jax.Array, source: str, 
 
 def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], spec: SpecConfig,
              *, speculative: bool = True, drafter_prefill: bool = True, mtp_quant: str = "bf16",
-             page_size: int = 16, seed: int = 0, draft_vocab=None) -> GenerationResult:
-    """Generate for a batch of prompts; ``speculative=False`` is plain decoding of the target."""
+             page_size: int = 16, seed: int = 0, draft_vocab=None, mesh: Mesh | None = None) -> GenerationResult:
+    """Generate for a batch of prompts; ``speculative=False`` is plain decoding of the target.
+
+    With ``mesh`` (params already laid out by `mtp.sharding`), the caches are created in
+    their shards on it (`sharding.create_cache`) and the loops run partitioned.
+    """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if speculative and not cfg.has_mtp:
@@ -78,8 +83,13 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     dtype = params["model"]["embed_tokens"]["weight"].dtype
     pool = PageAllocator(b * blocks + 1, page_size, "target")
     tables = np.stack([block_table_row(pool.allocate(blocks), blocks) for _ in range(b)])
-    cache = TargetCache.create(cfg, b, pool.num_pages, page_size, blocks, dtype).replace(
-        block_tables=jnp.asarray(tables))
+
+    def new_cache(cls):
+        args = (b, pool.num_pages, page_size, blocks, dtype)
+        cache = cls.create(cfg, *args) if mesh is None else sharding.create_cache(cls, cfg, mesh, *args)
+        return cache.replace(block_tables=jnp.asarray(tables))
+
+    cache = new_cache(TargetCache)
     rng = jax.random.key(seed)
     rng, k0 = jax.random.split(rng)
     t0 = time.perf_counter()
@@ -95,8 +105,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
         toks = jax.block_until_ready(toks)
         return GenerationResult(_to_lists(toks, n), None, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
     head_params = quantize_head(params, mtp_quant)
-    dcache = DrafterCache.create(cfg, b, pool.num_pages, page_size, blocks, dtype).replace(
-        block_tables=jnp.asarray(tables))
+    dcache = new_cache(DrafterCache)
     if drafter_prefill and quant.supports_drafter_prefill(mtp_quant):
         dcache = prefill_drafter(cfg, head_params, dcache, tokens, out.mtp_hidden(cfg.mtp_hidden_source),
                                  zeros, np.maximum(lengths - 1, 0), impl=spec.impl)

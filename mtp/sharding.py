@@ -31,6 +31,7 @@ With ``ep == 1`` the checkpoint's own per-expert leaves are kept.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Any, Callable
@@ -318,5 +319,21 @@ def shard_cache(cache: TargetCache | DrafterCache, cfg: ModelConfig, mesh: Mesh)
     return jax.device_put(cache, cache_sharding(cache, cfg, mesh), donate=True)
 
 
-__all__ = ["AXES", "EP", "TP", "cache_sharding", "layout_shapes", "load_sharded", "make_mesh",
+@functools.lru_cache(maxsize=64)
+def _sharded_create(cls, cfg: ModelConfig, mesh: Mesh, args: tuple):
+    make = lambda: cls.create(cfg, *args)
+    return jax.jit(make, out_shardings=cache_sharding(jax.eval_shape(make), cfg, mesh))
+
+
+def create_cache(cls: type, cfg: ModelConfig, mesh: Mesh, *args):
+    """``cls.create(cfg, *args)`` made in its shards: no device ever holds the whole cache.
+
+    A page pool sized for a mesh may not fit on one device, so it is created by a
+    program whose outputs already have `cache_sharding`'s layout. One program per
+    (class, config, mesh, sizes), compiled once.
+    """
+    return _sharded_create(cls, cfg, mesh, args)()
+
+
+__all__ = ["AXES", "EP", "TP", "cache_sharding", "create_cache", "layout_shapes", "load_sharded", "make_mesh",
            "mesh_sizes", "param_sharding", "param_specs", "shard_cache", "shard_params", "spec_for", "stacks_experts"]

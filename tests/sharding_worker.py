@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from tests.conftest import random_params, tiny_config  # noqa: E402
 from mtp import checkpoint, generation  # noqa: E402
 from mtp import sharding as S  # noqa: E402
+from mtp.cache.state import TargetCache  # noqa: E402
 from mtp.model.params import flatten, unflatten  # noqa: E402
 from mtp.speculative import SpecConfig  # noqa: E402
 
@@ -118,21 +119,10 @@ def stacked_host(cfg, params, mesh) -> dict[str, np.ndarray]:
 
 
 @contextlib.contextmanager
-def sharded_driver(cfg, mesh, seen: dict):
-    """Run the unchanged `generation.generate` with its caches created on ``mesh``.
-
-    generate builds its caches itself; this swaps the two cache classes it names for
-    ones whose ``create`` lays the new cache out with `shard_cache`, and records the
-    caches the decode loops hand back, so their layouts can be checked.
-    """
-    orig = {n: getattr(generation, n) for n in ("TargetCache", "DrafterCache", "greedy_loop", "speculative_loop")}
-
-    def placed(cls):
-        class Placed:
-            @staticmethod
-            def create(*args, **kwargs):
-                return S.shard_cache(cls.create(*args, **kwargs), cfg, mesh)
-        return Placed
+def recording_loops(seen: dict):
+    """Record the caches `generation.generate`'s decode loops hand back, so that their
+    layouts can be checked."""
+    orig = {n: getattr(generation, n) for n in ("greedy_loop", "speculative_loop")}
 
     def recording(loop, n_caches):
         def run(*args, **kwargs):
@@ -141,8 +131,6 @@ def sharded_driver(cfg, mesh, seen: dict):
             return out
         return run
 
-    generation.TargetCache = placed(orig["TargetCache"])
-    generation.DrafterCache = placed(orig["DrafterCache"])
     generation.greedy_loop = recording(orig["greedy_loop"], 1)
     generation.speculative_loop = recording(orig["speculative_loop"], 2)
     try:
@@ -165,12 +153,15 @@ def decode_case(name: str, tp: int, ep: int, seed: int, mixing: float = 0.01) ->
     split = check_layout(sharded, S.param_sharding(cfg, mesh), stacked_host(cfg, params, mesh), f"{name} params")
     check(split > 0, f"{name}: no parameter is split over the mesh")
     prompts = prompts_for(cfg, seed)
+    made = S.create_cache(TargetCache, cfg, mesh, 2, 9, 16, 4, jnp.float32)
+    check(check_layout(made, S.cache_sharding(made, cfg, mesh), None, f"{name} create_cache") > 0,
+          f"{name}: create_cache split nothing")
     result = {"config": name, "tp": tp, "ep": ep, "params_split": split}
     for speculative in (False, True):
         single = generation.generate(cfg, params, prompts, SPEC, speculative=speculative)
         seen: dict = {}
-        with sharded_driver(cfg, mesh, seen):
-            multi = generation.generate(cfg, sharded, prompts, SPEC, speculative=speculative)
+        with recording_loops(seen):
+            multi = generation.generate(cfg, sharded, prompts, SPEC, speculative=speculative, mesh=mesh)
         kind = "speculative" if speculative else "greedy"
         check(multi.tokens == single.tokens,
               f"{name} tp={tp} ep={ep} {kind}: sharded tokens {multi.tokens} != single-device {single.tokens}")
