@@ -121,7 +121,7 @@ def decode_loop_compiler_options() -> dict[str, str]:
     By default XLA records a loop iteration's kernels into CUDA graphs but drives the
     loop from the host, which copies the loop predicate back and waits for it every
     iteration: a host round trip per verify step. With WHILE and CONDITIONAL command
-    buffers the loop becomes a graph with device-side conditional nodes, and CONCURRENT
+    buffers XLA can record the loop as a graph with device-side conditional nodes, and CONCURRENT
     scheduling lets independent kernels of an iteration overlap. Side by side on the
     H200 (results/decode_h200.md, session 4) this sped the default model's batch-1
     decode loop up by about a fifth. These are GPU fields of XLA's DebugOptions; other
