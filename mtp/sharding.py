@@ -125,29 +125,23 @@ def _ffn_out(cfg, shape, tp):
     return P(EP, None, inner) if len(shape) == 3 else P(None, inner)
 
 
-def _conv_channels(cfg, shape, tp):
-    """conv1d ``[C, 1, K]``: an even split of the channels (see the note on `_RULES`)."""
-    return _rows(cfg.linear_conv_dim % tp == 0, len(shape))
-
-
 def _replicated(cfg, shape, tp):
     return P()
 
 
 # The one table. Every tensor name must match exactly one pattern (checked), so a
 # tensor kind added to the model cannot silently fall through to some default.
-# Gated DeltaNet conv channels are ordered [q of all heads | k of all heads | v of
-# all heads] and the three blocks differ in size (v is Hv*Dv, q and k Hk*Dk), so no
-# even split of the channel axis gives a device exactly its own heads' q, k and v.
-# The conv is depthwise, though, so any channel split computes the same thing: the
-# conv weight and the conv state take an even contiguous split (the layout XLA's
-# partitioner itself picks for the conv output), and XLA moves the C conv inputs of
-# each token from the head-group layout to the channel layout and back.
+# The Gated DeltaNet conv runs on channels grouped per key head (`gated_deltanet`), so
+# its input, output and state split on key-head boundaries with in_proj_qkvz and no
+# collective. Its weight stays in the checkpoint's [q | k | v] order, which no even
+# split aligns with those groups, so it is replicated (C x K, e.g. 8192 x 4: tiny) and
+# each device regroups and slices its own channels.
 # Replicated, and why:
 #  * mtp.fc: its output feeds a norm over the full hidden; splitting it would buy an
 #    all-gather per draft for a single [H, 2H] matrix;
 #  * the router and shared-expert gate: [E, H] and [1, H], read whole by every token;
-#  * norm scales: vectors over the hidden or head dim, which are never split.
+#  * norm scales: vectors over the hidden or head dim, which are never split;
+#  * conv1d: see above.
 _RULES: tuple[tuple[re.Pattern, Callable[[ModelConfig, tuple, int], P]], ...] = tuple(
     (re.compile(pattern), rule) for pattern, rule in (
         (r"^(model\.embed_tokens|lm_head)\.weight$", _vocab),
@@ -160,7 +154,7 @@ _RULES: tuple[tuple[re.Pattern, Callable[[ModelConfig, tuple, int], P]], ...] = 
         # replicated projections are sliced locally, which costs nothing.
         (r"linear_attn\.(dt_bias|A_log)$", _heads_rows("linear_num_value_heads")),
         (r"linear_attn\.out_proj\.weight$", _heads_cols("linear_num_value_heads")),
-        (r"linear_attn\.conv1d\.weight$", _conv_channels),
+        (r"linear_attn\.conv1d\.weight$", _replicated),
         (r"mlp(\.shared_expert|\.experts(\.\d+)?)?\.(gate|up)_proj\.weight$", _ffn_in),
         (r"mlp(\.shared_expert|\.experts(\.\d+)?)?\.down_proj\.weight$", _ffn_out),
         (r"mlp\.(gate|shared_expert_gate)\.weight$", _replicated),
@@ -280,7 +274,12 @@ def _kv_spec(cfg: ModelConfig, tp: int) -> P:
 
 
 def _conv_state_spec(cfg: ModelConfig, tp: int) -> P:
-    """Conv inputs ``[B, K-1, C]`` split on channels like the conv1d weight."""
+    """Conv inputs ``[B, K-1, C]``, grouped per key head: an even split of the channels.
+
+    Where the key heads divide over ``tp`` that is a split on key-head groups, as
+    ``in_proj_qkvz``'s. Where they do not, it is still the layout the partitioner gives
+    the state the loops hand back (so the cache keeps one layout across calls).
+    """
     return P(None, None, TP) if cfg.linear_conv_dim % tp == 0 else P()
 
 
@@ -293,8 +292,8 @@ def cache_sharding(cache: TargetCache | DrafterCache, cfg: ModelConfig, mesh: Me
     """A pytree of `NamedSharding` with the structure of ``cache``.
 
     KV pages follow the KV heads of ``k_proj``/``v_proj``; the Gated DeltaNet
-    recurrent state follows its value heads; the conv state follows the conv1d
-    weight's channel split (see the note on `_RULES`); block
+    recurrent state follows its value heads; the conv state follows the key-head
+    groups of ``in_proj_qkvz`` (see the note on `_RULES`); block
     tables, lengths and row counters are small and read by every device.
     """
     tp, _ = mesh_sizes(mesh)

@@ -11,7 +11,7 @@ from mtp.config import ConfigError, ModelConfig
 from mtp.model import target
 from mtp.model import gated_deltanet as gdn
 from mtp.model import layers
-from tests.conftest import paged_cache, tiny_config
+from tests.conftest import paged_cache, random_params, tiny_config
 
 def test_chunked_delta_rule_matches_recurrent():
     key = jax.random.key(3)
@@ -28,6 +28,41 @@ def test_chunked_delta_rule_matches_recurrent():
     np.testing.assert_allclose(out_c, out_r, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(s_c, s_r, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(steps[:, -1], s_r, rtol=1e-6)
+
+
+@pytest.mark.parametrize("value_dim_factor", [1, 2])  # Dv = Dk (block view) and Dv != Dk (slices)
+def test_grouped_conv_equals_the_checkpoint_order_conv(value_dim_factor):
+    """The conv runs on key-head groups; Hugging Face runs it on ``[q | k | v]`` with the
+    same weight. Regrouped, the two agree channel for channel, and so do q, k and v."""
+    cfg = tiny_config("tiny_dense")
+    cfg = cfg.replace(linear_value_head_dim=cfg.linear_key_head_dim * value_dim_factor)
+    params = random_params(cfg)
+    p = params["model"]["layers"][str(cfg.linear_layers[0])]["linear_attn"]
+    nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    r, kd, c = nv // nk, cfg.linear_key_dim, cfg.linear_conv_dim
+    bsz, t, kern = 2, 5, cfg.linear_conv_kernel_dim
+    x = jax.random.normal(jax.random.key(0), (bsz, t, cfg.hidden_size))
+    state_hf = jax.random.normal(jax.random.key(1), (bsz, kern - 1, c))
+    # Hugging Face's order, written out: q of all heads, then k, then v.
+    qkvz = layers.dense(x, p["in_proj_qkvz"]["weight"]).reshape(bsz, t, nk, -1)
+    mixed_hf = jnp.concatenate([qkvz[..., :dk].reshape(bsz, t, -1), qkvz[..., dk:2 * dk].reshape(bsz, t, -1),
+                                qkvz[..., 2 * dk:2 * dk + r * dv].reshape(bsz, t, -1)], -1)
+    full = jnp.concatenate([state_hf, mixed_hf], 1)
+    w = p["conv1d"]["weight"][:, 0, :]
+    out_hf = jax.nn.silu(sum(full[:, i:i + t] * w[:, i] for i in range(kern)))
+    # The model's order; the regrouping of any channel axis is the weight's.
+    regroup = lambda a: gdn.grouped_conv_weight(a.reshape(-1, c).T[:, None, :], cfg).T.reshape(a.shape)
+    mixed, *_ = gdn.project(p, x, cfg)
+    np.testing.assert_array_equal(mixed, regroup(mixed_hf))
+    out = gdn.conv_windows(p, cfg, regroup(state_hf), mixed)
+    np.testing.assert_allclose(out, regroup(out_hf), rtol=1e-6, atol=1e-6)
+    q, k, v, _, _ = gdn.split_heads(out, jnp.zeros((bsz, t, nv)), jnp.zeros((bsz, t, nv)), p, cfg)
+    np.testing.assert_allclose(v, out_hf[..., 2 * kd:].reshape(bsz, t, nv, dv), rtol=1e-6, atol=1e-6)
+    q_hf = out_hf[..., :kd].reshape(bsz, t, nk, dk)
+    np.testing.assert_allclose(q, layers.l2norm(jnp.repeat(q_hf, r, axis=-2)), rtol=1e-5, atol=1e-6)
+    k_hf = out_hf[..., kd:2 * kd].reshape(bsz, t, nk, dk)
+    np.testing.assert_allclose(k, layers.l2norm(jnp.repeat(k_hf, r, axis=-2)), rtol=1e-5, atol=1e-6)
 
 
 def test_dense_pads_one_row_products_of_large_weights(monkeypatch):

@@ -50,7 +50,8 @@ class PagedKV:
 class LinearState:
     """Gated DeltaNet state of every linear-attention layer, per batch slot.
 
-    ``conv[l]``: the last ``kernel - 1`` conv inputs ``[B, kernel - 1, conv_dim]``;
+    ``conv[l]``: the last ``kernel - 1`` conv inputs ``[B, kernel - 1, conv_dim]``, channels
+    grouped per key head (`mtp.model.gated_deltanet`'s conv order, not the checkpoint's);
     ``recurrent[l]``: the delta-rule matrix ``[B, Hv, Dk, Dv]`` in float32 (it
     integrates thousands of rank-one updates; bf16 would drift).
     """

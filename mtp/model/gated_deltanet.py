@@ -12,6 +12,15 @@ evaluations of the same recurrence:
 
 Masked positions (padding of a ragged batch) leave the state untouched: their key,
 ``beta`` and log-decay are zeroed, which makes their update the identity.
+
+The depthwise conv runs on its channels grouped per key head, ``[q, k, v of its value
+heads]`` for each key head in turn: the order ``in_proj_qkvz`` produces them in, so the
+conv input is a slice of the projection, and a split of the channel axis on key-head
+boundaries gives every device of a tensor-parallel mesh its own heads' q, k and v
+(`mtp.sharding`). The checkpoint's ``conv1d`` weight stays in Hugging Face's
+``[q of all heads | k | v]`` order and is regrouped where it is used
+(`grouped_conv_weight`); the conv state (`LinearState.conv`) is kept grouped. A
+depthwise conv multiplies each channel by its own taps, so the order changes no value.
 """
 
 from __future__ import annotations
@@ -28,28 +37,49 @@ UNROLL_STEPS = 8  # verify widths up to this many steps run as straight-line cod
 
 
 def project(p, x: jax.Array, cfg: ModelConfig):
-    """Input projections, in HF's grouped layout, to ``mixed_qkv, z, b, a``.
+    """Input projections to ``mixed_qkv, z, b, a``; ``mixed_qkv`` in the grouped conv order.
 
-    ``in_proj_qkvz`` is laid out per key-head group as ``[q, k, v.., z..]``; this
-    regroups it into the conv's channel order ``[q (all heads), k, v]``.
+    ``in_proj_qkvz`` is laid out per key-head group as ``[q, k, v.., z..]``, so the
+    conv input is the first ``2 Dk + r Dv`` channels of every group.
     """
     lead = x.shape[:-1]
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
     qkvz = dense(x, p["in_proj_qkvz"]["weight"]).reshape(*lead, nk, 2 * dk + 2 * r * dv)
-    q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
-    v = qkvz[..., 2 * dk : 2 * dk + r * dv]
+    mixed = qkvz[..., : 2 * dk + r * dv].reshape(*lead, -1)
     z = qkvz[..., 2 * dk + r * dv :].reshape(*lead, nv, dv)
     ba = dense(x, p["in_proj_ba"]["weight"]).reshape(*lead, nk, 2 * r)
     b = ba[..., :r].reshape(*lead, nv)
     a = ba[..., r:].reshape(*lead, nv)
-    mixed = jnp.concatenate([q.reshape(*lead, -1), k.reshape(*lead, -1), v.reshape(*lead, -1)], axis=-1)
     return mixed, z, b, a
 
 
-def conv_windows(p, conv_state: jax.Array, mixed: jax.Array) -> jax.Array:
+def grouped_conv_weight(w: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The ``conv1d`` weight ``[C, 1, K]`` (HF order ``[q | k | v]``) as ``[C, K]`` in the grouped order.
+
+    With Dk = Dv (every Qwen3-Next / Qwen3.5 checkpoint) the weight is viewed as
+    ``2 + r`` equal blocks of ``nk x Dk`` channels, so that the regrouping cuts no
+    channel axis at an offset: a tensor-parallel partitioner then moves no weight
+    between devices (slicing at ``2 nk Dk`` made it exchange three weight pieces per
+    layer). Other head dims take the plain slices.
+    """
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
+    kern = w.shape[-1]
+    if dk == dv:
+        blocks = w.reshape(2 + r, nk, dk * kern)  # v's value heads are numbered group-major
+        v = blocks[2:].reshape(nk, r * dk * kern)
+        return jnp.concatenate([blocks[0], blocks[1], v], axis=1).reshape(-1, kern)
+    kd = nk * dk
+    per_head = lambda block: block.reshape(nk, -1, kern)
+    w = w[:, 0, :]
+    return jnp.concatenate([per_head(w[:kd]), per_head(w[kd : 2 * kd]), per_head(w[2 * kd :])],
+                           axis=1).reshape(-1, kern)
+
+
+def conv_windows(p, cfg: ModelConfig, conv_state: jax.Array, mixed: jax.Array) -> jax.Array:
     """Causal depthwise conv + SiLU over ``[conv_state, mixed]``: ``[B, T, C]`` out."""
-    w = p["conv1d"]["weight"][:, 0, :]  # [C, K]
+    w = grouped_conv_weight(p["conv1d"]["weight"], cfg)  # [C, K]
     kern = w.shape[-1]
     full = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
     t = mixed.shape[1]
@@ -58,13 +88,13 @@ def conv_windows(p, conv_state: jax.Array, mixed: jax.Array) -> jax.Array:
 
 
 def split_heads(mixed: jax.Array, b: jax.Array, a: jax.Array, p, cfg: ModelConfig):
-    """Conv output to per-value-head ``q, k`` (l2-normalised, f32), ``v``, ``beta``, ``g``."""
+    """Grouped conv output to per-value-head ``q, k`` (l2-normalised, f32), ``v``, ``beta``, ``g``."""
     lead = mixed.shape[:-1]
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    kd = cfg.linear_key_dim
-    q = mixed[..., :kd].reshape(*lead, nk, -1)
-    k = mixed[..., kd : 2 * kd].reshape(*lead, nk, -1)
-    v = mixed[..., 2 * kd :].reshape(*lead, nv, -1).astype(jnp.float32)
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    groups = mixed.reshape(*lead, nk, -1)
+    q, k = groups[..., :dk], groups[..., dk : 2 * dk]
+    v = groups[..., 2 * dk :].reshape(*lead, nv, dv).astype(jnp.float32)
     r = nv // nk
     q = l2norm(jnp.repeat(q, r, axis=-2).astype(jnp.float32))
     k = l2norm(jnp.repeat(k, r, axis=-2).astype(jnp.float32))
@@ -175,7 +205,7 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
     """
     mixed, z, b, a = project(p, x, cfg)
     mixed = jnp.where(valid[..., None], mixed, 0)
-    conv_out = conv_windows(p, conv_state, mixed)
+    conv_out = conv_windows(p, cfg, conv_state, mixed)
     counts = jnp.sum(valid, axis=1).astype(jnp.int32)
     steps = None
     if per_step and x.shape[1] == 1:

@@ -36,7 +36,8 @@ from mtp.pallas.backend import env_choice, interpret_forced, resolve_impl
 def gdn_step_reference(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps):
     """The step as the model computes it (``split_heads`` + one delta-rule step + gated norm).
 
-    mixed: [B, 2 nk Dk + nv Dv] conv output (q heads, k heads, v heads); b, a: [B, nv];
+    mixed: [B, 2 nk Dk + nv Dv] conv output, grouped per key head ([q, k, v of its
+    value heads] for each key head, `gated_deltanet`'s conv order); b, a: [B, nv];
     z: [B, nv, Dv]; valid: [B] bool; state: [B, nv, Dk, Dv] f32; a_log, dt_bias: [nv];
     norm_w: [Dv]. Returns ``(y [B, nv, Dv] in mixed's dtype, new_state)``. The kernel
     takes Dk = Dv (Qwen3-Next's 128) only.
@@ -46,7 +47,7 @@ def gdn_step_reference(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, 
     nv = b.shape[-1]
     dk, dv = state.shape[-2:]
     bsz = mixed.shape[0]
-    cfg_like = _HeadShape(num_k_heads, nv, dk)
+    cfg_like = _HeadShape(num_k_heads, nv, dk, dv)
     q, k, v, beta, g = gdn.split_heads(mixed[:, None], b[:, None], a[:, None],
                                        {"A_log": a_log, "dt_bias": dt_bias}, cfg_like)
     k, beta, g = gdn.mask_updates(k, beta, g, valid[:, None])
@@ -56,11 +57,11 @@ def gdn_step_reference(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, 
 
 
 class _HeadShape:
-    """The three config fields ``split_heads`` reads."""
+    """The config fields ``split_heads`` reads."""
 
-    def __init__(self, nk, nv, dk):
+    def __init__(self, nk, nv, dk, dv):
         self.linear_num_key_heads, self.linear_num_value_heads = nk, nv
-        self.linear_key_dim = nk * dk
+        self.linear_key_head_dim, self.linear_value_head_dim = dk, dv
 
 
 def kernel_unsupported(mixed, state, num_k_heads) -> str | None:
@@ -107,14 +108,15 @@ def _gdn_step_pallas(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, nu
     bsz, nv, d, _ = state.shape
     nk = num_k_heads
     r = nv // nk
-    heads = mixed.reshape(bsz, 2 * nk + nv, d)  # [q heads | k heads | v heads], a free reshape
+    heads = mixed.reshape(bsz, nk * (2 + r), d)  # per key head [q, k, v x r], a free reshape
     col = lambda off: pl.BlockSpec((1, 1, d), lambda i, h, off=off: (i, off(h), 0))
     scalar = pl.BlockSpec((1, 1), lambda i, h: (i, h))
     per_head = pl.BlockSpec((1, 1), lambda i, h: (h, 0))
+    group = lambda h: (h // r) * (2 + r)     # the value head's key-head group
     in_specs = [
-        col(lambda h: h // r),               # q of the value head's key head
-        col(lambda h: nk + h // r),          # k
-        col(lambda h: 2 * nk + h),           # v
+        col(group),                          # q of the value head's key head
+        col(lambda h: group(h) + 1),         # k
+        col(lambda h: group(h) + 2 + h % r), # v
         scalar, scalar,                      # b, a
         pl.BlockSpec((1, 1, d), lambda i, h: (i, h, 0)),        # z
         pl.BlockSpec((1, 1), lambda i, h: (i, 0)),              # valid
