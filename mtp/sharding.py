@@ -135,7 +135,7 @@ def _replicated(cfg, shape, tp):
 # its input, output and state split on key-head boundaries with in_proj_qkvz and no
 # collective. Its weight stays in the checkpoint's [q | k | v] order, which no even
 # split aligns with those groups, so it is replicated (C x K, e.g. 8192 x 4: tiny) and
-# each device regroups and slices its own channels.
+# each device gathers its own channels of it (`gated_deltanet.grouped_conv_weight`).
 # Replicated, and why:
 #  * mtp.fc: its output feeds a norm over the full hidden; splitting it would buy an
 #    all-gather per draft for a single [H, 2H] matrix;

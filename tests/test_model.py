@@ -30,7 +30,7 @@ def test_chunked_delta_rule_matches_recurrent():
     np.testing.assert_allclose(steps[:, -1], s_r, rtol=1e-6)
 
 
-@pytest.mark.parametrize("value_dim_factor", [1, 2])  # Dv = Dk (block view) and Dv != Dk (slices)
+@pytest.mark.parametrize("value_dim_factor", [1, 2])  # Dv = Dk (Qwen3-Next) and Dv != Dk
 def test_grouped_conv_equals_the_checkpoint_order_conv(value_dim_factor):
     """The conv runs on key-head groups; Hugging Face runs it on ``[q | k | v]`` with the
     same weight. Regrouped, the two agree channel for channel, and so do q, k and v."""

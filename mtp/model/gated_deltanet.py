@@ -25,8 +25,11 @@ depthwise conv multiplies each channel by its own taps, so the order changes no 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtp.config import ModelConfig
 from mtp.model.layers import dense, gated_rms_norm, l2norm
@@ -54,27 +57,26 @@ def project(p, x: jax.Array, cfg: ModelConfig):
     return mixed, z, b, a
 
 
+@functools.lru_cache(maxsize=16)
+def _grouped_channels(nk: int, nv: int, dk: int, dv: int) -> np.ndarray:
+    """For each channel of the grouped order, its index in the checkpoint's ``[q | k | v]``."""
+    kd = nk * dk
+    q = np.arange(kd).reshape(nk, dk)
+    v = 2 * kd + np.arange(nv * dv).reshape(nk, -1)  # value heads are numbered group-major
+    return np.concatenate([q, kd + q, v], axis=1).reshape(-1)
+
+
 def grouped_conv_weight(w: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The ``conv1d`` weight ``[C, 1, K]`` (HF order ``[q | k | v]``) as ``[C, K]`` in the grouped order.
 
-    With Dk = Dv (every Qwen3-Next / Qwen3.5 checkpoint) the weight is viewed as
-    ``2 + r`` equal blocks of ``nk x Dk`` channels, so that the regrouping cuts no
-    channel axis at an offset: a tensor-parallel partitioner then moves no weight
-    between devices (slicing at ``2 nk Dk`` made it exchange three weight pieces per
-    layer). Other head dims take the plain slices.
+    A gather with constant indices rather than slices and a concat: under a
+    tensor-parallel mesh the partitioner gathers each device's rows of the replicated
+    weight locally, where slicing the q, k and v blocks at their offsets made it move
+    weight pieces between devices every step.
     """
-    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
-    kern = w.shape[-1]
-    if dk == dv:
-        blocks = w.reshape(2 + r, nk, dk * kern)  # v's value heads are numbered group-major
-        v = blocks[2:].reshape(nk, r * dk * kern)
-        return jnp.concatenate([blocks[0], blocks[1], v], axis=1).reshape(-1, kern)
-    kd = nk * dk
-    per_head = lambda block: block.reshape(nk, -1, kern)
-    w = w[:, 0, :]
-    return jnp.concatenate([per_head(w[:kd]), per_head(w[kd : 2 * kd]), per_head(w[2 * kd :])],
-                           axis=1).reshape(-1, kern)
+    order = _grouped_channels(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                              cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    return jnp.take(w[:, 0, :], order, axis=0)
 
 
 def conv_windows(p, cfg: ModelConfig, conv_state: jax.Array, mixed: jax.Array) -> jax.Array:
