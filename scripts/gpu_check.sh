@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One call's worth of GPU checks: the kernels compile and pass the model's tests, then the
+# decode step (1.38B model: kernels as `auto` picks them vs the fused GDN step forced on),
+# the decode loops with and without their CUDA-graph options, and tensor parallelism when
+# the machine has two GPUs. Each part writes under $OUT/<part>/; a summary table ends the
+# output. For the lent H200 (nothing installed, run from the repository root):
+#
+#     PYTHONPATH=. bash scripts/gpu_check.sh            # about 8 minutes on one H200
+#     SMALL=1 OUT=/tmp/gpu_check bash scripts/gpu_check.sh   # tiny shapes: checks the script on a CPU
+set -uo pipefail
+OUT=${OUT:?set OUT to an output directory}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
+small=(); reps=7; kernel=pallas; tests=(tests/test_kernels_in_model.py tests/test_pallas_gdn_step.py)
+if [[ -n "${SMALL:-}" ]]; then small=(--small); reps=2; kernel=interpret; tests=(tests/test_pallas_gdn_step.py); fi
+ngpu=$($PY -c "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))")
+mkdir -p "$OUT"
+summary=()
+
+run() {  # run NAME CMD...: log to $OUT/NAME.log, keep going on failure
+  local name=$1; shift
+  echo "== $name: $*"
+  if "$@" > "$OUT/$name.log" 2>&1; then summary+=("$name: ok"); else summary+=("$name: FAILED (see $name.log)"); fi
+}
+
+decode_row() {  # the decode rows of a bench_decode results.json, one line
+  $PY - "$1" <<'EOF'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1] + "/results.json"))["rows"] if r.get("what") == "decode"]
+print("; ".join(f"B={r['batch']} {r['ms']:.3f} ms ({r['ratio_to_floor']:.2f}x floor)" for r in rows))
+EOF
+}
+
+run tests $PY -m pytest -q -p no:cacheprovider "${tests[@]}"
+for gdn in reference $kernel; do
+  run "decode_gdn_$gdn" env MTP_KERNELS="gdn_step=$gdn" $PY experiments/bench_decode.py "${small[@]}" \
+      --parts A --batches 1 --decode_only --reps $reps --out_dir "$OUT/decode_gdn_$gdn"
+  summary+=("  $(decode_row "$OUT/decode_gdn_$gdn" 2>/dev/null)")
+done
+for graph in 1 0; do
+  run "loop_graph_$graph" env MTP_DECODE_LOOP_GRAPH=$graph $PY experiments/bench_decode.py "${small[@]}" \
+      --parts B --batches 1 --spec_ks 2,3 --reps $reps --out_dir "$OUT/loop_graph_$graph"
+  summary+=("  $(grep '^| B' "$OUT/loop_graph_$graph/results.md" 2>/dev/null | cut -d'|' -f3,5 | tr '\n' ';')")
+done
+if (( ngpu >= 2 )); then
+  for tp in 1 2; do
+    run "tp$tp" env MTP_KERNELS=reference $PY experiments/bench_decode.py --parts A --batches 1,8 \
+        --decode_only --reps $reps --tp $tp --out_dir "$OUT/tp$tp"
+    summary+=("  $(decode_row "$OUT/tp$tp" 2>/dev/null)")
+  done
+fi
+printf '\nsummary (%s GPUs)\n' "$ngpu"; printf '%s\n' "${summary[@]}"
