@@ -8,6 +8,7 @@ those hiddens, then run one jitted decode loop. The multi-turn session engine
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -66,57 +67,59 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     """Generate for a batch of prompts; ``speculative=False`` is plain decoding of the target.
 
     With ``mesh`` (params already laid out by `mtp.sharding`), the caches are created in
-    their shards on it (`sharding.create_cache`) and the loops run partitioned.
+    their shards on it (`sharding.create_cache`) and the loops run partitioned, traced
+    under ``jax.set_mesh`` so that the Pallas kernels run per shard.
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    if speculative and not cfg.has_mtp:
-        raise ValueError("speculative decoding needs a checkpoint with an MTP head (num_nextn_predict_layers=1)")
-    b = len(prompts)
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    t = bucket(int(lengths.max()))
-    capacity = t + spec.max_new_tokens + spec.verify_width + 1
-    if capacity > cfg.max_position_embeddings:
-        raise ValueError(f"prompt ({lengths.max()} tokens) + max_new_tokens ({spec.max_new_tokens}) exceeds "
-                         f"max_position_embeddings={cfg.max_position_embeddings}")
-    blocks = math.ceil(capacity / page_size)
-    dtype = params["model"]["embed_tokens"]["weight"].dtype
-    pool = PageAllocator(b * blocks + 1, page_size, "target")
-    tables = np.stack([block_table_row(pool.allocate(blocks), blocks) for _ in range(b)])
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if speculative and not cfg.has_mtp:
+            raise ValueError("speculative decoding needs a checkpoint with an MTP head (num_nextn_predict_layers=1)")
+        b = len(prompts)
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        t = bucket(int(lengths.max()))
+        capacity = t + spec.max_new_tokens + spec.verify_width + 1
+        if capacity > cfg.max_position_embeddings:
+            raise ValueError(f"prompt ({lengths.max()} tokens) + max_new_tokens ({spec.max_new_tokens}) exceeds "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        blocks = math.ceil(capacity / page_size)
+        dtype = params["model"]["embed_tokens"]["weight"].dtype
+        pool = PageAllocator(b * blocks + 1, page_size, "target")
+        tables = np.stack([block_table_row(pool.allocate(blocks), blocks) for _ in range(b)])
 
-    def new_cache(cls):
-        args = (b, pool.num_pages, page_size, blocks, dtype)
-        cache = cls.create(cfg, *args) if mesh is None else sharding.create_cache(cls, cfg, mesh, *args)
-        return cache.replace(block_tables=jnp.asarray(tables))
+        def new_cache(cls):
+            args = (b, pool.num_pages, page_size, blocks, dtype)
+            cache = cls.create(cfg, *args) if mesh is None else sharding.create_cache(cls, cfg, mesh, *args)
+            return cache.replace(block_tables=jnp.asarray(tables))
 
-    cache = new_cache(TargetCache)
-    rng = jax.random.key(seed)
-    rng, k0 = jax.random.split(rng)
-    t0 = time.perf_counter()
-    tokens = jnp.asarray(pad_batch(prompts, t))
-    zeros = jnp.zeros((b,), jnp.int32)
-    cache, out = target.prefill(cfg, params, cache, tokens, zeros, jnp.asarray(lengths), impl=spec.impl,
-                                all_logits=False)
-    first, hidden = first_from_prefill(out, jnp.asarray(lengths), cfg.mtp_hidden_source, spec.temperature, k0)
-    budget = jnp.full((b,), spec.max_new_tokens, jnp.int32)
-    if not speculative:
-        t1 = _ready_at(first)
-        cache, toks, n = greedy_loop(cfg, params, cache, first, budget, spec, rng)
+        cache = new_cache(TargetCache)
+        rng = jax.random.key(seed)
+        rng, k0 = jax.random.split(rng)
+        t0 = time.perf_counter()
+        tokens = jnp.asarray(pad_batch(prompts, t))
+        zeros = jnp.zeros((b,), jnp.int32)
+        cache, out = target.prefill(cfg, params, cache, tokens, zeros, jnp.asarray(lengths), impl=spec.impl,
+                                    all_logits=False)
+        first, hidden = first_from_prefill(out, jnp.asarray(lengths), cfg.mtp_hidden_source, spec.temperature, k0)
+        budget = jnp.full((b,), spec.max_new_tokens, jnp.int32)
+        if not speculative:
+            t1 = _ready_at(first)
+            cache, toks, n = greedy_loop(cfg, params, cache, first, budget, spec, rng)
+            toks = jax.block_until_ready(toks)
+            return GenerationResult(_to_lists(toks, n), None, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        head_params = quantize_head(params, mtp_quant)
+        dcache = new_cache(DrafterCache)
+        if drafter_prefill and quant.supports_drafter_prefill(mtp_quant):
+            dcache = prefill_drafter(cfg, head_params, dcache, tokens, out.mtp_hidden(cfg.mtp_hidden_source),
+                                     zeros, np.maximum(lengths - 1, 0), impl=spec.impl)
+        t1 = _ready_at((first, dcache.rows))
+        cache, dcache, toks, n, metrics = speculative_loop(cfg, head_params, cache, dcache, first, hidden, budget,
+                                                           spec, rng, draft_vocab)
         toks = jax.block_until_ready(toks)
-        return GenerationResult(_to_lists(toks, n), None, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
-    head_params = quantize_head(params, mtp_quant)
-    dcache = new_cache(DrafterCache)
-    if drafter_prefill and quant.supports_drafter_prefill(mtp_quant):
-        dcache = prefill_drafter(cfg, head_params, dcache, tokens, out.mtp_hidden(cfg.mtp_hidden_source),
-                                 zeros, np.maximum(lengths - 1, 0), impl=spec.impl)
-    t1 = _ready_at((first, dcache.rows))
-    cache, dcache, toks, n, metrics = speculative_loop(cfg, head_params, cache, dcache, first, hidden, budget,
-                                                       spec, rng, draft_vocab)
-    toks = jax.block_until_ready(toks)
-    decode_s = time.perf_counter() - t1
-    per_sequence = [AcceptanceStats.from_metrics(metrics, [i]) for i in range(b)]
-    return GenerationResult(_to_lists(toks, n), AcceptanceStats.from_metrics(metrics), per_sequence,
-                            prefill_s=t1 - t0, decode_s=decode_s)
+        decode_s = time.perf_counter() - t1
+        per_sequence = [AcceptanceStats.from_metrics(metrics, [i]) for i in range(b)]
+        return GenerationResult(_to_lists(toks, n), AcceptanceStats.from_metrics(metrics), per_sequence,
+                                prefill_s=t1 - t0, decode_s=decode_s)
 
 
 def _ready_at(tree) -> float:

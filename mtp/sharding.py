@@ -45,8 +45,9 @@ from mtp.cache.state import LinearState, PagedKV, TargetCache
 from mtp.config import ConfigError, ModelConfig
 from mtp.model.params import Params, flatten, param_shapes, unflatten
 from mtp.mtp_head import DrafterCache
+from mtp.pallas.backend import TENSOR_AXIS
 
-EP, TP = "ep", "tp"
+EP, TP = "ep", TENSOR_AXIS  # tp: the axis the Pallas kernels split on under a mesh too
 AXES = (EP, TP)
 
 _EXPERT_LEAF = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>(gate|up|down)_proj\.weight)$")

@@ -199,6 +199,87 @@ def load_case(name: str, tp: int, ep: int, seed: int) -> dict:
     return {"config": name, "tp": tp, "ep": ep, "files": files, "params_split": split}
 
 
+def kernel_case() -> dict:
+    """Paged attention under a tp mesh runs its kernel per shard, on each device's own heads.
+
+    The kernel body is swapped for the reference here (same signature), recording the
+    shapes it is handed: the Pallas GPU interpreter races when several host devices
+    run it at once (a barrier left allocated, now and then), and the kernel itself is
+    checked against the reference in tests/test_pallas_paged_attention.py. What this
+    checks is the wrapper: each device gets its KV heads and their query groups, the
+    output keeps the head split, the step has no collectives, and the values equal the
+    reference's. With one KV head (which cannot split over tp=2) the op takes the
+    reference on the whole arrays instead.
+    """
+    from jax.sharding import NamedSharding
+    from mtp.pallas import paged_attention as pa
+
+    mesh = S.make_mesh(2)
+    heads, whole = NamedSharding(mesh, P(None, None, S.TP, None)), NamedSharding(mesh, P())
+    seen = []
+
+    def per_shard(q, k, v, tables, lengths, *, scale, gate):
+        seen.append((q.shape[2], k.shape[2]))
+        return pa.paged_attention_reference(q, k, v, tables, lengths, scale=scale, gate=gate)
+
+    kernel, pa._paged_attention_pallas = pa._paged_attention_pallas, per_shard
+    out = {}
+    try:
+        for hkv in (2, 1):
+            b, q_len, hq, d, page = 2, 3, 8, 64, 16
+            ks = jax.random.split(jax.random.key(hkv), 4)
+            q, gate = (jax.random.normal(k, (b, q_len, hq, d), jnp.bfloat16) for k in (ks[0], ks[3]))
+            kp, vp = (jax.random.normal(k, (9, page, hkv, d), jnp.bfloat16) for k in ks[1:3])
+            tables = jnp.array([[1, 2, 3, 4], [5, 6, 7, 8]], jnp.int32)
+            lengths = jnp.array([41, 23], jnp.int32)  # ragged, partial last pages
+            want = pa.paged_attention_reference(q, kp, vp, tables, lengths, gate=gate)
+            kv_layout = heads if hkv % 2 == 0 else whole
+            args = (jax.device_put(q, heads), jax.device_put(kp, kv_layout), jax.device_put(vp, kv_layout),
+                    jax.device_put(tables, whole), jax.device_put(lengths, whole), jax.device_put(gate, heads))
+            fn = jax.jit(lambda q, k, v, t, n, g: pa.paged_attention(q, k, v, t, n, gate=g, impl="pallas"))
+            seen.clear()
+            with jax.set_mesh(mesh):
+                got = fn(*args)
+                hlo = fn.lower(*args).compile().as_text()
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+            check(err < 1e-2, f"paged attention under the mesh, Hkv={hkv}: max error {err} against the reference")
+            if hkv % 2 == 0:
+                check(seen == [(hq // 2, hkv // 2)], f"the kernel saw (q heads, kv heads) {seen}, not one shard's")
+                check(got.sharding.is_equivalent_to(heads, 4), f"kernel output laid out as {got.sharding}")
+                check("all-gather" not in hlo and "all-reduce" not in hlo and "all-to-all" not in hlo,
+                      "the sharded attention step has collectives")
+            else:
+                check(not seen, "one KV head over tp=2: the kernel ran, the reference was expected")
+            out[f"hkv{hkv}_max_error"] = err
+    finally:
+        pa._paged_attention_pallas = kernel
+    out["gdn_step_under_mesh"] = gdn_step_case(mesh)
+    return out
+
+
+def gdn_step_case(mesh) -> str:
+    """The fused Gated DeltaNet step has no per-shard wrapper: under a tp mesh it takes the reference."""
+    from mtp.pallas import gdn_step as gs
+
+    b, nk, nv, d = 2, 2, 4, 8
+    ks = jax.random.split(jax.random.key(7), 6)
+    args = (jax.random.normal(ks[0], (b, (2 * nk + nv) * d)), jax.random.normal(ks[1], (b, nv)),
+            jax.random.normal(ks[2], (b, nv)), jax.random.normal(ks[3], (b, nv, d)), jnp.ones((b,), bool),
+            jax.random.normal(ks[4], (b, nv, d, d)), jnp.zeros((nv,)), jnp.zeros((nv,)), jnp.ones((d,)))
+    check(gs.kernel_unsupported(args[0], args[5], nk) is None, "gdn_step_case: the kernel should take these inputs")
+    kernel_calls = []
+    kernel, gs._gdn_step_pallas = gs._gdn_step_pallas, lambda *a, **k: kernel_calls.append(1)
+    try:
+        with jax.set_mesh(mesh):
+            y, _ = jax.jit(lambda *a: gs.gdn_step(*a, num_k_heads=nk, eps=1e-6, impl="pallas"))(*args)
+    finally:
+        gs._gdn_step_pallas = kernel
+    check(not kernel_calls, "gdn_step ran its kernel under a tp mesh")
+    want, _ = gs.gdn_step_reference(*args, num_k_heads=nk, eps=1e-6)
+    check(bool(jnp.allclose(y, want, atol=1e-5)), "gdn_step under the mesh differs from the reference")
+    return "reference"
+
+
 def error_case() -> dict:
     cfg_dense, cfg_moe = tiny_config("tiny_tp"), tiny_config("tiny_moe")
     messages = {}
@@ -230,6 +311,7 @@ def main() -> None:
         "load": [load_case("tiny_tp", 2, 1, seed=3), load_case("tiny_tp", 4, 1, seed=5),
                  load_case("tiny_moe", 2, 2, seed=4)],
         "errors": error_case(),
+        "kernel": kernel_case(),
     }
     summary["seconds"] = round(time.time() - start, 1)
     print(json.dumps(summary))

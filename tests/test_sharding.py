@@ -63,6 +63,11 @@ def test_sharded_load_places_every_tensor(worker_summary):
     assert all(c["files"] > 1 and c["params_split"] > 0 for c in loads.values())
 
 
+def test_paged_attention_kernel_runs_per_shard(worker_summary):
+    """The worker checked the kernel under a tp mesh against the reference (and no collectives)."""
+    assert set(worker_summary["kernel"]) == {"hkv2_max_error", "hkv1_max_error", "gdn_step_under_mesh"}
+
+
 def test_bad_meshes_are_clear_errors(worker_summary):
     assert set(worker_summary["errors"]) == {"ep_without_experts", "experts_not_divisible", "too_few_devices"}
 

@@ -61,6 +61,22 @@ def resolve_impl(impl: str, op: str | None = None) -> str:
     return impl
 
 
+TENSOR_AXIS = "tp"  # the mesh axis `mtp.sharding` splits heads over; the kernels split on it too
+
+
+def tensor_parallel_mesh():
+    """The mesh the current trace runs under (``jax.set_mesh``) if it splits ``TENSOR_AXIS``.
+
+    A Pallas kernel is an opaque custom call to XLA's partitioner, which would gather
+    its sharded operands whole onto every device. Under such a mesh an op runs its
+    kernel per shard in a ``shard_map`` instead. Returns None without one.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or TENSOR_AXIS not in mesh.axis_names or mesh.shape[TENSOR_AXIS] == 1:
+        return None
+    return mesh
+
+
 PAD_ENV_VAR = "MTP_PAD_SMALL_GEMMS"
 
 

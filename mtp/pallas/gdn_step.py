@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from mtp.model.layers import gated_rms_norm, l2norm
-from mtp.pallas.backend import env_choice, interpret_forced, resolve_impl
+from mtp.pallas.backend import env_choice, interpret_forced, resolve_impl, tensor_parallel_mesh
 
 
 def gdn_step_reference(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps):
@@ -153,11 +153,13 @@ def gdn_step(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, num_k_head
     ``impl="pallas"`` is passed: on the H200 the kernel took a batch-1 decode step of the
     1.38B model from 380 to 308 kernels and 1.33 to 1.24 ms of kernel time, but the step
     itself stayed at 1.32 ms (results/decode_h200.md, gdn step), so it does not pay yet.
+    Under a tensor-parallel mesh (``backend.tensor_parallel_mesh``) it takes the
+    reference, which XLA partitions: the kernel has no per-shard wrapper yet.
     """
     mode = resolve_impl(impl, op="gdn_step")
     if impl == "auto" and mode == "pallas" and env_choice("gdn_step") == "auto":
         mode = "reference"  # no end-to-end gain measured (see the docstring)
-    if mode == "reference" or kernel_unsupported(mixed, state, num_k_heads):
+    if mode == "reference" or kernel_unsupported(mixed, state, num_k_heads) or tensor_parallel_mesh():
         return gdn_step_reference(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w,
                                   num_k_heads=num_k_heads, eps=eps)
     return _gdn_step_pallas(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w,

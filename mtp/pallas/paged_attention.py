@@ -37,8 +37,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import PartitionSpec as P
 
-from mtp.pallas.backend import num_sms, resolve_impl, swizzle_transforms
+from mtp.pallas.backend import (TENSOR_AXIS, num_sms, resolve_impl, swizzle_transforms,
+                                tensor_parallel_mesh)
 
 _ROWS = 64  # wgmma's M: query rows (G heads x Q queries, zero-padded) per program.
 _LOG2E = math.log2(math.e)
@@ -341,15 +343,25 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
     mode = resolve_impl(impl, op="paged_attention")
     if mode != "reference" and kernel_unsupported(q, k_pages):
         mode = "reference"
+    mesh = tensor_parallel_mesh() if mode != "reference" else None
+    if mesh is not None and k_pages.shape[2] % mesh.shape[TENSOR_AXIS]:
+        mode = "reference"  # KV heads replicated over the mesh: XLA partitions the reference
     if mode == "reference":
         return _reference_jit(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                               gate=gate)
     _check_inputs(q, k_pages, v_pages, block_tables, lengths, gate)
-    args = (q, k_pages, v_pages, block_tables, lengths)
+    args = (q, k_pages, v_pages, block_tables, lengths) + (() if gate is None else (gate,))
+    run = lambda *a: _paged_attention_pallas(*a[:5], scale=scale, gate=a[5] if len(a) > 5 else None)
+    if mesh is not None:
+        # Each device attends with its own KV heads and their query groups: attention
+        # needs nothing from other heads, so no communication.
+        heads, whole = P(None, None, TENSOR_AXIS, None), P()
+        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, heads, whole, whole, heads)[:len(args)],
+                            out_specs=heads, check_vma=False)
     if mode == "interpret":
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            return _paged_attention_pallas(*args, scale=scale, gate=gate)
-    return _paged_attention_pallas(*args, scale=scale, gate=gate)
+            return run(*args)
+    return run(*args)
 
 
 _reference_jit = jax.jit(paged_attention_reference, static_argnames=("scale", "impl"))
