@@ -48,5 +48,9 @@ if (( ngpu >= 2 )); then
         --decode_only --reps $reps --tp $tp --out_dir "$OUT/tp$tp"
     summary+=("  $(decode_row "$OUT/tp$tp" 2>/dev/null)")
   done
+  # The kernels under the mesh, in bf16 (the kernels' dtype). bf16 tensor parallelism may flip a
+  # near-tied token against one GPU (results/sharding.md), so read the counts, not the exit status.
+  run tp2_kernels $PY -m experiments.sharded_generate --tp 2 --kernels auto --out "$OUT/tp2_kernels.json"
+  summary+=("  $($PY -c "import json; d=json.load(open('$OUT/tp2_kernels.json')); print({k: v['sequences_identical'] for k, v in d['runs'].items()}, 'of', d['num_prompts'], 'sequences identical to one GPU')" 2>/dev/null)")
 fi
 printf '\nsummary (%s GPUs)\n' "$ngpu"; printf '%s\n' "${summary[@]}"
