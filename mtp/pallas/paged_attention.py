@@ -338,7 +338,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
     Inputs the kernel cannot take (`kernel_unsupported`) always go to the reference.
     ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas interpreter
     (CPU tests); call it eagerly then, since interpret mode is switched on around
-    this call's own lowering.
+    this call's own lowering. Traced under a mesh that splits ``backend.TENSOR_AXIS``
+    (``jax.set_mesh``), the kernel runs per shard, on each device's own KV heads.
     """
     mode = resolve_impl(impl, op="paged_attention")
     if mode != "reference" and kernel_unsupported(q, k_pages):
@@ -351,7 +352,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
                               gate=gate)
     _check_inputs(q, k_pages, v_pages, block_tables, lengths, gate)
     args = (q, k_pages, v_pages, block_tables, lengths) + (() if gate is None else (gate,))
-    run = lambda *a: _paged_attention_pallas(*a[:5], scale=scale, gate=a[5] if len(a) > 5 else None)
+
+    def run(q, k_pages, v_pages, block_tables, lengths, gate=None):
+        return _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, scale=scale, gate=gate)
+
     if mesh is not None:
         # Each device attends with its own KV heads and their query groups: attention
         # needs nothing from other heads, so no communication.
