@@ -62,10 +62,9 @@ flags.DEFINE_enum("matmul_precision", "highest", ["default", "highest"],
                   "round through TF32, whose shape-dependent rounding flips near-tied argmaxes between runs "
                   "that should agree.")
 flags.DEFINE_enum("kernels", "reference", ["auto", "reference", "pallas", "interpret"],
-                  "Kernel backend. Under the mesh, paged attention runs its kernel per shard (a shard_map "
-                  "over the KV heads) and the fused Gated DeltaNet step takes the reference; the compiled "
-                  "kernels under a mesh have not run on GPUs yet, so the default is the references "
-                  "(see results/sharding.md).")
+                  "Kernel backend. Under the mesh the kernels run per shard (a shard_map over the heads); "
+                  "the compiled kernels under a mesh have not run on GPUs yet, so the default is the "
+                  "references (see results/sharding.md).")
 
 
 def session_prompts(path: str, tok: Tokenizer, n: int, max_tokens: int) -> list[list[int]]:

@@ -66,6 +66,7 @@ def test_sharded_load_places_every_tensor(worker_summary):
 def test_paged_attention_kernel_runs_per_shard(worker_summary):
     """The worker checked the kernel under a tp mesh against the reference (and no collectives)."""
     assert set(worker_summary["kernel"]) == {"hkv2_max_error", "hkv1_max_error", "gdn_step_under_mesh"}
+    assert set(worker_summary["kernel"]["gdn_step_under_mesh"]) == {"nk2_max_error", "nk1_max_error"}
 
 
 def test_bad_meshes_are_clear_errors(worker_summary):

@@ -28,9 +28,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
 from mtp.model.layers import gated_rms_norm, l2norm
-from mtp.pallas.backend import env_choice, interpret_forced, resolve_impl, tensor_parallel_mesh
+from mtp.pallas.backend import TENSOR_AXIS, env_choice, interpret_forced, resolve_impl, tensor_parallel_mesh
 
 
 def gdn_step_reference(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps):
@@ -153,15 +154,29 @@ def gdn_step(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, num_k_head
     ``impl="pallas"`` is passed: on the H200 the kernel took a batch-1 decode step of the
     1.38B model from 380 to 308 kernels and 1.33 to 1.24 ms of kernel time, but the step
     itself stayed at 1.32 ms (results/decode_h200.md, gdn step), so it does not pay yet.
-    Under a tensor-parallel mesh (``backend.tensor_parallel_mesh``) it takes the
-    reference, which XLA partitions: the kernel has no per-shard wrapper yet.
+    Traced under a mesh that splits ``backend.TENSOR_AXIS`` over the key heads, the
+    kernel runs per shard on each device's key-head groups (a step never mixes heads);
+    where the key heads do not divide, the reference, which XLA partitions.
     """
     mode = resolve_impl(impl, op="gdn_step")
     if impl == "auto" and mode == "pallas" and env_choice("gdn_step") == "auto":
         mode = "reference"  # no end-to-end gain measured (see the docstring)
-    if mode == "reference" or kernel_unsupported(mixed, state, num_k_heads) or tensor_parallel_mesh():
+    mesh = tensor_parallel_mesh()
+    tp = mesh.shape[TENSOR_AXIS] if mesh is not None else 1
+    if mode == "reference" or kernel_unsupported(mixed, state, num_k_heads) or num_k_heads % tp:
         return gdn_step_reference(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w,
                                   num_k_heads=num_k_heads, eps=eps)
-    return _gdn_step_pallas(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w,
-                            num_k_heads=num_k_heads, eps=eps,
-                            interpret=mode == "interpret" or interpret_forced())
+
+    def run(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w):
+        return _gdn_step_pallas(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w,
+                                num_k_heads=num_k_heads // tp, eps=eps,
+                                interpret=mode == "interpret" or interpret_forced())
+
+    if mesh is not None:
+        # mixed's channels are grouped per key head, so an even split is a split on groups.
+        ax = TENSOR_AXIS
+        run = jax.shard_map(run, mesh=mesh, check_vma=False,
+                            in_specs=(P(None, ax), P(None, ax), P(None, ax), P(None, ax, None), P(),
+                                      P(None, ax, None, None), P(ax), P(ax), P()),
+                            out_specs=(P(None, ax, None), P(None, ax, None, None)))
+    return run(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w)
