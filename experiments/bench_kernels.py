@@ -37,6 +37,7 @@ from mtp.model import layers
 from mtp.pallas import fc_gemm as fcmod
 from mtp.pallas import gdn_step as gdnmod
 from mtp.pallas import paged_attention as pamod
+from mtp.pallas.backend import num_sms
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Correctness plus the goal shapes only.")
@@ -146,6 +147,22 @@ def bench_fc(m, h, reps, variants=None):
     t_dot, _ = _time(dot_fn, xs, reps)
     t_ref, _ = _time(ref_fn, ref_sets, reps)
     res.update(t_ours=t_ours, t_xla_dot=t_dot, t_xla_unfused=t_ref, timing=method)
+    # Where "ours" spends its time: the split-K kernel alone (M <= 64; the rest is the
+    # XLA row-rsqrt and partial sum), or (larger M) the row sum-of-squares kernel alone,
+    # beside XLA's own reduction of the same sums (what it replaced).
+    if m <= fcmod.SMALL_M and not FLAGS.small:
+        tn, ks, st = fcmod._plan_small(h, num_sms())
+        part_fn = jax.jit(functools.partial(fcmod._splitk_partials, tile_n=tn, k_splits=ks,
+                                            stages=st))
+        res["t_splitk_kernel"] = _time(part_fn, our_sets, reps)[0]
+    elif m > fcmod.SMALL_M:
+        pre_fn = jax.jit(lambda e, hd, wf: jnp.stack([fcmod._rms_scale(e, eps),
+                                                      fcmod._rms_scale(hd, eps)]))
+        res["t_row_rsqrt_xla"] = _time(pre_fn, our_sets, reps)[0]
+        tc, sp, st = fcmod._plan_sumsq(m, h, num_sms())
+        ss_fn = jax.jit(lambda e, hd, wf: fcmod._row_sumsq(
+            e, hd, m_pad=-(-m // 128) * 128, tile_c=tc, splits=sp, stages=st))
+        res["t_row_sumsq_kernel"] = _time(ss_fn, our_sets, reps)[0]
     for name, kw in (variants or {}).items():
         r = _safe(lambda: (_rel_err(ours(*our_sets[0], **kw), want),
                            _time(lambda *a: ours(*a, **kw), our_sets, reps)[0]))
@@ -157,7 +174,9 @@ def bench_fc(m, h, reps, variants=None):
 def fc_variants(m, h):
     """Tile/stage alternatives timed beside the default plan."""
     if m >= 2048:
-        v = {"two_acc_64x2_s5": dict(acc="two")}
+        v = {"two_acc_64x2_s5": dict(acc="two"), "sumsq_c128_s3": dict(sumsq=(128, None, 3)),
+             "sumsq_c128_8_splits": dict(sumsq=(128, 8, 2)),
+             "sumsq_c256_8_splits": dict(sumsq=(256, 8, 2)), "sumsq_1_split": dict(sumsq=(256, 1, 2))}
         if m == 12288 and h == 4096:
             v.update({"rescale_s3": dict(stages=3), "rescale_n64_s6": dict(tile_n=64, stages=6)})
         return v
@@ -341,8 +360,13 @@ def render(results):
                 desc = (f"{_fmt_us(t)} µs ({r['t_xla_dot'] / t:.2f}x XLA dot), rel err {v['rel_err']:.1e}"
                         if isinstance(t, float) else v.get("error", "fail")[:120])
                 var_lines.append(f"* M={r['M']}, H={r['H']}, {k[8:]}: {desc}")
+        for k, what in (("t_splitk_kernel", "the split-K kernel alone"),
+                        ("t_row_sumsq_kernel", "the row sum-of-squares kernel alone"),
+                        ("t_row_rsqrt_xla", "XLA's row-rsqrt reduction alone (replaced)")):
+            if isinstance(r.get(k), float):
+                var_lines.append(f"* M={r['M']}, H={r['H']}, {what}: {_fmt_us(r[k])} µs")
     if var_lines:
-        lines += ["", "fc variants (default plan in the table above):", ""] + var_lines
+        lines += ["", "fc variants and parts (default plan in the table above):", ""] + var_lines
     lines += ["", "### paged attention (TB/s = K+V bytes read / time)", "",
               "| B | ctx | Q | Hq,Hkv,D | rel err | ours µs | ours TB/s | XLA ref TB/s | "
               "JAX Pallas TB/s | ours / JAX | ours / XLA |",

@@ -55,7 +55,7 @@ def _check_against_reference(out, args, eps=1e-6):
     assert _rel_err(out, swapped) > 0.3
 
 
-@pytest.mark.parametrize("m,h", [(1, 256), (5, 128), (64, 128), (130, 128), (260, 256)])
+@pytest.mark.parametrize("m,h", [(1, 256), (5, 128), (64, 128), (136, 128), (264, 256)])
 def test_fc_gemm_interpret_matches_reference(m, h):
     """The public op: M <= 64 takes the split-K stream, larger M the warp-specialised GEMM."""
     args = _inputs(m + h, m, h)
@@ -74,14 +74,31 @@ def test_split_k_path_matches_reference(m, h, kw):
 
 
 @pytest.mark.parametrize("m,h,kw", [
-    (70, 128, dict(stages=2)),                      # one tile, M not a tile multiple
+    (72, 128, dict(stages=2)),                      # one tile, M not a tile multiple
     (200, 256, dict(num_programs=2, stages=3)),     # persistent: several tiles per program,
-    (260, 256, dict(num_programs=3, tile_n=64)),    # the stage ring wraps across tiles
+    (264, 256, dict(num_programs=3, tile_n=64, sumsq=(64, 4, 2))),  # the ring wraps across tiles
     (96, 256, dict(small_m=32)),                    # the big-M kernel below the default threshold
 ])
 def test_warp_specialised_path_matches_reference(m, h, kw):
     args = _inputs(m * 7 + h, m, h)
     _check_against_reference(_kernel(args, **kw), args)
+
+
+@pytest.mark.parametrize("m,h,splits,tile_c", [(72, 256, 1, 128), (200, 256, 4, 64)])
+def test_row_sumsq_kernel(m, h, splits, tile_c):
+    """Each split's share of the row sums of squares; rows past M (to m_pad) sum to 0."""
+    e, hd = _inputs(m + splits, m, h)[:2]
+    m_pad = -(-m // 128) * 128
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        parts = fcmod._row_sumsq(e, hd, m_pad=m_pad, tile_c=tile_c, splits=splits, stages=2)
+    parts = np.asarray(parts)
+    assert parts.shape == (splits, 2, m_pad)
+    cols = h // splits
+    for s in range(splits):
+        for j, x in enumerate((e, hd)):
+            x = np.asarray(x, np.float32)[:, s * cols:(s + 1) * cols]
+            np.testing.assert_allclose(parts[s, j, :m], (x * x).sum(-1), rtol=1e-5)
+    assert (parts[:, :, m:] == 0).all()
 
 
 def test_reference_matches_numpy():
@@ -130,6 +147,9 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="multiple of 64"):
         e2, h2, ne2, nh2, w2 = _inputs(0, 4, 96)
         fc_gemm_folded(e2, h2, fold_fc_weight(ne2, nh2, w2), eps=1e-6)
+    with pytest.raises(ValueError, match="M=130 rows.*multiple of 8"):
+        e3, h3 = (jnp.concatenate([x] * 33)[:130] for x in (e, h))
+        fc_gemm_folded(e3, h3, wf, eps=1e-6)
     with pytest.raises(ValueError, match="k_splits=3"):
         fc_gemm_folded(e, h, wf, eps=1e-6, k_splits=3)
     with pytest.raises(ValueError, match="acc='one'"):
@@ -186,3 +206,4 @@ def test_plans():
 def test_auto_rule():
     assert fcmod._kernel_wins(2048, 4096) and fcmod._kernel_wins(12288, 2048)
     assert not fcmod._kernel_wins(8, 4096) and not fcmod._kernel_wins(512, 4096)
+    assert not fcmod._kernel_wins(2052, 4096)  # not a multiple of 8: the kernel cannot take it

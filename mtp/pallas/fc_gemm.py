@@ -12,12 +12,16 @@ folded into the weight once, at load (``fold_fc_weight``):
 
     out = r_e * (embed @ W_f[:, :H].T) + r_h * (hidden @ W_f[:, H:].T)
 
-The row scales come from a small XLA reduction before the kernel (it reads embed and
-hidden once, ``4 M H`` bytes). The ``[M, 2H]`` normalised input never exists; the
-kernel's inner loop is a plain bf16 GEMM (f32 accumulation) that takes its A tiles
-from ``embed`` for the first H reduction columns and from ``hidden`` for the rest, and
-applies the row scales in its epilogue: the single accumulator is multiplied by
-``r_e / r_h`` at the half boundary and by ``r_h`` at the end (``r > 0`` always).
+The ``[M, 2H]`` normalised input never exists; the GEMM's inner loop is a plain bf16
+GEMM (f32 accumulation) that takes its A tiles from ``embed`` for the first H reduction
+columns and from ``hidden`` for the rest, and applies the row scales in its epilogue:
+the single accumulator is multiplied by ``r_e / r_h`` at the half boundary and by
+``r_h`` at the end (``r > 0`` always). The ratio is needed before the hidden half is
+read, so the rows' sums of squares come from a small memory-bound kernel that runs
+first (``_row_sumsq``: it reads embed and hidden once, ``4 M H`` bytes, at ~4 TB/s where
+XLA's reduction ran at 1.75; the GEMM takes the rsqrt itself). Summing the squares
+inside the GEMM instead, from the A tiles in shared memory while the wgmma runs, was
+measured 2.4x slower (the consumer's loads stall the tensor-core pipeline; run 9).
 
 Rounding moves. Hugging Face rounds the normalised input ``x * r * (1 + w_n)`` to bf16
 and multiplies by ``W``; here ``W * (1 + w_n)`` is rounded to bf16 instead and ``x`` is
@@ -229,6 +233,87 @@ def _splitk_partials(embed, hidden, w_f, *, tile_n, k_splits, stages, tile_k=64)
     return call(embed, hidden, w_f)
 
 
+# ------------------------------------------------------------------ row sums of squares
+
+
+def _plan_sumsq(m: int, h: int, num_sms: int, tile_c=None, splits=None, stages=None):
+    """(tile_c, splits, stages): about two programs per SM, and at most 4 splits.
+
+    Splits add programs where M is short, but each split is one more partial the GEMM
+    loads per tile: 8 or 16 splits measured 3-6% slower end to end than 4 at M = 2048,
+    H = 2048 (results/kernels_h200.md, run 9).
+    """
+    tile_c = tile_c or 256
+    while h % tile_c:
+        tile_c //= 2
+    if splits is None:
+        splits = 1
+        row_blocks = -(-m // SUMSQ_ROWS)
+        while (row_blocks * splits < 2 * num_sms and splits < 4
+               and h % (2 * splits * tile_c) == 0):
+            splits *= 2
+    if h % (splits * tile_c):
+        raise ValueError(f"splits={splits} x tile_c={tile_c} must divide H={h}")
+    return tile_c, splits, stages or 2
+
+
+SUMSQ_ROWS = 64  # rows per program: one warpgroup's WGMMA-layout row block
+
+
+def _row_sumsq(embed, hidden, *, m_pad, tile_c, splits, stages):
+    """[splits, 2, M_pad] f32: split s's share of each row's sum of squares (embed, hidden).
+
+    A memory-bound pass (it reads ``4 M H`` bytes): programs own 64 rows x ``H / splits``
+    columns of both inputs and stream them through a TMA pipeline; rows past M are
+    zero-fill (sum 0) up to ``m_pad``, a multiple of 64. The GEMM sums the splits and takes
+    the rsqrt itself, so nothing runs between the two kernels. XLA's own reduction of the same sums measured
+    1.75 TB/s on the H200 (results/kernels_h200.md, run 9).
+    """
+    m, h = embed.shape
+    if m_pad % SUMSQ_ROWS or m_pad < m:
+        raise ValueError(f"m_pad={m_pad} must be a multiple of {SUMSQ_ROWS} and >= M={m}")
+    cols = h // splits
+    tr = swizzle_transforms(tile_c, embed.dtype)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def kernel(e_ref, h_ref, o_ref, o_smem):
+        mi = lax.axis_index("m")
+        si = lax.axis_index("s")
+        rows = pl.ds(mi * SUMSQ_ROWS, SUMSQ_ROWS)
+        zero = plgpu.layout_cast(jnp.zeros((SUMSQ_ROWS,), jnp.float32), row_layout)
+
+        def sq_sum(ref):
+            x = plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            return jnp.sum(x * x, axis=1)
+
+        def step(_, e_smem, h_smem, carry):
+            return carry[0] + sq_sum(e_smem), carry[1] + sq_sum(h_smem)
+
+        spec = plgpu.BlockSpec((SUMSQ_ROWS, tile_c), lambda c: (0, c), transforms=tr)
+        ss = plgpu.emit_pipeline(
+            step, grid=(cols // tile_c,), in_specs=[spec, spec],
+            max_concurrent_steps=stages, init_carry=(zero, zero),
+        )(e_ref.at[rows, pl.ds(si * cols, cols)], h_ref.at[rows, pl.ds(si * cols, cols)])
+        o_smem[0] = ss[0]
+        o_smem[1] = ss[1]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[si, :, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    smem = stages * 2 * SUMSQ_ROWS * tile_c * embed.dtype.itemsize
+    if smem > _SMEM_LIMIT:
+        raise ValueError(f"row sum-of-squares kernel needs {smem} bytes of shared memory "
+                         f"(tile_c={tile_c}, stages={stages}); the limit is {_SMEM_LIMIT}")
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((splits, 2, m_pad), jnp.float32),
+        grid=(m_pad // SUMSQ_ROWS, splits),
+        grid_names=("m", "s"),
+        scratch_types=dict(o_smem=plgpu.SMEM((2, SUMSQ_ROWS), jnp.float32)),
+    )
+    return call(embed, hidden)
+
+
 # ------------------------------------------------------------------ large M: warp-specialised
 
 
@@ -251,7 +336,7 @@ def _plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=Non
     return wg_m, tile_n, stages, num_programs
 
 
-def _ws_gemm(embed, hidden, w_f, scales, *, wg_m, tile_n, stages, num_programs, acc,
+def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs, acc, eps,
              tile_k=64, epi_m=64):
     """bf16 [M, H] = r_e * (embed @ W_f[:, :H].T) + r_h * (hidden @ W_f[:, H:].T).
 
@@ -260,8 +345,11 @@ def _ws_gemm(embed, hidden, w_f, scales, *, wg_m, tile_n, stages, num_programs, 
     half) for a ``wg_m x tile_n`` tile, the CTA tile is ``2 wg_m x tile_n``, ``scales``
     is [2, M_pad] = (r_e, r_h). ``acc="rescale"``: one accumulator, multiplied by
     ``r_e / r_h`` at the half boundary and by ``r_h`` at the end, so a consumer can own a
-    larger tile (CTA ``wg_m x 2 tile_n``); ``scales`` = (r_e / r_h, r_h). Pallas' GPU
-    interpreter cannot store to an accumulator, so only ``"two"`` runs in CPU tests.
+    larger tile (CTA ``wg_m x 2 tile_n``). Pallas' GPU interpreter cannot store to an
+    accumulator, so only ``"two"`` runs in CPU tests. The row scales come from
+    ``ss_parts`` = ``_row_sumsq(...)``: each consumer sums the splits of its rows and takes
+    ``r = rsqrt(ss / H + eps)`` when a tile starts (the ratio must be known at the half
+    boundary, before the hidden half is read, so the sums cannot come from the tiles).
     """
     m, h = embed.shape
     dtype = embed.dtype
@@ -271,6 +359,9 @@ def _ws_gemm(embed, hidden, w_f, scales, *, wg_m, tile_n, stages, num_programs, 
     n_tiles = h // cta_n
     num_tiles = m_tiles * n_tiles
     kh = h // tile_k  # k steps per half
+    splits = ss_parts.shape[0]
+    if ss_parts.shape[1:] != (2, m_tiles * cta_m):
+        raise ValueError(f"ss_parts must be [splits, 2, {m_tiles * cta_m}]; got {ss_parts.shape}")
     epi_m = min(epi_m, wg_m)
     in_tr = swizzle_transforms(tile_k, dtype)
     out_tr = swizzle_transforms(tile_n, dtype)
@@ -280,7 +371,7 @@ def _ws_gemm(embed, hidden, w_f, scales, *, wg_m, tile_n, stages, num_programs, 
                          f"(wg_m={wg_m}, tile_n={tile_n}, stages={stages}, acc={acc}); "
                          f"the limit is {_SMEM_LIMIT}")
 
-    def kernel(e_ref, h_ref, w_ref, s_ref, o_ref, a_smem, b_smem, o_smem, full, empty):
+    def kernel(e_ref, h_ref, w_ref, ss_ref, o_ref, a_smem, b_smem, o_smem, full, empty):
         pid = lax.axis_index("p")
         wg = lax.axis_index("wg")
         my_tiles = lax.div(num_tiles - 1 - pid, num_programs) + 1
@@ -357,23 +448,24 @@ def _ws_gemm(embed, hidden, w_f, scales, *, wg_m, tile_n, stages, num_programs, 
                 col0 = ni * cta_n + (0 if split_m else wg * tile_n)
                 rows = pl.ds(row0, wg_m)
                 bcast = lambda v: lax.broadcast_in_dim(v, (wg_m, tile_n), [0])
-                s0 = plgpu.load(s_ref.at[0, rows], layout=row_layout, optimized=False)
-                s1 = plgpu.load(s_ref.at[1, rows], layout=row_layout, optimized=False)
+                r_e, r_h = (lax.rsqrt(sum(plgpu.load(ss_ref.at[p, j, rows], layout=row_layout,
+                                                      optimized=False) for p in range(splits))
+                                      * (1.0 / h) + eps) for j in (0, 1))
 
                 if split_m:
                     def scope(acc_e, acc_h):
                         s = run_half(acc_e, step)
                         s = run_half(acc_h, s)
-                        return s, acc_e[...] * bcast(s0) + acc_h[...] * bcast(s1)
+                        return s, acc_e[...] * bcast(r_e) + acc_h[...] * bcast(r_h)
 
                     step, out = pl.run_scoped(scope, plgpu.ACC((wg_m, tile_n), jnp.float32),
                                               plgpu.ACC((wg_m, tile_n), jnp.float32))
                 else:
                     def scope(acc_ref):
                         s = run_half(acc_ref, step)
-                        acc_ref[...] = acc_ref[...] * bcast(s0)
+                        acc_ref[...] = acc_ref[...] * bcast(r_e / r_h)
                         s = run_half(acc_ref, s)
-                        return s, acc_ref[...] * bcast(s1)
+                        return s, acc_ref[...] * bcast(r_h)
 
                     step, out = pl.run_scoped(scope, plgpu.ACC((wg_m, tile_n), jnp.float32))
                 out = out.astype(dtype)
@@ -404,16 +496,16 @@ def _ws_gemm(embed, hidden, w_f, scales, *, wg_m, tile_n, stages, num_programs, 
             empty=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         ),
     )
-    return call(embed, hidden, w_f, scales)
+    return call(embed, hidden, w_f, ss_parts)
 
 
 # ------------------------------------------------------------------ entry points
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "wg_m", "tile_n", "k_splits", "stages",
-                                             "num_programs", "small_m", "acc"))
+                                             "num_programs", "small_m", "acc", "sumsq"))
 def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_splits=None,
-                   stages=None, num_programs=None, small_m=SMALL_M, acc="rescale"):
+                   stages=None, num_programs=None, small_m=SMALL_M, acc="rescale", sumsq=None):
     """The kernel path: ``fc_gemm`` given the folded weight ``fold_fc_weight(...)``.
 
     embed, hidden: [M, H]; w_folded: [H, 2H]; all three the same 16-bit dtype. The tile
@@ -422,12 +514,13 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     accumulator per consumer (``acc="rescale"``: 128x256 CTA tiles, measured 13-15%
     faster than ``acc="two"`` on the H200, results/kernels_h200.md run 3). Pallas' GPU
     interpreter cannot store to an accumulator, so interpret mode needs ``acc="two"``
-    (``fc_gemm(impl="interpret")`` passes it).
+    (``fc_gemm(impl="interpret")`` passes it). ``sumsq``: ``(tile_c, splits, stages)`` of
+    the row sum-of-squares kernel that runs before the large-M GEMM.
     """
     _check_kernel_inputs(embed, hidden, w_folded)
     m, h = embed.shape
-    r_e, r_h = _rms_scale(embed, eps), _rms_scale(hidden, eps)
     if m <= small_m:
+        r_e, r_h = _rms_scale(embed, eps), _rms_scale(hidden, eps)
         if m > SMALL_M:
             raise ValueError(f"small_m={small_m} exceeds the {SMALL_M}-row split-K tile")
         tn, ks, st = _plan_small(h, num_sms(), tile_n, k_splits, stages)
@@ -436,23 +529,28 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
         out = (jnp.sum(parts[:half], axis=0) * r_e[:, None]
                + jnp.sum(parts[half:], axis=0) * r_h[:, None])
         return out.astype(embed.dtype)
+    if m % 8:
+        raise ValueError(f"M={m} rows: the warp-specialised fc kernel (M > small_m={small_m}) "
+                         "needs a multiple of 8 (its TMA row tiles)")
     wm, tn, st, npg = _plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc)
-    m_pad = -(-m // (2 * wm)) * (2 * wm)  # rows past M: zero-filled by TMA, scale 1, never stored
-    scales = jnp.stack([r_e / r_h, r_h] if acc == "rescale" else [r_e, r_h])
-    scales = jnp.pad(scales, ((0, 0), (0, m_pad - m)), constant_values=1.0)
-    return _ws_gemm(embed, hidden, w_folded, scales, wg_m=wm, tile_n=tn, stages=st,
-                    num_programs=npg, acc=acc)
+    tc, sp, sst = _plan_sumsq(m, h, num_sms(), *(sumsq or ()))
+    cta_m = 2 * wm if acc == "two" else wm
+    m_pad = -(-m // cta_m) * cta_m  # rows past M: TMA zero-fill, never stored
+    ss_parts = _row_sumsq(embed, hidden, m_pad=m_pad, tile_c=tc, splits=sp, stages=sst)
+    return _ws_gemm(embed, hidden, w_folded, ss_parts, wg_m=wm, tile_n=tn, stages=st,
+                    num_programs=npg, acc=acc, eps=eps)
 
 
 def _kernel_wins(m: int, h: int) -> bool:
-    """Where ``impl="auto"`` takes the kernel on a GPU (results/kernels_h200.md, run 3).
+    """Where ``impl="auto"`` takes the kernel on a GPU (results/kernels_h200.md, run 9).
 
     Measured against XLA's norm + concat + dot: M = 2048 and 12288 at H = 2048 and 4096
-    1.00-1.09x (kernel); M = 1, 8, 32 at H = 2048 0.75-0.79x and at H = 4096 0.90-1.18x
-    (mixed, so the reference); M in (64, 2048) was not measured (reference).
+    1.06-1.15x (kernel); M = 1, 8, 32 at H = 2048 0.74-0.83x and at H = 4096 0.88-1.18x
+    (mixed, so the reference); M in (64, 2048) was not measured (reference). The kernel
+    needs M to be a multiple of 8 (the model's prefill chunks are multiples of 64).
     """
     del h
-    return m >= 2048
+    return m >= 2048 and m % 8 == 0
 
 
 def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=None):
