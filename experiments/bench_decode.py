@@ -293,6 +293,27 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
         del pstate, dc
 
 
+def first_divergence(cfg, params, prompts, got, want):
+    """Where two greedy runs first part, and how close the target's call was there.
+
+    A bf16 GEMM of another shape (or another algorithm) rounds differently; a flip is
+    expected only where the top two logits nearly tie. Returns None when the runs agree,
+    else the sequence, the token index, both tokens, and the gap between the target's
+    top two logits there (an uncached forward of prompt + the agreed tokens, in the
+    model's dtype) beside the logits' spread.
+    """
+    for i, (x, y) in enumerate(zip(got, want)):
+        t = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        if t is None:
+            continue
+        logits = target.forward(cfg, params, jnp.asarray([list(prompts[i]) + list(y[:t])], jnp.int32))
+        logits = np.asarray(logits[0, -1], np.float32)
+        top2 = np.sort(logits)[-2:]
+        return dict(sequence=i, token=t, got=int(x[t]), want=int(y[t]),
+                    top2_gap=float(top2[1] - top2[0]), logit_std=float(logits.std()))
+    return None
+
+
 def part_b(report: Report, reps: int):
     from mtp.checkpoint import load_pretrained
     from mtp.data.sessions import first_prompt_ids, load_preamble, load_sessions
@@ -326,7 +347,10 @@ def part_b(report: Report, reps: int):
             if k:
                 # The lossless check at equal GEMM shapes (SpecConfig.plain_width): untimed.
                 wide = generate(cfg, params, prompts, dataclasses.replace(spec, plain_width=k), speculative=False)
-                row.update(res[0].stats.as_dict(), identical_to_plain_same_width=res[0].tokens == wide.tokens)
+                row.update(res[0].stats.as_dict(), identical_to_plain_same_width=res[0].tokens == wide.tokens,
+                           divergence=first_divergence(cfg, params, prompts, res[0].tokens, base_tokens),
+                           divergence_same_width=first_divergence(cfg, params, prompts, res[0].tokens,
+                                                                  wide.tokens))
             report.add(**row)
 
 
@@ -357,6 +381,11 @@ def _markdown(data) -> str:
             acc = f", mean acc. len {r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else ""
             same = (f", identical at the verify's width={r['identical_to_plain_same_width']}"
                     if "identical_to_plain_same_width" in r else "")
+            for key, what in (("divergence", "vs plain"), ("divergence_same_width", "vs the verify's width")):
+                d = r.get(key)
+                if d:
+                    same += (f"; first flip {what}: sequence {d['sequence']} token {d['token']}, top-2 "
+                             f"logit gap {d['top2_gap']:.3g} (logit std {d['logit_std']:.3g})")
             lines.append(f"| B | {r['what']} | {r['batch']} | {r['tokens_per_s']:.1f} tok/s{acc} | "
                          f"{r['speedup']:.2f}x plain, identical={r['identical_to_plain']}{same} |")
     lines += [f"\nError: {e}" for e in data.get("errors", [])]
