@@ -7,6 +7,10 @@ among input sets whose total exceeds the 50 MB L2 so that no call reads a warm
 cache; if CUPTI is unavailable, the mean of a back-to-back loop of calls is used
 and the table says so.
 
+``--only chain`` asks what a Pallas kernel costs inside XLA's CUDA graphs: chains of tiny
+ops (XLA fusions, Mosaic GPU kernels, Triton kernels, and mixes) timed by wall clock per
+call and by CUPTI per kernel; the difference per op is what the graph adds around each.
+
 ``--only gdn`` checks and times the fused Gated DeltaNet decode step against XLA running
 the model's own functions. Besides the kernels, ``--only gemv`` times XLA's own small-row GEMMs on the decode
 model's projection shapes, as is and with the rows zero-padded: the measurement
@@ -31,6 +35,7 @@ import warnings
 from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from mtp.model import layers
@@ -44,7 +49,7 @@ flags.DEFINE_bool("quick", False, "Correctness plus the goal shapes only.")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_kernels"), "Where results go.")
 flags.DEFINE_integer("reps", 30, "Timed calls per variant.")
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens.")
-flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "gdn"],
+flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "gdn", "chain"],
                   "Which kernels to check and time (gemv: XLA's small-row GEMMs, as is vs padded).")
 flags.DEFINE_list("gemv_rows", ["1"], "Small-row GEMMs: the row counts M to time.")
 flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.")
@@ -329,6 +334,70 @@ def check_pa_ragged(reps):
     return out
 
 
+# ------------------------------------------------------------------ launch chains
+
+
+def _tiny_pallas(backend):
+    """y = x * 1.0001 + 1 on one [8, 128] f32 block, as a one-program Pallas kernel."""
+    from jax.experimental import pallas as pl
+
+    out_type = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    if backend == "mosaic_gpu":
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        def mosaic_body(x_ref, o_ref, smem, bar):
+            plgpu.copy_gmem_to_smem(x_ref, smem, bar)
+            plgpu.barrier_wait(bar)
+            smem[...] = smem[...] * 1.0001 + 1.0
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(smem, o_ref)
+            plgpu.wait_smem_to_gmem(0)
+
+        return plgpu.kernel(mosaic_body, out_type=out_type, grid=(1,), grid_names=("g",),
+                            scratch_types=dict(smem=plgpu.SMEM((8, 128), jnp.float32),
+                                               bar=plgpu.Barrier(num_arrivals=1)))
+    from jax.experimental.pallas import triton as pl_triton
+
+    def triton_body(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 1.0001 + 1.0
+
+    return pl.pallas_call(triton_body, out_shape=out_type,
+                          compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1))
+
+
+def bench_chain(n, reps):
+    """Per-op wall and kernel time of n-op chains; an optimisation barrier keeps ops apart."""
+    xla = lambda x: x * 1.0001 + 1.0
+    mosaic, triton = _tiny_pallas("mosaic_gpu"), _tiny_pallas("triton")
+    chains = {"xla": [xla], "mosaic_gpu": [mosaic], "triton": [triton],
+              "xla, mosaic_gpu": [xla, mosaic], "xla, triton": [xla, triton]}
+    x0 = jnp.linspace(0.0, 1.0, 8 * 128, dtype=jnp.float32).reshape(8, 128)
+    want = x0
+    for _ in range(n):
+        want = xla(want)
+    out = []
+    for name, ops in chains.items():
+        def chain(x, ops=ops):
+            for i in range(n):
+                x = lax.optimization_barrier(ops[i % len(ops)](x))
+            return x
+
+        f = jax.jit(chain)
+        r = {"chain": name, "ops": n, "rel_err": _rel_err(f(x0), want)}
+        r["t_kernels"] = _time(f, [(x0,)], reps)[0]
+        walls = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            y = x0
+            for _ in range(reps):
+                y = f(y)
+            jax.block_until_ready(y)
+            walls.append((time.perf_counter() - t0) / reps)
+        r["t_wall"] = statistics.median(walls)
+        out.append(r)
+    return out
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -418,6 +487,14 @@ def render(results):
                          f"{c['finite']} | {c['idle_zero']} |")
     if results.get("extra"):
         lines += ["", "### sweeps", "", "```", json.dumps(results["extra"], indent=1), "```"]
+    if isinstance(results.get("chain"), list):
+        lines += ["", "### tiny-op chains inside one jitted call (per op, µs)", "",
+                  "| chain | ops | rel err | wall / op | kernel time / op | wall - kernel, per op |",
+                  "|---|---|---|---|---|---|"]
+        for r in results["chain"]:
+            n = r["ops"]
+            lines.append(f"| {r['chain']} | {n} | {r['rel_err']:.1e} | {r['t_wall'] / n * 1e6:.2f} | "
+                         f"{r['t_kernels'] / n * 1e6:.2f} | {(r['t_wall'] - r['t_kernels']) / n * 1e6:.2f} |")
     return "\n".join(lines)
 
 
@@ -495,7 +572,10 @@ def main(_):
             results.setdefault("gdn", []).append(r)
             print(json.dumps(r, default=str), flush=True)
             save()
-    if FLAGS.only in ("pa", "gemv", "gdn"):
+    if FLAGS.only == "chain":
+        results["chain"] = _safe(bench_chain, 48, reps)
+        save()
+    if FLAGS.only in ("pa", "gemv", "gdn", "chain"):
         fc_shapes = []
     if FLAGS.small and FLAGS.only in ("all", "fc"):
         fc_shapes = [(8, 256), (200, 256)]
