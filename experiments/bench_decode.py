@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from mtp import sharding
+from mtp import analysis, sharding
 from mtp.cache.state import TargetCache
 from mtp.config import ModelConfig
 from mtp.model import target
@@ -293,27 +293,6 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
         del pstate, dc
 
 
-def first_divergence(cfg, params, prompts, got, want):
-    """Where two greedy runs first part, and how close the target's call was there.
-
-    A bf16 GEMM of another shape (or another algorithm) rounds differently; a flip is
-    expected only where the top two logits nearly tie. Returns None when the runs agree,
-    else the sequence, the token index, both tokens, and the gap between the target's
-    top two logits there (an uncached forward of prompt + the agreed tokens, in the
-    model's dtype) beside the logits' spread.
-    """
-    for i, (x, y) in enumerate(zip(got, want)):
-        t = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), None)
-        if t is None:
-            continue
-        logits = target.forward(cfg, params, jnp.asarray([list(prompts[i]) + list(y[:t])], jnp.int32))
-        logits = np.asarray(logits[0, -1], np.float32)
-        top2 = np.sort(logits)[-2:]
-        return dict(sequence=i, token=t, got=int(x[t]), want=int(y[t]),
-                    top2_gap=float(top2[1] - top2[0]), logit_std=float(logits.std()))
-    return None
-
-
 def part_b(report: Report, reps: int):
     from mtp.checkpoint import load_pretrained
     from mtp.data.sessions import first_prompt_ids, load_preamble, load_sessions
@@ -348,8 +327,8 @@ def part_b(report: Report, reps: int):
                 # The lossless check at equal GEMM shapes (SpecConfig.plain_width): untimed.
                 wide = generate(cfg, params, prompts, dataclasses.replace(spec, plain_width=k), speculative=False)
                 row.update(res[0].stats.as_dict(), identical_to_plain_same_width=res[0].tokens == wide.tokens,
-                           divergence=first_divergence(cfg, params, prompts, res[0].tokens, base_tokens),
-                           divergence_same_width=first_divergence(cfg, params, prompts, res[0].tokens,
+                           divergence=analysis.first_divergence(cfg, params, prompts, res[0].tokens, base_tokens),
+                           divergence_same_width=analysis.first_divergence(cfg, params, prompts, res[0].tokens,
                                                                   wide.tokens))
             report.add(**row)
 

@@ -1,12 +1,15 @@
-"""Summaries of per-turn statistics: split by cold/warm turns, paired bootstrap intervals."""
+"""Summaries of per-turn statistics (split by cold/warm turns, paired bootstrap intervals), and
+where two greedy runs part."""
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from mtp.metrics import AcceptanceStats
+from mtp.model import target
 
 
 def summarize(turns: Sequence) -> dict:
@@ -57,3 +60,25 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], samples: int, seed:
 
 def acceptance_length(t) -> float:
     return t.acceptance.mean_acceptance_length
+
+
+def first_divergence(cfg, params, prompts, got, want):
+    """Where two greedy runs first part, and how close the target's call was there.
+
+    A bf16 GEMM of another shape (or another algorithm) rounds differently; a flip is
+    expected only where the top two logits nearly tie. Returns None when the runs agree,
+    else the sequence, the token index, both tokens, and the gap between the target's
+    top two logits there (an uncached forward of prompt + the agreed tokens, in the
+    model's dtype) beside the logits' spread.
+    """
+    for i, (x, y) in enumerate(zip(got, want)):
+        t = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        if t == len(x) == len(y):
+            continue
+        seq = jnp.asarray([list(prompts[i]) + list(y[:t])], jnp.int32)
+        logits = np.asarray(target.forward(cfg, params, seq)[0, -1], np.float32)
+        top2 = np.sort(logits)[-2:]
+        token = lambda z: int(z[t]) if t < len(z) else None  # None: that run had ended
+        return dict(sequence=i, token=t, got=token(x), want=token(y),
+                    top2_gap=float(top2[1] - top2[0]), logit_std=float(logits.std()))
+    return None

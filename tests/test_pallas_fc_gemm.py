@@ -157,6 +157,20 @@ def test_bad_inputs_raise():
                        acc="one")
 
 
+def test_inputs_the_kernels_cannot_take_go_to_the_reference():
+    """f32 inputs, or a large M that is not a multiple of 8: the reference, bit for bit."""
+    e, h, ne, nh, w = _inputs(6, 72, 64)
+    cases = [tuple(x.astype(jnp.float32) for x in (e, h, ne, nh, w)),  # not a 16-bit dtype
+             (e[:70], h[:70], ne, nh, w)]                               # M = 70 > 64, not 8k
+    for args in cases:
+        assert fcmod.kernel_unsupported(args[0], args[1], args[4])
+        out = fc_gemm(*args, eps=1e-6, impl="interpret")
+        want = fc_gemm(*args, eps=1e-6, impl="reference")
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    assert fcmod.kernel_unsupported(e, h, w) is None
+    assert fcmod.kernel_unsupported(e[:5], h[:5], w) is None  # the split-K path takes any M <= 64
+
+
 def test_auto_on_cpu_is_the_reference():
     args = _inputs(5, 6, 64)
     out = fc_gemm(*args, eps=1e-6)

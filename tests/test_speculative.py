@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp.analysis import first_divergence
 from mtp.generation import generate
 from mtp.mtp_head import DrafterCache, draft_step, forward_sequence, prefill_drafter
 from mtp.model import target
@@ -54,6 +55,26 @@ def test_greedy_speculative_is_token_identical(greedy_reference, name, knobs, qu
     assert s.steps > 0 and 0 <= s.accepted <= s.draft_tokens <= s.steps * spec.num_drafts
     per = s.per_position
     assert all(a >= b for a, b in zip(per, per[1:]))
+
+
+def test_first_divergence_finds_the_flip_and_the_targets_margin(greedy_reference):
+    cfg, params, prompts, base = greedy_reference["tiny_dense"]
+    assert first_divergence(cfg, params, prompts, base, base) is None
+    got = [list(t) for t in base]
+    got[1][4] = (got[1][4] + 1) % cfg.vocab_size
+    d = first_divergence(cfg, params, prompts, got, base)
+    assert (d["sequence"], d["token"], d["got"], d["want"]) == (1, 4, got[1][4], base[1][4])
+    # The uncached forward agrees with the cached greedy loop: its argmax is the plain token,
+    # and the gap is that token's margin over the runner-up.
+    logits = target.forward(cfg, params, jnp.asarray([prompts[1] + base[1][:4]], jnp.int32))[0, -1]
+    top2 = np.sort(np.asarray(logits, np.float32))[-2:]
+    assert int(jnp.argmax(logits)) == base[1][4]
+    assert d["top2_gap"] == pytest.approx(float(top2[1] - top2[0])) and d["top2_gap"] > 0
+    # A run that stops early parts where it ends.
+    short = [list(t) for t in base]
+    short[2] = short[2][:6]
+    d = first_divergence(cfg, params, prompts, short, base)
+    assert (d["sequence"], d["token"], d["got"], d["want"]) == (2, 6, None, base[2][6])
 
 
 def _oracle_head(cfg, params, agree: bool):

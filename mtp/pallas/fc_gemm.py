@@ -97,7 +97,29 @@ def _check_inputs(embed, hidden, norm_e_w, norm_h_w, w):
         )
 
 
-def _check_kernel_inputs(embed, hidden, w_folded):
+def kernel_unsupported(embed, hidden, w, small_m: int = SMALL_M) -> str | None:
+    """Why the kernels cannot take these (well-formed) inputs, or None when they can.
+
+    ``fc_gemm`` sends such calls to the reference whatever ``impl`` says, so that one
+    switch can turn the kernels on for a whole model; ``fc_gemm_folded`` raises this.
+    """
+    m, h = embed.shape
+    dtypes = {jnp.dtype(embed.dtype), jnp.dtype(hidden.dtype), jnp.dtype(w.dtype)}
+    if len(dtypes) != 1 or jnp.dtype(embed.dtype) not in (jnp.dtype(jnp.bfloat16),
+                                                          jnp.dtype(jnp.float16)):
+        return ("embed, hidden and the weight must share a 16-bit float dtype (bfloat16 or "
+                f"float16); got embed {embed.dtype}, hidden {hidden.dtype}, weight {w.dtype}")
+    if m < 1:
+        return f"embed must have at least one row; got shape {embed.shape}"
+    if h % 64:
+        return f"H={h} must be a multiple of 64 for the fc kernels"
+    if m > small_m and m % 8:
+        return (f"M={m} rows: the warp-specialised fc kernel (M > small_m={small_m}) needs a "
+                "multiple of 8 (its TMA row tiles)")
+    return None
+
+
+def _check_kernel_inputs(embed, hidden, w_folded, small_m):
     if embed.ndim != 2 or embed.shape != hidden.shape:
         raise ValueError(
             f"embed and hidden must both be [M, H]; got {embed.shape} and {hidden.shape}"
@@ -107,16 +129,9 @@ def _check_kernel_inputs(embed, hidden, w_folded):
         raise ValueError(
             f"w_folded must be [H, 2H] = [{h}, {2 * h}] (out_features, in_features); "
             f"got {w_folded.shape}")
-    dtypes = {jnp.dtype(embed.dtype), jnp.dtype(hidden.dtype), jnp.dtype(w_folded.dtype)}
-    if len(dtypes) != 1 or jnp.dtype(embed.dtype) not in (jnp.dtype(jnp.bfloat16),
-                                                          jnp.dtype(jnp.float16)):
-        raise ValueError(
-            "embed, hidden and w_folded must share a 16-bit float dtype (bfloat16 or float16); "
-            f"got embed {embed.dtype}, hidden {hidden.dtype}, w_folded {w_folded.dtype}")
-    if m < 1:
-        raise ValueError(f"embed must have at least one row; got shape {embed.shape}")
-    if h % 64:
-        raise ValueError(f"H={h} must be a multiple of 64 for the fc kernel")
+    why = kernel_unsupported(embed, hidden, w_folded, small_m)
+    if why:
+        raise ValueError(why)
 
 
 def fc_gemm_reference(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="reference"):
@@ -517,7 +532,7 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     (``fc_gemm(impl="interpret")`` passes it). ``sumsq``: ``(tile_c, splits, stages)`` of
     the row sum-of-squares kernel that runs before the large-M GEMM.
     """
-    _check_kernel_inputs(embed, hidden, w_folded)
+    _check_kernel_inputs(embed, hidden, w_folded, small_m)
     m, h = embed.shape
     if m <= small_m:
         r_e, r_h = _rms_scale(embed, eps), _rms_scale(hidden, eps)
@@ -529,9 +544,6 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
         out = (jnp.sum(parts[:half], axis=0) * r_e[:, None]
                + jnp.sum(parts[half:], axis=0) * r_h[:, None])
         return out.astype(embed.dtype)
-    if m % 8:
-        raise ValueError(f"M={m} rows: the warp-specialised fc kernel (M > small_m={small_m}) "
-                         "needs a multiple of 8 (its TMA row tiles)")
     wm, tn, st, npg = _plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc)
     tc, sp, sst = _plan_sumsq(m, h, num_sms(), *(sumsq or ()))
     cta_m = 2 * wm if acc == "two" else wm
@@ -563,11 +575,14 @@ def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=
     folded weight: pass ``w_folded = fold_fc_weight(norm_e_w, norm_h_w, w)`` made once
     at load; without it the kernel path folds here, per call (one more read and
     write of ``w``). ``"interpret"`` must be called eagerly, as interpret mode is
-    switched on around this call's own lowering.
+    switched on around this call's own lowering. Inputs the kernels cannot take
+    (``kernel_unsupported``) go to the reference whatever ``impl`` says.
     """
     _check_inputs(embed, hidden, norm_e_w, norm_h_w, w)
     mode = resolve_impl(impl, op="fc_gemm")
     if mode == "pallas" and impl == "auto" and not _kernel_wins(embed.shape[0], embed.shape[1]):
+        mode = "reference"
+    if mode != "reference" and kernel_unsupported(embed, hidden, w):
         mode = "reference"
     if mode == "reference":
         return _reference_jit(embed, hidden, norm_e_w, norm_h_w, w, eps=eps)
