@@ -113,7 +113,8 @@ def bench_fc(m, h, reps, variants=None):
     """Checks, then times, the fc kernel path against XLA.
 
     "ours" is what the model runs per call: ``fc_gemm_folded`` on the load-time folded
-    weight (the per-row rsqrt reduction, the kernel, and for M <= 64 the split-K sum).
+    weight (for M <= 64 XLA's row-rsqrt, the split-K kernel and XLA's partial sum; above,
+    the row sum-of-squares kernel and the GEMM).
     "XLA dot" is ``jnp.dot`` alone on an input already normalised and concatenated;
     "unfused" is the reference (norm + concat + dot), what ``impl="reference"`` runs.
     """
