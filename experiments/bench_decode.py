@@ -215,7 +215,8 @@ def copy_bandwidth(nbytes: int) -> float:
         return xla
 
 
-def _random_cache(cfg, batch, context, page, dtype, key):
+def random_cache(cfg, batch, context, page, dtype, key):
+    """A target cache holding ``context`` positions of random KV and state per sequence."""
     blocks = math.ceil((context + 16) / page)
     cache = TargetCache.create(cfg, batch, batch * blocks + 1, page, blocks, dtype)
     tables = (1 + np.arange(batch * blocks, dtype=np.int32)).reshape(batch, blocks)
@@ -223,6 +224,25 @@ def _random_cache(cfg, batch, context, page, dtype, key):
     rand = lambda a: (0.5 * jax.random.normal(next(ks), a.shape, jnp.float32)).astype(a.dtype)
     return cache.replace(kv=jax.tree.map(rand, cache.kv), linear=jax.tree.map(rand, cache.linear),
                          block_tables=jnp.asarray(tables), lengths=jnp.full((batch,), context, jnp.int32))
+
+
+def chained_verify_step(cfg: ModelConfig, impl: str):
+    """Part A's step: ``(cache, tokens [B, K]), params -> (cache, next tokens)``; K = 1 is decode.
+
+    Every step's inputs come from the last step's outputs, as in the decode loop: the
+    next tokens are the argmax of the logits (so the LM head is not dead code) and one
+    position is committed (so the Gated DeltaNet state changes), then ``lengths`` is
+    moved back so that every step reads the same KV positions. Constant inputs would
+    let XLA hoist work out of the timed loop. `experiments/count_kernels.py` compiles
+    this same step.
+    """
+    def step(state, p):
+        c, toks = state
+        c, out = target.verify(cfg, p, c, toks, impl=impl)
+        c = target.commit(c, out, jnp.ones((toks.shape[0],), jnp.int32))
+        return c.replace(lengths=c.lengths - 1), jnp.argmax(out.logits, -1).astype(jnp.int32)
+
+    return step
 
 
 def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float):
@@ -240,7 +260,7 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
     report.add(part="A", what="model", params_target=n_target, params_total=count_params(params),
                context=context, copy_bandwidth_TBps=bw / 1e12, tp=tp, kernels=impl)
     for batch in [int(b) for b in FLAGS.batches]:
-        cache = _random_cache(cfg, batch, context, 16, dtype, jax.random.key(2))
+        cache = random_cache(cfg, batch, context, 16, dtype, jax.random.key(2))
         if mesh:
             cache = sharding.shard_cache(cache, cfg, mesh)
         kv_bytes = batch * len(cfg.attention_layers) * 2 * context * cfg.num_key_value_heads * cfg.head_dim * 2
@@ -250,17 +270,7 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
         n = FLAGS.steps_per_call
         one = jnp.ones((batch,), jnp.int32)
 
-        # Every step's inputs come from the last step's outputs, as in the decode loop:
-        # the next tokens are the argmax of the logits (so the LM head is not dead code)
-        # and one position is committed (so the Gated DeltaNet state changes), then
-        # `lengths` is moved back so that every step reads `context` KV positions.
-        # Constant inputs would let XLA hoist work out of the loop.
-        def verify_step(state, p):
-            c, toks = state
-            c, out = target.verify(cfg, p, c, toks, impl=impl)
-            c = target.commit(c, out, one)
-            return c.replace(lengths=c.lengths - 1), jnp.argmax(out.logits, -1).astype(jnp.int32)
-
+        verify_step = chained_verify_step(cfg, impl)
         state = (cache, jnp.ones((batch, 1), jnp.int32))
         decode_ms, state = _per_step_ms(verify_step, state, reps, params, n)
         report.add(part="A", what="decode", batch=batch, ms=decode_ms, floor_ms=floor_ms,
@@ -274,7 +284,7 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
             report.add(part="A", what=f"verify K={k}", batch=batch, ms=ms, ratio_to_decode=ms / decode_ms,
                        **_kernel_profile(verify_step, state, params))
         del state
-        dcache = _random_cache(cfg, batch, context, 16, dtype, jax.random.key(3))
+        dcache = random_cache(cfg, batch, context, 16, dtype, jax.random.key(3))
         dc = DrafterCache.create(cfg, batch, dcache.kv.num_pages, 16, dcache.block_tables.shape[1], dtype).replace(
             kv=dcache.kv.replace(k=dcache.kv.k[:1], v=dcache.kv.v[:1]), block_tables=dcache.block_tables,
             rows=jnp.full((batch,), context, jnp.int32), last_pair_key=jnp.full((batch,), context, jnp.int32))

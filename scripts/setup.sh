@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Creates .venv with Python 3.12 and installs the project (CPU JAX + test extras) on first
-# use, and again whenever pyproject.toml changes. Sourced by the other scripts.
+# use, and again whenever pyproject.toml changes. Sourced by the other scripts;
+# MTP_VENV and MTP_EXTRAS pick another environment (scripts/setup_aot.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
+VENV="$ROOT/${MTP_VENV:-.venv}"
+EXTRAS="${MTP_EXTRAS:-test}"
 
 find_python() {
   local c
@@ -17,14 +19,14 @@ find_python() {
   return 1
 }
 
-stamp="$VENV/.installed-$(sha1sum "$ROOT/pyproject.toml" | cut -c1-12)"
+stamp="$VENV/.installed-$EXTRAS-$(sha1sum "$ROOT/pyproject.toml" | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   py="$(find_python)"
   echo "setup: creating $VENV with $py" >&2
   rm -rf "$VENV"
   "$py" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip >&2
-  "$VENV/bin/pip" install -q -e "$ROOT[test]" >&2
+  "$VENV/bin/pip" install -q -e "$ROOT[$EXTRAS]" >&2
   touch "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -45,6 +45,22 @@ def env_choice(op: str | None) -> str:
     return choice
 
 
+def target_device():
+    """The device a trace is compiled for: ``jax_default_device`` when set, else the first device.
+
+    A deviceless compile (``experiments/count_kernels.py``) sets ``jax_default_device``
+    to a compile-only GPU of a topology while the process itself runs on the CPU; the
+    kernel switch, the tile plans (``num_sms``) and ``pad_small_gemms`` then decide as
+    they would on that GPU.
+    """
+    dev = jax.config.jax_default_device
+    return dev if isinstance(dev, jax.Device) else jax.devices()[0]
+
+
+def on_gpu() -> bool:
+    return target_device().platform == "gpu"
+
+
 def resolve_impl(impl: str, op: str | None = None) -> str:
     """Returns the concrete implementation ("reference", "pallas" or "interpret").
 
@@ -57,7 +73,7 @@ def resolve_impl(impl: str, op: str | None = None) -> str:
     if impl == "auto":
         impl = env_choice(op)
     if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "reference"
+        impl = "pallas" if on_gpu() else "reference"
     return impl
 
 
@@ -89,7 +105,7 @@ def pad_small_gemms() -> bool:
     """
     value = os.environ.get(PAD_ENV_VAR)
     if value is None:
-        return jax.default_backend() == "gpu"
+        return on_gpu()
     if value not in ("0", "1"):
         raise ValueError(f"{PAD_ENV_VAR}={value!r}: set it to 0 or 1")
     return value == "1"
@@ -111,11 +127,8 @@ def interpret_forced() -> bool:
 
 
 def num_sms() -> int:
-    """Streaming multiprocessors of the default device (132 on an H100/H200; the plan's default)."""
-    try:
-        return jax.devices()[0].core_count or 132
-    except Exception:  # CPU devices have no core_count in some jaxlib builds.
-        return 132
+    """Streaming multiprocessors of the target device (132 on an H100/H200; the plan's default)."""
+    return getattr(target_device(), "core_count", None) or 132
 
 
 def swizzle_transforms(minor_elems: int, dtype):

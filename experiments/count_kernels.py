@@ -1,0 +1,190 @@
+r"""Counts the GPU kernels of the decode step, compiled for an H200 on a machine without a GPU.
+
+GPU time is scarce; a step's kernel count and its split into CUDA graphs are not.
+XLA's GPU compiler runs without a device ("deviceless AOT"): the CUDA PJRT plugin builds
+a compile-only topology from a ``GpuTargetConfig`` (here an H200: sm_90a, 132 SMs),
+``jax_default_device`` points traces at it, and ``jit(...).lower(...).compile()`` runs the
+whole pipeline (fusion, Triton GEMMs, Pallas-Triton, command buffers) on the CPU. Nothing
+large is allocated: params and cache are ``ShapeDtypeStruct`` s. ``mtp.pallas.backend``
+reads that target device, so ``impl="auto"``, the tile plans and the one-row GEMM padding
+decide as they would on the H200.
+
+What is compiled is `experiments/bench_decode.py` part A's step (``chained_verify_step``)
+on its 1.38B Qwen3-Next-shaped model. Checked against the H200's own CUPTI counts
+(results/decode_h200_session5.json): 308 kernels at batch 1 with the default kernels and
+356 with ``MTP_KERNELS=gdn_step=reference``, both exact. Two limits: XLA cannot autotune
+without a device, so GEMM tile choices (and where they add split-K reductions) may differ
+from the GPU's; and Mosaic GPU kernels are lowered here but assembled only on the device.
+
+Needs the CUDA plugin (`scripts/setup_aot.sh` makes `.venv-aot`; BUILD.md):
+
+    PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py [--batches 1,8] [--tokens 4]
+        [--loop] [--list] [--dump DIR]
+
+(``--batches``, ``--context`` and ``--steps_per_call`` are bench_decode's own flags.)
+    MTP_KERNELS=reference PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py
+
+Prints, per compile: the kernel launches from XLA's thunk sequence (each kernel thunk and
+each custom call launches one kernel, memory copies are counted apart), the launches by
+name, and how many command buffers (CUDA graphs) they run in.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import tempfile
+import time
+
+from absl import app, flags
+
+from experiments.bench_decode import BIG, chained_verify_step, random_cache  # and its flags
+
+H200_TARGET = """\
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 151397597184 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 feature_extension: ACCELERATED_FEATURES }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 }
+runtime_version { major: 13 }
+device_description_str: "NVIDIA H200"
+"""
+
+flags.DEFINE_integer("tokens", 1, "Tokens per step: 1 is decode, K a verify of K tokens.")
+flags.DEFINE_bool("loop", False, "Also compile part A's timed fori_loop and count its body.")
+flags.DEFINE_string("target_config", None, "A GpuTargetConfig text proto file (default: an H200).")
+flags.DEFINE_integer("top", 15, "How many kernel names to list.")
+flags.DEFINE_bool("list", False, "Print every launch in order, with its grid.")
+flags.DEFINE_string("dump", None, "Keep XLA's dumps here (default: a temporary folder).")
+FLAGS = flags.FLAGS
+
+# ------------------------------------------------------------------ reading XLA's thunk dumps
+
+_THUNK = re.compile(r"^(\s*)\d+: (k\w+)\s*\[[^\]]*\]\s*(\S*)(.*)$")
+KERNEL_KINDS = ("kKernel", "kCustomKernel", "kCustomCall")  # one launch each (a Mosaic call is one)
+LIBRARY_KINDS = ("kGemm", "kCublasLtMatmul", "kConvolution", "kCuDnn", "kFft")
+MEMORY_KINDS = ("kCopy", "kMemset32BitValue", "kMemzero")
+
+
+def read_thunks(text: str, while_body: bool = False) -> list[tuple[str, str, str, int]]:
+    """``(kind, name, launch dims, indent)`` per thunk of a ``*.thunk_sequence*.txt`` dump.
+
+    ``while_body`` keeps only the body of the (first) while loop, as a loop's steps run it.
+    """
+    lines = text.splitlines()
+    if while_body:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "body:")
+        indent = len(lines[start]) - len(lines[start].lstrip())
+        body = []
+        for line in lines[start + 1:]:
+            if line.strip() and len(line) - len(line.lstrip()) <= indent:
+                break
+            body.append(line)
+        lines = body
+    out = []
+    for line in lines:
+        m = _THUNK.match(line)
+        if m:
+            kind, name = m.group(2), m.group(3)
+            out.append((kind, name if name and name != kind else "", m.group(4).strip(), len(m.group(1))))
+    return out
+
+
+def summarize(thunks, graphs=None) -> dict:
+    """Launch counts of a thunk list; ``graphs``: the same list after XLA's thunk passes."""
+    kinds = collections.Counter(t[0] for t in thunks)
+    names = collections.Counter(re.sub(r"(_\d+)+$", "", t[1]) or t[0] for t in thunks
+                                if t[0] in KERNEL_KINDS + LIBRARY_KINDS)
+    out = {"launches": sum(kinds[k] for k in KERNEL_KINDS + LIBRARY_KINDS),
+           "custom_calls": kinds["kCustomCall"], "library_calls": sum(kinds[k] for k in LIBRARY_KINDS),
+           "memory_ops": sum(kinds[k] for k in MEMORY_KINDS), "by_name": names}
+    if graphs is not None:
+        top_level = min(t[3] for t in graphs)
+        outer = collections.Counter(t[0] for t in graphs if t[3] == top_level)
+        out["command_buffers"] = outer["kCommandBuffer"]
+        out["outside_graphs"] = {k: v for k, v in outer.items() if k != "kCommandBuffer"}
+    return out
+
+
+# ------------------------------------------------------------------ compiling
+
+
+def compile_only_device(target_config: str):
+    """A compile-only GPU from a target config; traces are pointed at it."""
+    import jax
+    from jax.experimental import topologies
+
+    jax.config.update("jax_platforms", "cpu")  # the process never opens a CUDA client
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=target_config,
+                                            topology="1x1x1")
+    except Exception as e:  # noqa: BLE001 - say what is missing, not a plugin stack trace
+        raise SystemExit(f"no compile-only CUDA topology ({type(e).__name__}: {e}); this needs the "
+                         "CUDA plugin: run it with .venv-aot (scripts/setup_aot.sh, BUILD.md)") from e
+    device = topo.devices[0]
+    jax.config.update("jax_default_device", device)
+    return device
+
+
+def main(argv):
+    del argv
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
+    target_config = open(FLAGS.target_config).read() if FLAGS.target_config else H200_TARGET
+    device = compile_only_device(target_config)
+
+    import jax
+    import jax.numpy as jnp
+
+    from mtp.config import ModelConfig
+    from mtp.model.params import count_params, init_params
+
+    on = jax.sharding.SingleDeviceSharding(device)
+    place = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), tree)
+    cfg = ModelConfig.from_hf(dict(BIG))
+    params = place(jax.eval_shape(lambda: init_params(cfg, jax.random.key(1), jnp.bfloat16)))
+    print(f"target {device.device_kind} ({device.core_count} SMs), jax {jax.__version__}, "
+          f"{count_params(params, include_mtp=False) / 1e9:.2f}B target params, context {FLAGS.context}, "
+          f"{FLAGS.tokens} token(s) per step, MTP_KERNELS={os.environ.get('MTP_KERNELS', '')!r}")
+    step = chained_verify_step(cfg, "auto")
+    dump_root = FLAGS.dump or tempfile.mkdtemp(prefix="count_kernels_")
+    for batch in (int(b) for b in FLAGS.batches):
+        cache = jax.eval_shape(lambda: random_cache(cfg, batch, FLAGS.context, 16, jnp.bfloat16,
+                                                    jax.random.key(2)))
+        state = (place(cache), jax.ShapeDtypeStruct((batch, FLAGS.tokens), jnp.int32, sharding=on))
+        runs = [("step", jax.jit(step), False)]
+        if FLAGS.loop:
+            n = FLAGS.steps_per_call
+            runs.append((f"fori_loop of {n}", jax.jit(lambda c, p: jax.lax.fori_loop(
+                0, n, lambda _, c: step(c, p), c), donate_argnums=0), True))
+        for what, fn, loop in runs:
+            where = os.path.join(dump_root, f"b{batch}_{what.split()[0]}")
+            t0 = time.time()
+            fn.lower(state, params).compile(compiler_options={"xla_dump_to": where})
+            seq = sorted(glob.glob(os.path.join(where, "*.thunk_sequence.txt")))[-1]
+            thunks = read_thunks(open(seq).read(), loop)
+            graphs = read_thunks(open(seq.replace(".thunk_sequence.", ".thunk_sequence_after_thunk_passes.")).read(),
+                                 loop)
+            s = summarize(thunks, graphs)
+            print(f"\nbatch {batch}, {what}{' (its body)' if loop else ''}: {s['launches']} kernel launches "
+                  f"({s['custom_calls']} custom calls, {s['library_calls']} library calls; "
+                  f"+{s['memory_ops']} memory copies), in {s['command_buffers']} command buffers "
+                  f"(outside them: {s['outside_graphs'] or 'nothing'}); compiled in {time.time() - t0:.1f} s")
+            print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
+            if FLAGS.list:
+                for i, (kind, name, dims, _) in enumerate(thunks):
+                    print(f"  {i:4d} {kind:14s} {name} {dims}")
+    if FLAGS.dump:
+        print(f"\nXLA dumps: {dump_root}")
+
+
+if __name__ == "__main__":
+    FLAGS.set_default("batches", ["1"])
+    app.run(main)
