@@ -149,3 +149,26 @@ def test_kernel_modes_send_what_the_kernel_cannot_take_to_the_reference(monkeypa
         pa._paged_attention_pallas(*f32, scale=None, gate=None)
     with pytest.raises(ValueError, match="query rows"):
         pa._paged_attention_pallas(*long_chunk, scale=None, gate=None)
+
+
+def test_auto_follows_the_target_device(monkeypatch):
+    """``impl="auto"``, the tile plans and the GEMM padding ask the device traces compile for:
+    ``jax_default_device`` when set (a deviceless compile sets a compile-only GPU there)."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        assert backend.target_device() == cpu and not backend.on_gpu()
+        assert backend.resolve_impl("auto", op="paged_attention") == "reference"
+    with jax.default_device("cpu"):
+        assert backend.target_device().platform == "cpu"
+
+    class CompileOnlyGpu:
+        platform, core_count = "gpu", 99
+
+    class Config:
+        jax_default_device = CompileOnlyGpu()
+
+    monkeypatch.setattr(backend.jax, "config", Config())
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    monkeypatch.delenv(backend.PAD_ENV_VAR, raising=False)
+    assert backend.on_gpu() and backend.num_sms() == 99 and backend.pad_small_gemms()
+    assert backend.resolve_impl("auto", op="paged_attention") == "pallas"

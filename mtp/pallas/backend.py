@@ -54,7 +54,9 @@ def target_device():
     they would on that GPU.
     """
     dev = jax.config.jax_default_device
-    return dev if isinstance(dev, jax.Device) else jax.devices()[0]
+    if isinstance(dev, str):  # a platform name ("cpu")
+        return jax.devices(dev)[0]
+    return dev if dev is not None else jax.devices()[0]
 
 
 def on_gpu() -> bool:
