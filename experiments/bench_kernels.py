@@ -243,8 +243,8 @@ def bench_gdn(b, nk, nv, d, reps):
         ks = jax.random.split(jax.random.key(100 * b + i), 8)
         bf = lambda x: x.astype(jnp.bfloat16)
         sets.append((bf(jax.random.normal(ks[0], (b, (2 * nk + nv) * d))),
-                     bf(jax.random.normal(ks[1], (b, nv))), bf(jax.random.normal(ks[2], (b, nv))),
-                     bf(jax.random.normal(ks[3], (b, nv, d))), jnp.ones((b,), bool),
+                     bf(jax.random.normal(ks[1], (b, 2 * (nk + nv) * d))), bf(jax.random.normal(ks[2], (b, 2 * nv))),
+                     jnp.ones((b,), bool),
                      0.3 * jax.random.normal(ks[4], (b, nv, d, d), jnp.float32),
                      jax.random.normal(ks[5], (nv,)), jax.random.normal(ks[6], (nv,)),
                      bf(1 + 0.1 * jax.random.normal(ks[7], (d,)))))

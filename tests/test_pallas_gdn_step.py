@@ -11,17 +11,17 @@ from tests.conftest import paged_cache, random_params, tiny_config
 
 
 def _case(seed, bsz, nk, nv, d, dtype):
+    """mixed (the conv output), qkvz and ba (the projections z, b and a come from), ..."""
     ks = jax.random.split(jax.random.key(seed), 8)
     mixed = jax.random.normal(ks[0], (bsz, (2 * nk + nv) * d)).astype(dtype)
-    b = jax.random.normal(ks[1], (bsz, nv)).astype(dtype)
-    a = jax.random.normal(ks[2], (bsz, nv)).astype(dtype)
-    z = jax.random.normal(ks[3], (bsz, nv, d)).astype(dtype)
+    qkvz = jax.random.normal(ks[1], (bsz, 2 * (nk + nv) * d)).astype(dtype)
+    ba = jax.random.normal(ks[2], (bsz, 2 * nv)).astype(dtype)
     valid = jnp.arange(bsz) % 3 != 1  # row 1 is padding: its state must not move
     state = 0.3 * jax.random.normal(ks[4], (bsz, nv, d, d), jnp.float32)
     a_log = jax.random.normal(ks[5], (nv,))
     dt_bias = jax.random.normal(ks[6], (nv,))
     norm_w = (1 + 0.1 * jax.random.normal(ks[7], (d,))).astype(dtype)
-    return mixed, b, a, z, valid, state, a_log, dt_bias, norm_w
+    return mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w
 
 
 @pytest.mark.parametrize("bsz,nk,nv,d,dtype,y_tol", [
@@ -30,24 +30,26 @@ def _case(seed, bsz, nk, nv, d, dtype):
 ])
 def test_kernel_matches_reference(bsz, nk, nv, d, dtype, y_tol):
     args = _case(bsz + d, bsz, nk, nv, d, dtype)
-    assert kernel_unsupported(args[0], args[5], nk) is None
+    assert kernel_unsupported(*args[:3], args[4], nk) is None
     y, state = gdn_step(*args, num_k_heads=nk, eps=1e-6, impl="interpret")
     y_ref, state_ref = gdn_step_reference(*args, num_k_heads=nk, eps=1e-6)
     assert y.shape == (bsz, nv, d) and y.dtype == dtype and state.dtype == jnp.float32
     f = lambda x: np.asarray(x, np.float32)
     np.testing.assert_allclose(f(y), f(y_ref), atol=y_tol, rtol=y_tol)
     np.testing.assert_allclose(state, state_ref, atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(state[1], args[5][1])          # the padding row
-    assert np.abs(f(state[0]) - f(args[5][0])).max() > 1e-2      # a live row moved
+    np.testing.assert_array_equal(state[1], args[4][1])          # the padding row
+    assert np.abs(f(state[0]) - f(args[4][0])).max() > 1e-2      # a live row moved
 
 
 def test_unsupported_shapes_take_the_reference():
     args = _case(0, 2, 2, 4, 12, jnp.float32)
-    assert "power of two" in kernel_unsupported(args[0], args[5], 2)
+    assert "power of two" in kernel_unsupported(*args[:3], args[4], 2)
     ok = _case(0, 2, 2, 4, 16, jnp.float32)
-    assert "channels" in kernel_unsupported(ok[0][:, :-16], ok[5], 2)
+    assert "mixed has" in kernel_unsupported(ok[0][:, :-16], *ok[1:3], ok[4], 2)
+    assert "qkvz has" in kernel_unsupported(ok[0], ok[1][:, :-16], ok[2], ok[4], 2)
+    assert "ba has" in kernel_unsupported(*ok[:2], ok[2][:, :-1], ok[4], 2)
     state = jnp.zeros((2, 4, 16, 8))
-    assert "differ" in kernel_unsupported(jnp.zeros((2, 2 * 2 * 16 + 4 * 8)), state, 2)
+    assert "differ" in kernel_unsupported(jnp.zeros((2, 2 * 2 * 16 + 4 * 8)), *ok[1:3], state, 2)
     y, s = gdn_step(*args, num_k_heads=2, eps=1e-6, impl="interpret")
     y_ref, s_ref = gdn_step_reference(*args, num_k_heads=2, eps=1e-6)
     np.testing.assert_array_equal(y, y_ref)

@@ -40,21 +40,29 @@ UNROLL_STEPS = 8  # verify widths up to this many steps run as straight-line cod
 
 
 def project(p, x: jax.Array, cfg: ModelConfig):
-    """Input projections to ``mixed_qkv, z, b, a``; ``mixed_qkv`` in the grouped conv order.
+    """The input projections ``(mixed_qkv, qkvz, ba)``; ``mixed_qkv`` in the grouped conv order.
 
     ``in_proj_qkvz`` is laid out per key-head group as ``[q, k, v.., z..]``, so the
-    conv input is the first ``2 Dk + r Dv`` channels of every group.
+    conv input is the first ``2 Dk + r Dv`` channels of every group; ``gates`` takes
+    ``z, b, a`` out of ``qkvz`` and ``ba`` where they are used (the fused step kernel
+    reads them in place, so that no slice of them is ever written).
     """
     lead = x.shape[:-1]
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
-    qkvz = dense(x, p["in_proj_qkvz"]["weight"]).reshape(*lead, nk, 2 * dk + 2 * r * dv)
-    mixed = qkvz[..., : 2 * dk + r * dv].reshape(*lead, -1)
-    z = qkvz[..., 2 * dk + r * dv :].reshape(*lead, nv, dv)
-    ba = dense(x, p["in_proj_ba"]["weight"]).reshape(*lead, nk, 2 * r)
-    b = ba[..., :r].reshape(*lead, nv)
-    a = ba[..., r:].reshape(*lead, nv)
-    return mixed, z, b, a
+    qkvz = dense(x, p["in_proj_qkvz"]["weight"])
+    mixed = qkvz.reshape(*lead, nk, 2 * dk + 2 * r * dv)[..., : 2 * dk + r * dv].reshape(*lead, -1)
+    return mixed, qkvz, dense(x, p["in_proj_ba"]["weight"])
+
+
+def gates(qkvz: jax.Array, ba: jax.Array, cfg) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``z [.., nv, Dv]``, ``b [.., nv]``, ``a [.., nv]`` out of the projections of `project`."""
+    lead = qkvz.shape[:-1]
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
+    z = qkvz.reshape(*lead, nk, 2 * dk + 2 * r * dv)[..., 2 * dk + r * dv :].reshape(*lead, nv, dv)
+    ba = ba.reshape(*lead, nk, 2 * r)
+    return z, ba[..., :r].reshape(*lead, nv), ba[..., r:].reshape(*lead, nv)
 
 
 @functools.lru_cache(maxsize=16)
@@ -205,19 +213,20 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
     one-token step after the conv is `mtp.pallas.gdn_step` (one kernel where ``impl``
     picks it). Returns ``(y, new_conv, new_rec, step_states)``.
     """
-    mixed, z, b, a = project(p, x, cfg)
+    mixed, qkvz, ba = project(p, x, cfg)
     mixed = jnp.where(valid[..., None], mixed, 0)
     conv_out = conv_windows(p, cfg, conv_state, mixed)
     counts = jnp.sum(valid, axis=1).astype(jnp.int32)
     steps = None
     if per_step and x.shape[1] == 1:
-        y, new_rec = fused_step.gdn_step(conv_out[:, 0], b[:, 0], a[:, 0], z[:, 0], valid[:, 0], rec_state,
+        y, new_rec = fused_step.gdn_step(conv_out[:, 0], qkvz[:, 0], ba[:, 0], valid[:, 0], rec_state,
                                          p["A_log"], p["dt_bias"], p["norm"]["weight"],
                                          num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
                                          impl=impl)
         out = out_project(p, y[:, None])
         rec_steps = new_rec[:, None]
     else:
+        z, b, a = gates(qkvz, ba, cfg)
         q, k, v, beta, g = split_heads(conv_out, b, a, p, cfg)
         k, beta, g = mask_updates(k, beta, g, valid)
         if per_step:

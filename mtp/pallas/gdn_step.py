@@ -34,21 +34,23 @@ from mtp.model.layers import gated_rms_norm, l2norm
 from mtp.pallas.backend import TENSOR_AXIS, env_choice, interpret_forced, resolve_impl, tensor_parallel_mesh
 
 
-def gdn_step_reference(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps):
-    """The step as the model computes it (``split_heads`` + one delta-rule step + gated norm).
+def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps):
+    """The step as the model computes it (``gates`` + ``split_heads`` + one delta-rule step + gated norm).
 
     mixed: [B, 2 nk Dk + nv Dv] conv output, grouped per key head ([q, k, v of its
-    value heads] for each key head, `gated_deltanet`'s conv order); b, a: [B, nv];
-    z: [B, nv, Dv]; valid: [B] bool; state: [B, nv, Dk, Dv] f32; a_log, dt_bias: [nv];
-    norm_w: [Dv]. Returns ``(y [B, nv, Dv] in mixed's dtype, new_state)``. The kernel
-    takes Dk = Dv (Qwen3-Next's 128) only.
+    value heads] for each key head, `gated_deltanet`'s conv order); qkvz: [B, nk (2 Dk
+    + 2 r Dv)] and ba: [B, 2 nv], the ``in_proj_qkvz`` and ``in_proj_ba`` outputs that
+    ``z`` and ``b, a`` come from; valid: [B] bool; state: [B, nv, Dk, Dv] f32; a_log,
+    dt_bias: [nv]; norm_w: [Dv]. Returns ``(y [B, nv, Dv] in mixed's dtype, new_state)``.
+    The kernel takes Dk = Dv (Qwen3-Next's 128) only.
     """
     from mtp.model import gated_deltanet as gdn  # imports this module: so here, not at the top
 
-    nv = b.shape[-1]
+    nv = state.shape[1]
     dk, dv = state.shape[-2:]
     bsz = mixed.shape[0]
     cfg_like = _HeadShape(num_k_heads, nv, dk, dv)
+    z, b, a = gdn.gates(qkvz, ba, cfg_like)
     q, k, v, beta, g = gdn.split_heads(mixed[:, None], b[:, None], a[:, None],
                                        {"A_log": a_log, "dt_bias": dt_bias}, cfg_like)
     k, beta, g = gdn.mask_updates(k, beta, g, valid[:, None])
@@ -65,21 +67,24 @@ class _HeadShape:
         self.linear_key_head_dim, self.linear_value_head_dim = dk, dv
 
 
-def kernel_unsupported(mixed, state, num_k_heads) -> str | None:
+def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads) -> str | None:
     """Why the kernel cannot take these inputs (the caller then runs the reference), or None."""
     _, nv, dk, dv = state.shape
+    nk = num_k_heads
     if dk != dv:
         return f"key and value head dims differ ({dk} vs {dv})"
     if dk & (dk - 1) or dk < 8:
         return f"head dim {dk} is not a power of two >= 8"
-    if mixed.shape[-1] != (2 * num_k_heads + nv) * dk:
-        return f"mixed has {mixed.shape[-1]} channels, not (2 nk + nv) D = {(2 * num_k_heads + nv) * dk}"
-    if nv % num_k_heads:
-        return f"{nv} value heads do not group over {num_k_heads} key heads"
+    if nv % nk:
+        return f"{nv} value heads do not group over {nk} key heads"
+    for name, x, want in (("mixed", mixed, (2 * nk + nv) * dk), ("qkvz", qkvz, 2 * (nk + nv) * dk),
+                          ("ba", ba, 2 * nv)):
+        if x.shape[-1] != want:
+            return f"{name} has {x.shape[-1]} channels, not {want} (nk={nk}, nv={nv}, D={dk})"
     return None
 
 
-def _kernel(q_ref, k_ref, v_ref, b_ref, a_ref, z_ref, valid_ref, s_ref, alog_ref, dtb_ref, w_ref,
+def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref, dtb_ref, w_ref,
             y_ref, s_out_ref, *, eps):
     d = s_ref.shape[-1]
     f32 = jnp.float32
@@ -104,22 +109,26 @@ def _kernel(q_ref, k_ref, v_ref, b_ref, a_ref, z_ref, valid_ref, s_ref, alog_ref
 
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "interpret"))
-def _gdn_step_pallas(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
+def _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
                      interpret=False):
     bsz, nv, d, _ = state.shape
     nk = num_k_heads
     r = nv // nk
-    heads = mixed.reshape(bsz, nk * (2 + r), d)  # per key head [q, k, v x r], a free reshape
+    # Free reshapes into d-wide blocks; the index maps pick each value head's blocks where the
+    # projections put them, so z, b and a are never sliced out into arrays of their own.
+    heads = mixed.reshape(bsz, nk * (2 + r), d)     # per key head [q, k, v x r]
+    zs = qkvz.reshape(bsz, nk * (2 + 2 * r), d)     # per key head [q, k, v x r, z x r]
     col = lambda off: pl.BlockSpec((1, 1, d), lambda i, h, off=off: (i, off(h), 0))
-    scalar = pl.BlockSpec((1, 1), lambda i, h: (i, h))
+    scalar = lambda off: pl.BlockSpec((1, 1), lambda i, h, off=off: (i, off(h)))
     per_head = pl.BlockSpec((1, 1), lambda i, h: (h, 0))
     group = lambda h: (h // r) * (2 + r)     # the value head's key-head group
     in_specs = [
         col(group),                          # q of the value head's key head
         col(lambda h: group(h) + 1),         # k
         col(lambda h: group(h) + 2 + h % r), # v
-        scalar, scalar,                      # b, a
-        pl.BlockSpec((1, 1, d), lambda i, h: (i, h, 0)),        # z
+        col(lambda h: (h // r) * (2 + 2 * r) + 2 + r + h % r),  # z, in qkvz
+        scalar(lambda h: (h // r) * 2 * r + h % r),             # b, in ba ([b x r, a x r] per group)
+        scalar(lambda h: (h // r) * 2 * r + r + h % r),         # a
         pl.BlockSpec((1, 1), lambda i, h: (i, 0)),              # valid
         pl.BlockSpec((1, 1, d, d), lambda i, h: (i, h, 0, 0)),  # state
         per_head, per_head,                  # A_log, dt_bias
@@ -141,19 +150,22 @@ def _gdn_step_pallas(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, nu
                    jax.ShapeDtypeStruct(state.shape, jnp.float32)],
         interpret=interpret,
         **kwargs,
-    )(heads, heads, heads, b, a, z, valid.astype(jnp.int32)[:, None], state.astype(jnp.float32),
+    )(heads, heads, heads, zs, ba, ba, valid.astype(jnp.int32)[:, None], state.astype(jnp.float32),
       a_log[:, None], dt_bias[:, None], norm_w)
 
 
-def gdn_step(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
+def gdn_step(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
              impl="auto"):
     """``gdn_step_reference``'s signature and results; ``impl`` picks the path (``backend``).
 
     Inputs the kernel cannot take (``kernel_unsupported``) go to the reference. ``auto``
     keeps the reference unless ``MTP_KERNELS`` names this op (``gdn_step=pallas``) or
     ``impl="pallas"`` is passed: on the H200 the kernel took a batch-1 decode step of the
-    1.38B model from 380 to 308 kernels and 1.33 to 1.24 ms of kernel time, but the step
-    itself stayed at 1.32 ms (results/decode_h200.md, gdn step), so it does not pay yet.
+    1.38B model from 356 to 308 kernels and 1.30 to 1.24 ms of kernel time, but the step
+    itself did not get shorter (1.31 vs 1.33 ms; results/decode_h200.md, sessions 4 and 5),
+    so it does not pay yet. Since then the kernel reads ``z``, ``b`` and ``a`` in place in
+    the projections, which removed 24 slice kernels from that step (284, counted by
+    `experiments/count_kernels.py`; its GPU timing is still owed).
     Traced under a mesh that splits ``backend.TENSOR_AXIS`` over the key heads, the
     kernel runs per shard on each device's key-head groups (a step never mixes heads);
     where the key heads do not divide, the reference, which XLA partitions.
@@ -163,20 +175,21 @@ def gdn_step(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w, *, num_k_head
         mode = "reference"  # no end-to-end gain measured (see the docstring)
     mesh = tensor_parallel_mesh()
     tp = mesh.shape[TENSOR_AXIS] if mesh is not None else 1
-    if mode == "reference" or kernel_unsupported(mixed, state, num_k_heads) or num_k_heads % tp:
-        return gdn_step_reference(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w,
+    if mode == "reference" or kernel_unsupported(mixed, qkvz, ba, state, num_k_heads) or num_k_heads % tp:
+        return gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
                                   num_k_heads=num_k_heads, eps=eps)
 
-    def run(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w):
-        return _gdn_step_pallas(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w,
+    def run(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w):
+        return _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
                                 num_k_heads=num_k_heads // tp, eps=eps,
                                 interpret=mode == "interpret" or interpret_forced())
 
     if mesh is not None:
-        # mixed's channels are grouped per key head, so an even split is a split on groups.
+        # The channels of mixed, qkvz and ba are grouped per key head, so an even split is a
+        # split on groups.
         ax = TENSOR_AXIS
         run = jax.shard_map(run, mesh=mesh, check_vma=False,
-                            in_specs=(P(None, ax), P(None, ax), P(None, ax), P(None, ax, None), P(),
+                            in_specs=(P(None, ax), P(None, ax), P(None, ax), P(),
                                       P(None, ax, None, None), P(ax), P(ax), P()),
                             out_specs=(P(None, ax, None), P(None, ax, None, None)))
-    return run(mixed, b, a, z, valid, state, a_log, dt_bias, norm_w)
+    return run(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w)
