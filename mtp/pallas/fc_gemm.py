@@ -357,14 +357,14 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
 
     Persistent and warp-specialised: warpgroup 2 is the TMA producer, warpgroups 0 and 1
     consume. ``acc="two"``: each consumer keeps two f32 accumulators (embed half, hidden
-    half) for a ``wg_m x tile_n`` tile, the CTA tile is ``2 wg_m x tile_n``, ``scales``
-    is [2, M_pad] = (r_e, r_h). ``acc="rescale"``: one accumulator, multiplied by
+    half) for a ``wg_m x tile_n`` tile, the CTA tile is ``2 wg_m x tile_n``.
+    ``acc="rescale"``: one accumulator, multiplied by
     ``r_e / r_h`` at the half boundary and by ``r_h`` at the end, so a consumer can own a
     larger tile (CTA ``wg_m x 2 tile_n``). Pallas' GPU interpreter cannot store to an
     accumulator, so only ``"two"`` runs in CPU tests. The row scales come from
     ``ss_parts`` = ``_row_sumsq(...)``: each consumer sums the splits of its rows and takes
     ``r = rsqrt(ss / H + eps)`` when a tile starts (the ratio must be known at the half
-    boundary, before the hidden half is read, so the sums cannot come from the tiles).
+    boundary, before the hidden half is read; see the module docstring).
     """
     m, h = embed.shape
     dtype = embed.dtype
