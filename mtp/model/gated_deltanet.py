@@ -47,20 +47,26 @@ def project(p, x: jax.Array, cfg: ModelConfig):
     ``z, b, a`` out of ``qkvz`` and ``ba`` where they are used (the fused step kernel
     reads them in place, so that no slice of them is ever written).
     """
-    lead = x.shape[:-1]
+    qkvz = dense(x, p["in_proj_qkvz"]["weight"])
+    groups, qkv_width = _qkvz_groups(qkvz, cfg)
+    mixed = groups[..., :qkv_width].reshape(*x.shape[:-1], -1)
+    return mixed, qkvz, dense(x, p["in_proj_ba"]["weight"])
+
+
+def _qkvz_groups(qkvz: jax.Array, cfg):
+    """``qkvz`` as ``[.., nk, 2 Dk + 2 r Dv]`` key-head groups, and the width of a group's q, k, v."""
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
-    qkvz = dense(x, p["in_proj_qkvz"]["weight"])
-    mixed = qkvz.reshape(*lead, nk, 2 * dk + 2 * r * dv)[..., : 2 * dk + r * dv].reshape(*lead, -1)
-    return mixed, qkvz, dense(x, p["in_proj_ba"]["weight"])
+    return qkvz.reshape(*qkvz.shape[:-1], nk, 2 * dk + 2 * r * dv), 2 * dk + r * dv
 
 
 def gates(qkvz: jax.Array, ba: jax.Array, cfg) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``z [.., nv, Dv]``, ``b [.., nv]``, ``a [.., nv]`` out of the projections of `project`."""
     lead = qkvz.shape[:-1]
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
-    z = qkvz.reshape(*lead, nk, 2 * dk + 2 * r * dv)[..., 2 * dk + r * dv :].reshape(*lead, nv, dv)
+    r = nv // nk
+    groups, qkv_width = _qkvz_groups(qkvz, cfg)
+    z = groups[..., qkv_width:].reshape(*lead, nv, cfg.linear_value_head_dim)
     ba = ba.reshape(*lead, nk, 2 * r)
     return z, ba[..., :r].reshape(*lead, nv), ba[..., r:].reshape(*lead, nv)
 
