@@ -11,8 +11,9 @@ decide as they would on the H200.
 
 What is compiled is `experiments/bench_decode.py` part A's step (``chained_verify_step``)
 on its 1.38B Qwen3-Next-shaped model. Checked against the H200's own CUPTI counts
-(results/decode_h200_session5.json): 308 kernels at batch 1 with the default kernels and
-356 with ``MTP_KERNELS=gdn_step=reference``, both exact. Two limits: XLA cannot autotune
+(results/decode_h200_session5.json): 356 kernels at batch 1 with the default kernels and
+308 with ``MTP_KERNELS=gdn_step=pallas`` (before that kernel read z, b, a in place), both
+exact. Two limits: XLA cannot autotune
 without a device, so GEMM tile choices (and where they add split-K reductions) may differ
 from the GPU's; and Mosaic GPU kernels are lowered here but assembled only on the device.
 
@@ -20,9 +21,9 @@ Needs the CUDA plugin (`scripts/setup_aot.sh` makes `.venv-aot`; BUILD.md):
 
     PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py [--batches 1,8] [--tokens 4]
         [--loop] [--list] [--dump DIR]
+    MTP_KERNELS=reference PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py
 
 (``--batches``, ``--context`` and ``--steps_per_call`` are bench_decode's own flags.)
-    MTP_KERNELS=reference PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py
 
 Prints, per compile: the kernel launches from XLA's thunk sequence (each kernel thunk and
 each custom call launches one kernel, memory copies are counted apart), the launches by

@@ -60,7 +60,7 @@ def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *,
 
 
 class _HeadShape:
-    """The config fields ``split_heads`` reads."""
+    """The config fields ``gated_deltanet.gates`` and ``split_heads`` read."""
 
     def __init__(self, nk, nv, dk, dv):
         self.linear_num_key_heads, self.linear_num_value_heads = nk, nv
