@@ -53,6 +53,7 @@ flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "gdn", "chain"],
                   "Which kernels to check and time (gemv: XLA's small-row GEMMs, as is vs padded).")
 flags.DEFINE_list("gemv_rows", ["1"], "Small-row GEMMs: the row counts M to time.")
 flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.")
+flags.DEFINE_integer("fc_max_m", None, "fc GEMM: only the rows with M up to this (default: all).")
 flags.DEFINE_list("pa_batches", None, "Paged attention: only these batch sizes (default: all).")
 flags.DEFINE_string("pa_heads", None, "Paged attention: only this (Hq,Hkv,D), e.g. 16,2,256.")
 flags.DEFINE_bool("small", False, "fc and gemv only, tiny shapes (Pallas interpret mode): a CPU check "
@@ -113,8 +114,8 @@ def bench_fc(m, h, reps, variants=None):
     """Checks, then times, the fc kernel path against XLA.
 
     "ours" is what the model runs per call: ``fc_gemm_folded`` on the load-time folded
-    weight (for M <= 64 XLA's row-rsqrt, the split-K kernel and XLA's partial sum; above,
-    the row sum-of-squares kernel and the GEMM).
+    weight (for M <= 64 one split-K kernel that reduces its splits in a thread-block
+    cluster; above, the row sum-of-squares kernel and the GEMM).
     "XLA dot" is ``jnp.dot`` alone on an input already normalised and concatenated;
     "unfused" is the reference (norm + concat + dot), what ``impl="reference"`` runs.
     """
@@ -153,15 +154,9 @@ def bench_fc(m, h, reps, variants=None):
     t_dot, _ = _time(dot_fn, xs, reps)
     t_ref, _ = _time(ref_fn, ref_sets, reps)
     res.update(t_ours=t_ours, t_xla_dot=t_dot, t_xla_unfused=t_ref, timing=method)
-    # Where "ours" spends its time: the split-K kernel alone (M <= 64; the rest is the
-    # XLA row-rsqrt and partial sum), or (larger M) the row sum-of-squares kernel alone,
-    # beside XLA's own reduction of the same sums (what it replaced).
-    if m <= fcmod.SMALL_M and not FLAGS.small:
-        tn, ks, st = fcmod._plan_small(h, num_sms())
-        part_fn = jax.jit(functools.partial(fcmod._splitk_partials, tile_n=tn, k_splits=ks,
-                                            stages=st))
-        res["t_splitk_kernel"] = _time(part_fn, our_sets, reps)[0]
-    elif m > fcmod.SMALL_M:
+    # Where "ours" spends its time (M > 64): the row sum-of-squares kernel alone, beside
+    # XLA's own reduction of the same sums (what it replaced).
+    if m > fcmod.SMALL_M:
         pre_fn = jax.jit(lambda e, hd, wf: jnp.stack([fcmod._rms_scale(e, eps),
                                                       fcmod._rms_scale(hd, eps)]))
         res["t_row_rsqrt_xla"] = _time(pre_fn, our_sets, reps)[0]
@@ -186,14 +181,15 @@ def fc_variants(m, h):
         if m == 12288 and h == 4096:
             v.update({"rescale_s3": dict(stages=3), "rescale_n64_s6": dict(tile_n=64, stages=6)})
         return v
+    # The split-K path: its partials summed by XLA after the kernel (the interpreter's
+    # form, and the GPU form before session 6) beside the in-cluster reduction.
+    v = {"partials": dict(reduce="partials")}
     if m == 8 and h == 4096:
-        return {"s8": dict(stages=8), "k8": dict(k_splits=8),
-                "n256_k8_s4": dict(tile_n=256, k_splits=8, stages=4),
-                "n256_k4_s4": dict(tile_n=256, k_splits=4, stages=4)}
+        v.update({"s8": dict(stages=8), "k8": dict(k_splits=8), "n64_k4": dict(tile_n=64, k_splits=4)})
     if m == 8 and h == 2048:
-        return {"k4": dict(k_splits=4), "k16_s4": dict(k_splits=16, stages=4),
-                "n256_k16_s4": dict(tile_n=256, k_splits=16, stages=4)}
-    return {}
+        v.update({"n64_k4": dict(tile_n=64, k_splits=4), "s4": dict(stages=4),
+                  "n64_k8_s4": dict(tile_n=64, k_splits=8, stages=4)})
+    return v
 
 
 # ------------------------------------------------------------------ small-row GEMMs (decode)
@@ -430,8 +426,7 @@ def render(results):
                 desc = (f"{_fmt_us(t)} µs ({r['t_xla_dot'] / t:.2f}x XLA dot), rel err {v['rel_err']:.1e}"
                         if isinstance(t, float) else v.get("error", "fail")[:120])
                 var_lines.append(f"* M={r['M']}, H={r['H']}, {k[8:]}: {desc}")
-        for k, what in (("t_splitk_kernel", "the split-K kernel alone"),
-                        ("t_row_sumsq_kernel", "the row sum-of-squares kernel alone"),
+        for k, what in (("t_row_sumsq_kernel", "the row sum-of-squares kernel alone"),
                         ("t_row_rsqrt_xla", "XLA's row-rsqrt reduction alone (replaced)")):
             if isinstance(r.get(k), float):
                 var_lines.append(f"* M={r['M']}, H={r['H']}, {what}: {_fmt_us(r[k])} µs")
@@ -541,6 +536,8 @@ def main(_):
                       if (m, h) not in fc_shapes]
     if not run_pa:
         pa_shapes = []
+    if FLAGS.fc_max_m is not None:
+        fc_shapes = [(m, h) for m, h in fc_shapes if m <= FLAGS.fc_max_m]
     if FLAGS.pa_batches or FLAGS.pa_heads:  # a partial table: no sweeps
         heads = tuple(int(v) for v in FLAGS.pa_heads.split(",")) if FLAGS.pa_heads else None
         batches = {int(b) for b in FLAGS.pa_batches} if FLAGS.pa_batches else None

@@ -1,8 +1,11 @@
 """The drafter's fused norm + concat + fc GEMM: the kernels (interpret mode) against the reference."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -71,6 +74,35 @@ def test_split_k_path_matches_reference(m, h, kw):
     """The propose path: rows past M are TMA zero-fill; each split stays in one half."""
     args = _inputs(m * 31 + h, m, h)
     _check_against_reference(_kernel(args, **kw), args)
+
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.mark.parametrize("m,h,kw", [
+    (1, 2048, {}), (8, 2048, dict(tile_n=64, k_splits=4)), (32, 4096, {}), (5, 256, dict(k_splits=2)),
+] if ON_GPU else [(5, 256, dict(k_splits=4)), (40, 128, dict(tile_n=32, k_splits=2, stages=2))])
+def test_split_k_as_the_model_runs_it(m, h, kw):
+    """The propose path's default form: on a GPU the compiled kernel that reduces its splits
+    in a thread-block cluster (the interpreter has no clusters, so on a CPU this is the
+    partials form). Both forms sum the same partial products, so they agree closely."""
+    args = _inputs(m * 13 + h, m, h)
+    w_f = fold_fc_weight(*args[2:])
+    ctx = (contextlib.nullcontext() if ON_GPU
+           else plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()))
+    with ctx:
+        out = fc_gemm_folded(args[0], args[1], w_f, eps=1e-6, **kw)
+        partials = fc_gemm_folded(args[0], args[1], w_f, eps=1e-6, reduce="partials", **kw)
+    _check_against_reference(out, args)
+    assert _rel_err(out, partials) < 4e-3
+
+
+def test_cluster_reduction_limits():
+    e, hd, ne, nh, w = _inputs(0, 4, 2048)
+    with pytest.raises(ValueError, match="k_splits <= 8"):
+        fcmod._splitk(e, hd, w, tile_n=128, k_splits=16, stages=2, eps=1e-6, reduce="cluster")
+    with pytest.raises(ValueError, match="reduce="):
+        fcmod._splitk(e, hd, w, tile_n=128, k_splits=4, stages=2, eps=1e-6, reduce="atomic")
 
 
 @pytest.mark.parametrize("m,h,kw", [

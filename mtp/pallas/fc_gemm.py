@@ -167,6 +167,9 @@ def fold_fc_weight(norm_e_w, norm_h_w, w):
 
 # ------------------------------------------------------------------ small M: split-K stream
 
+MAX_CLUSTER = 8  # the portable thread-block cluster size: at most this many K splits reduce in-kernel
+REDUCE_COLS = 32  # f32 columns one cluster block reduces at a time (one 128-byte swizzle tile)
+
 
 def _plan_small(h: int, num_sms: int, tile_n=None, k_splits=None, stages=None):
     tile_n = tile_n or 128
@@ -176,7 +179,7 @@ def _plan_small(h: int, num_sms: int, tile_n=None, k_splits=None, stages=None):
         # Programs = (H / tile_n) * splits: the fewest splits giving ~one wave of programs.
         k_splits = 2
         while ((h // tile_n) * k_splits * 2 <= num_sms and h % (k_splits * 64) == 0
-               and h // k_splits >= 4 * 64):
+               and h // k_splits >= 4 * 64 and k_splits < MAX_CLUSTER):
             k_splits *= 2
     if k_splits % 2 or h % ((k_splits // 2) * 64):
         raise ValueError(f"k_splits={k_splits} must be even and split H={h} into 64-column tiles")
@@ -184,8 +187,43 @@ def _plan_small(h: int, num_sms: int, tile_n=None, k_splits=None, stages=None):
     return tile_n, k_splits, stages
 
 
-def _splitk_partials(embed, hidden, w_f, *, tile_n, k_splits, stages, tile_k=64):
-    """[k_splits, M, H] f32: split s holds x_s @ W_f[:, cols_s].T (embed for s < S/2)."""
+def _cluster_sync():
+    """Every thread of every block in the cluster arrives, then waits (release / acquire).
+
+    Orders each block's shared-memory writes before its peers' reads of them through
+    distributed shared memory, and keeps a block's shared memory alive until its peers
+    are done reading it. Pallas has no primitive for the hardware cluster barrier, so it
+    is one line of PTX.
+    """
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+
+    @plgpu.inline_mgpu()
+    def sync(_ctx):
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
+                        "barrier.cluster.arrive.aligned;\nbarrier.cluster.wait.aligned;", "",
+                        has_side_effects=True)
+
+    sync()
+
+
+def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k=64):
+    """The propose path (M <= 64): ``fc_gemm`` as a split-K weight stream.
+
+    Programs own ``tile_n`` output columns and one of ``k_splits`` reduction chunks, each
+    inside one half (embed for split s < S/2). A program streams ``(tile_n, tile_k)``
+    weight tiles and the matching ``(64, tile_k)`` input tiles through a ``stages``-deep
+    TMA pipeline (rows past M are zero-fill) with one wgmma in flight, and, while the
+    wgmma runs, sums the squares of the input tile's rows: its split's share of the row
+    norms, so no separate pass over the inputs is needed.
+
+    ``reduce="cluster"`` (the GPU path, one kernel): the K splits of a column tile form
+    one thread-block cluster. After a cluster barrier, block r reads every peer's f32
+    partial of its 32-column slabs and their sum-of-squares shares through distributed
+    shared memory, takes ``r_e, r_h``, and stores the bf16 result. Returns [M, H].
+    ``reduce="partials"`` (Pallas' interpreter has no clusters): the kernel writes the
+    partials ``[S, M, H]`` and shares ``[S, 64]`` and one XLA fusion finishes the sum.
+    """
     m, h = embed.shape
     dtype = embed.dtype
     tile_m = SMALL_M
@@ -195,9 +233,22 @@ def _splitk_partials(embed, hidden, w_f, *, tile_n, k_splits, stages, tile_k=64)
     stages = max(1, min(stages, nk))
     delay = 1 if stages > 1 else 0
     in_tr = swizzle_transforms(tile_k, dtype)
-    out_tr = swizzle_transforms(tile_n, jnp.float32)
+    slabs = tile_n // REDUCE_COLS
+    part_tr = swizzle_transforms(REDUCE_COLS, jnp.float32)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    cluster = reduce == "cluster"
+    if reduce not in ("cluster", "partials"):
+        raise ValueError(f"reduce={reduce!r}: choose 'cluster' or 'partials'")
+    if tile_n % REDUCE_COLS or (cluster and k_splits > MAX_CLUSTER):
+        raise ValueError(f"the split-K kernel needs tile_n a multiple of {REDUCE_COLS} and, to "
+                         f"reduce in a cluster, k_splits <= {MAX_CLUSTER}; got tile_n={tile_n}, "
+                         f"k_splits={k_splits}")
 
-    def kernel(e_ref, h_ref, w_ref, o_ref, o_smem):
+    def kernel(e_ref, h_ref, w_ref, *outs, part_smem, ss_smem, out_smem=None):
+        if cluster:
+            (o_ref,) = outs
+        else:
+            parts_ref, ss_ref = outs
         ni = lax.axis_index("n")
         si = lax.axis_index("k")
         zero = ni * 0  # a traced 0: row windows past M are TMA zero-fill / clipped stores
@@ -206,11 +257,14 @@ def _splitk_partials(embed, hidden, w_f, *, tile_n, k_splits, stages, tile_k=64)
 
         def half(x_ref, base):
             def scope(acc_ref):
-                def step(_, x_smem, w_smem):
+                def step(_, x_smem, w_smem, ss):
                     plgpu.wgmma(acc_ref, x_smem, w_smem.T)
+                    x = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                    ss = ss + jnp.sum(x * x, axis=1)
                     plgpu.wgmma_wait(delay)
+                    return ss
 
-                plgpu.emit_pipeline(
+                ss = plgpu.emit_pipeline(
                     step,
                     grid=(nk,),
                     in_specs=[
@@ -220,32 +274,82 @@ def _splitk_partials(embed, hidden, w_f, *, tile_n, k_splits, stages, tile_k=64)
                                         delay_release=delay),
                     ],
                     max_concurrent_steps=stages,
+                    init_carry=plgpu.layout_cast(jnp.zeros((tile_m,), jnp.float32), row_layout),
                 )(x_ref.at[:, pl.ds(k0, chunk)], w_ref.at[cols, pl.ds(base + k0, chunk)])
-                return acc_ref[...]
+                return acc_ref[...], ss
 
-            acc = pl.run_scoped(scope, plgpu.ACC((tile_m, tile_n), jnp.float32))
-            o_smem[...] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[si, pl.ds(zero, tile_m), cols])
-            plgpu.wait_smem_to_gmem(0)
+            acc, ss = pl.run_scoped(scope, plgpu.ACC((tile_m, tile_n), jnp.float32))
+            for j, slab_smem in enumerate(part_smem):
+                slab_smem[...] = acc[:, j * REDUCE_COLS:(j + 1) * REDUCE_COLS]
+            ss_smem[...] = ss
 
         pl.when(si < per_half)(lambda: half(e_ref, 0))
         pl.when(si >= per_half)(lambda: half(h_ref, h))
 
-    smem = stages * (tile_m + tile_n) * tile_k * 2 + tile_m * tile_n * 4
+        if not cluster:
+            plgpu.commit_smem()
+            for j, slab_smem in enumerate(part_smem):
+                plgpu.copy_smem_to_gmem(slab_smem, parts_ref.at[
+                    si, pl.ds(zero, tile_m), pl.ds(ni * tile_n + j * REDUCE_COLS, REDUCE_COLS)])
+
+            @pl.when(ni == 0)
+            def _():
+                plgpu.copy_smem_to_gmem(ss_smem, ss_ref.at[si])
+
+            plgpu.wait_smem_to_gmem(0)
+            return
+
+        _cluster_sync()  # every block's partial and share are in its shared memory
+        peer = lambda ref, p: plgpu.cluster_ref(ref, {"k": p})
+        r_e, r_h = (lax.rsqrt(sum(plgpu.load(peer(ss_smem, p), layout=row_layout,
+                                             optimized=False) for p in splits) * (1.0 / h) + eps)
+                    for splits in (range(per_half), range(per_half, k_splits)))
+        bcast = lambda v: lax.broadcast_in_dim(v, (tile_m, REDUCE_COLS), [0])
+        for j, slab_smem in enumerate(part_smem):
+            @pl.when(si == j % k_splits)
+            def _(j=j, slab_smem=slab_smem):
+                part = lambda p: plgpu.load(peer(slab_smem, p), layout=plgpu.Layout.WGMMA)
+                acc_e = sum(part(p) for p in range(per_half))
+                acc_h = sum(part(p) for p in range(per_half, k_splits))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                out_smem[...] = (acc_e * bcast(r_e) + acc_h * bcast(r_h)).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    out_smem, o_ref.at[pl.ds(zero, tile_m), pl.ds(ni * tile_n + j * REDUCE_COLS,
+                                                                  REDUCE_COLS)])
+
+        plgpu.wait_smem_to_gmem(0)
+        _cluster_sync()  # no block leaves while a peer may still read its shared memory
+
+    smem = (stages * (tile_m + tile_n) * tile_k * 2 + tile_m * tile_n * 4
+            + (tile_m * REDUCE_COLS * 2 if cluster else 0))
     if smem > _SMEM_LIMIT:
         raise ValueError(f"split-K fc kernel needs {smem} bytes of shared memory "
                          f"(tile_n={tile_n}, stages={stages}); the limit is {_SMEM_LIMIT}")
-    call = plgpu.kernel(
+    # One buffer per 32-column slab: a peer's view of a buffer must start at its base.
+    scratch = dict(part_smem=[plgpu.SMEM((tile_m, REDUCE_COLS), jnp.float32, transforms=part_tr)
+                              for _ in range(slabs)],
+                   ss_smem=plgpu.SMEM((tile_m,), jnp.float32))
+    if cluster:
+        scratch["out_smem"] = plgpu.SMEM((tile_m, REDUCE_COLS), dtype,
+                                         transforms=swizzle_transforms(REDUCE_COLS, dtype))
+        return plgpu.kernel(
+            kernel, out_type=jax.ShapeDtypeStruct((m, h), dtype),
+            grid=(h // tile_n,), grid_names=("n",), cluster=(k_splits,), cluster_names=("k",),
+            scratch_types=scratch,
+        )(embed, hidden, w_f)
+    parts, ss = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((k_splits, m, h), jnp.float32),
-        grid=(h // tile_n, k_splits),
-        grid_names=("n", "k"),
-        scratch_types=dict(
-            o_smem=plgpu.SMEM((tile_m, tile_n), jnp.float32, transforms=out_tr),
-        ),
-    )
-    return call(embed, hidden, w_f)
+        out_type=(jax.ShapeDtypeStruct((k_splits, m, h), jnp.float32),
+                  jax.ShapeDtypeStruct((k_splits, tile_m), jnp.float32)),
+        grid=(h // tile_n, k_splits), grid_names=("n", "k"),
+        scratch_types=scratch,
+    )(embed, hidden, w_f)
+    r_e, r_h = (lax.rsqrt(jnp.sum(s[:, :m], axis=0) * (1.0 / h) + eps)
+                for s in (ss[:per_half], ss[per_half:]))
+    out = (jnp.sum(parts[:per_half], axis=0) * r_e[:, None]
+           + jnp.sum(parts[per_half:], axis=0) * r_h[:, None])
+    return out.astype(dtype)
 
 
 # ------------------------------------------------------------------ row sums of squares
@@ -518,9 +622,10 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "wg_m", "tile_n", "k_splits", "stages",
-                                             "num_programs", "small_m", "acc", "sumsq"))
+                                             "num_programs", "small_m", "acc", "sumsq", "reduce"))
 def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_splits=None,
-                   stages=None, num_programs=None, small_m=SMALL_M, acc="rescale", sumsq=None):
+                   stages=None, num_programs=None, small_m=SMALL_M, acc="rescale", sumsq=None,
+                   reduce=None):
     """The kernel path: ``fc_gemm`` given the folded weight ``fold_fc_weight(...)``.
 
     embed, hidden: [M, H]; w_folded: [H, 2H]; all three the same 16-bit dtype. The tile
@@ -530,20 +635,19 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     faster than ``acc="two"`` on the H200, results/kernels_h200.md run 3). Pallas' GPU
     interpreter cannot store to an accumulator, so interpret mode needs ``acc="two"``
     (``fc_gemm(impl="interpret")`` passes it). ``sumsq``: ``(tile_c, splits, stages)`` of
-    the row sum-of-squares kernel that runs before the large-M GEMM.
+    the row sum-of-squares kernel that runs before the large-M GEMM. ``reduce``: how the
+    split-K path sums its splits (``_splitk``): ``"cluster"`` in-kernel (the default on a
+    GPU), ``"partials"`` in one XLA fusion after it (the default in interpret mode).
     """
     _check_kernel_inputs(embed, hidden, w_folded, small_m)
     m, h = embed.shape
     if m <= small_m:
-        r_e, r_h = _rms_scale(embed, eps), _rms_scale(hidden, eps)
         if m > SMALL_M:
             raise ValueError(f"small_m={small_m} exceeds the {SMALL_M}-row split-K tile")
         tn, ks, st = _plan_small(h, num_sms(), tile_n, k_splits, stages)
-        parts = _splitk_partials(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st)
-        half = ks // 2
-        out = (jnp.sum(parts[:half], axis=0) * r_e[:, None]
-               + jnp.sum(parts[half:], axis=0) * r_h[:, None])
-        return out.astype(embed.dtype)
+        reduce = reduce or ("partials" if interpret_forced() else "cluster")
+        return _splitk(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st, eps=eps,
+                       reduce=reduce)
     wm, tn, st, npg = _plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc)
     tc, sp, sst = _plan_sumsq(m, h, num_sms(), *(sumsq or ()))
     cta_m = 2 * wm if acc == "two" else wm
