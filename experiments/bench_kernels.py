@@ -181,14 +181,15 @@ def fc_variants(m, h):
         if m == 12288 and h == 4096:
             v.update({"rescale_s3": dict(stages=3), "rescale_n64_s6": dict(tile_n=64, stages=6)})
         return v
-    # The split-K path: its partials summed by XLA after the kernel (the interpreter's
-    # form, and the GPU form before session 6) beside the in-cluster reduction.
-    v = {"partials": dict(reduce="partials")}
-    if m == 8 and h == 4096:
-        v.update({"s8": dict(stages=8), "k8": dict(k_splits=8), "n64_k4": dict(tile_n=64, k_splits=4)})
-    if m == 8 and h == 2048:
-        v.update({"n64_k4": dict(tile_n=64, k_splits=4), "s4": dict(stages=4),
-                  "n64_k8_s4": dict(tile_n=64, k_splits=8, stages=4)})
+    # The split-K path (M <= 64): the in-cluster reduction beside the default partials
+    # form, and plan alternatives (tile_n, K splits, stages).
+    v = {"cluster": dict(reduce="cluster"), "s3": dict(stages=3), "s4": dict(stages=4)}
+    if h == 2048:
+        v.update({"k4": dict(k_splits=4), "k16_s4": dict(k_splits=16, stages=4),
+                  "n64_k4": dict(tile_n=64, k_splits=4)})
+    if h == 4096:
+        v.update({"k8": dict(k_splits=8), "k8_s4": dict(k_splits=8, stages=4),
+                  "n256_k8_s3": dict(tile_n=256, k_splits=8, stages=3)})
     return v
 
 

@@ -50,8 +50,11 @@ Two kernels (Mosaic GPU, Hopper):
   are TMA zero-fill, never materialised) and the 2H reduction is split across
   programs (split-K, each split inside one half) so that >= ~128 programs stream
   ``W_f``; each streams ``(tile_n, 64)`` weight tiles through a ``stages``-deep TMA
-  pipeline with one wgmma in flight. The f32 partials (``splits x M x H``) are summed
-  and scaled by ``r`` in one small XLA fusion.
+  pipeline with one wgmma in flight, and sums its input tiles' squares meanwhile (its
+  share of the row norms). The f32 partials (``splits x M x H``) and shares are summed
+  and scaled by ``r`` in one XLA loop fusion: two kernels in all. Reducing the splits
+  inside the kernel, in a thread-block cluster, is built (``reduce="cluster"``) but
+  measured slower (see ``_splitk``).
 """
 
 from __future__ import annotations
@@ -179,7 +182,7 @@ def _plan_small(h: int, num_sms: int, tile_n=None, k_splits=None, stages=None):
         # Programs = (H / tile_n) * splits: the fewest splits giving ~one wave of programs.
         k_splits = 2
         while ((h // tile_n) * k_splits * 2 <= num_sms and h % (k_splits * 64) == 0
-               and h // k_splits >= 4 * 64 and k_splits < MAX_CLUSTER):
+               and h // k_splits >= 4 * 64):
             k_splits *= 2
     if k_splits % 2 or h % ((k_splits // 2) * 64):
         raise ValueError(f"k_splits={k_splits} must be even and split H={h} into 64-column tiles")
@@ -217,12 +220,15 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
     wgmma runs, sums the squares of the input tile's rows: its split's share of the row
     norms, so no separate pass over the inputs is needed.
 
-    ``reduce="cluster"`` (the GPU path, one kernel): the K splits of a column tile form
-    one thread-block cluster. After a cluster barrier, block r reads every peer's f32
-    partial of its 32-column slabs and their sum-of-squares shares through distributed
-    shared memory, takes ``r_e, r_h``, and stores the bf16 result. Returns [M, H].
-    ``reduce="partials"`` (Pallas' interpreter has no clusters): the kernel writes the
-    partials ``[S, M, H]`` and shares ``[S, 64]`` and one XLA fusion finishes the sum.
+    ``reduce="partials"`` (the default): the kernel writes the partials ``[S, M, H]`` and
+    shares ``[S, 64]`` and one XLA loop fusion finishes. ``reduce="cluster"`` (GPU only;
+    Pallas' interpreter has no clusters): the K splits of a column tile form one
+    thread-block cluster; after a cluster barrier, block r reads every peer's f32 partial
+    of its 32-column slabs and the peers' shares through distributed shared memory and
+    stores the bf16 result, so the op is one kernel. On the H200 that measured 2.5x
+    slower than the partials form (17.5 vs 7.1 us at M = 8, H = 2048): launching the
+    grid as clusters alone cost ~3.5 us, the barrier 1.5 and the remote reads 7
+    (results/kernels_h200.md, run 11). Returns [M, H].
     """
     m, h = embed.shape
     dtype = embed.dtype
@@ -345,10 +351,12 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
         grid=(h // tile_n, k_splits), grid_names=("n", "k"),
         scratch_types=scratch,
     )(embed, hidden, w_f)
-    r_e, r_h = (lax.rsqrt(jnp.sum(s[:, :m], axis=0) * (1.0 / h) + eps)
-                for s in (ss[:per_half], ss[per_half:]))
-    out = (jnp.sum(parts[:per_half], axis=0) * r_e[:, None]
-           + jnp.sum(parts[per_half:], axis=0) * r_h[:, None])
+    # Sums of static slices, not reductions: XLA keeps the whole epilogue in one loop
+    # fusion (at M = 1 a reduction became two more kernels).
+    total = lambda x, splits: functools.reduce(jnp.add, (x[s] for s in splits))
+    lo, hi = range(per_half), range(per_half, k_splits)
+    r_e, r_h = (lax.rsqrt(total(ss[:, :m], sp) * (1.0 / h) + eps) for sp in (lo, hi))
+    out = total(parts, lo) * r_e[:, None] + total(parts, hi) * r_h[:, None]
     return out.astype(dtype)
 
 
@@ -625,7 +633,7 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
                                              "num_programs", "small_m", "acc", "sumsq", "reduce"))
 def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_splits=None,
                    stages=None, num_programs=None, small_m=SMALL_M, acc="rescale", sumsq=None,
-                   reduce=None):
+                   reduce="partials"):
     """The kernel path: ``fc_gemm`` given the folded weight ``fold_fc_weight(...)``.
 
     embed, hidden: [M, H]; w_folded: [H, 2H]; all three the same 16-bit dtype. The tile
@@ -636,8 +644,8 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     interpreter cannot store to an accumulator, so interpret mode needs ``acc="two"``
     (``fc_gemm(impl="interpret")`` passes it). ``sumsq``: ``(tile_c, splits, stages)`` of
     the row sum-of-squares kernel that runs before the large-M GEMM. ``reduce``: how the
-    split-K path sums its splits (``_splitk``): ``"cluster"`` in-kernel (the default on a
-    GPU), ``"partials"`` in one XLA fusion after it (the default in interpret mode).
+    split-K path sums its splits (``_splitk``): ``"partials"`` in one XLA fusion after the
+    kernel, or ``"cluster"`` inside it (GPU only; measured slower, see ``_splitk``).
     """
     _check_kernel_inputs(embed, hidden, w_folded, small_m)
     m, h = embed.shape
@@ -645,7 +653,6 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
         if m > SMALL_M:
             raise ValueError(f"small_m={small_m} exceeds the {SMALL_M}-row split-K tile")
         tn, ks, st = _plan_small(h, num_sms(), tile_n, k_splits, stages)
-        reduce = reduce or ("partials" if interpret_forced() else "cluster")
         return _splitk(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st, eps=eps,
                        reduce=reduce)
     wm, tn, st, npg = _plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc)
