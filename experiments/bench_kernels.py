@@ -186,10 +186,12 @@ def fc_variants(m, h):
     v = {"cluster": dict(reduce="cluster"), "s3": dict(stages=3), "s4": dict(stages=4)}
     if h == 2048:
         v.update({"k4": dict(k_splits=4), "k16_s4": dict(k_splits=16, stages=4),
-                  "n64_k4": dict(tile_n=64, k_splits=4)})
-    if h == 4096:
-        v.update({"k8": dict(k_splits=8), "k8_s4": dict(k_splits=8, stages=4),
+                  "n256_k16_s3": dict(tile_n=256, k_splits=16, stages=3),
                   "n256_k8_s3": dict(tile_n=256, k_splits=8, stages=3)})
+    if h == 4096:
+        v.update({"k8": dict(k_splits=8), "n256_k8_s3": dict(tile_n=256, k_splits=8, stages=3),
+                  "n256_k16_s3": dict(tile_n=256, k_splits=16, stages=3),
+                  "n256_k4_s3": dict(tile_n=256, k_splits=4, stages=3)})
     return v
 
 
