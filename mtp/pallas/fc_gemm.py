@@ -665,12 +665,13 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
 
 
 def _kernel_wins(m: int, h: int) -> bool:
-    """Where ``impl="auto"`` takes the kernel on a GPU (results/kernels_h200.md, run 9).
+    """Where ``impl="auto"`` takes the kernel on a GPU (results/kernels_h200.md, runs 9-12).
 
     Measured against XLA's norm + concat + dot: M = 2048 and 12288 at H = 2048 and 4096
-    1.06-1.15x (kernel); M = 1, 8, 32 at H = 2048 0.74-0.83x and at H = 4096 0.88-1.18x
-    (mixed, so the reference); M in (64, 2048) was not measured (reference). The kernel
-    needs M to be a multiple of 8 (the model's prefill chunks are multiples of 64).
+    1.06-1.15x (kernel); M = 1, 8, 32 at H = 2048 0.92-1.01x and at H = 4096 0.94-1.28x
+    over two runs (mixed, so the reference); M in (64, 2048) was not measured
+    (reference). The kernel needs M to be a multiple of 8 (the model's prefill chunks
+    are multiples of 64).
     """
     del h
     return m >= 2048 and m % 8 == 0
