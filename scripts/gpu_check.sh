@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:?set OUT to an output directory}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
-small=(); reps=7; kernel=pallas; tests=(tests/test_kernels_in_model.py tests/test_pallas_gdn_step.py)
+small=(); reps=7; kernel=pallas; tests=(tests/test_kernels_in_model.py tests/test_pallas_gdn_step.py tests/test_pallas_fc_gemm.py)
 if [[ -n "${SMALL:-}" ]]; then small=(--small); reps=2; kernel=interpret; tests=(tests/test_pallas_gdn_step.py); fi
 ngpu=$($PY -c "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))")
 mkdir -p "$OUT"
