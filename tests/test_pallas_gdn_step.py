@@ -41,6 +41,19 @@ def test_kernel_matches_reference(bsz, nk, nv, d, dtype, y_tol):
     assert np.abs(f(state[0]) - f(args[4][0])).max() > 1e-2      # a live row moved
 
 
+def test_qkvz_rows_past_the_batch_are_ignored():
+    """The model passes a padded GEMM's whole output (``layers.dense_rows``): extra rows."""
+    args = _case(5, 2, 2, 4, 16, jnp.float32)
+    junk = 1e3 * jax.random.normal(jax.random.key(9), (3, args[1].shape[1]))
+    padded = (args[0], jnp.concatenate([args[1], junk]), *args[2:])
+    for impl in ("interpret", "reference"):
+        y, s = gdn_step(*padded, num_k_heads=2, eps=1e-6, impl=impl)
+        y_ref, s_ref = gdn_step_reference(*args, num_k_heads=2, eps=1e-6)
+        np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5)
+    assert "rows for a batch" in kernel_unsupported(args[0], args[1][:1], args[2], args[4], 2)
+
+
 def test_unsupported_shapes_take_the_reference():
     args = _case(0, 2, 2, 4, 12, jnp.float32)
     assert "power of two" in kernel_unsupported(*args[:3], args[4], 2)
@@ -56,7 +69,9 @@ def test_unsupported_shapes_take_the_reference():
     np.testing.assert_array_equal(s, s_ref)
 
 
-def test_model_decode_with_the_kernel_equals_the_reference():
+@pytest.mark.parametrize("padded_gemms", ["0", "1"], indirect=True)
+def test_model_decode_with_the_kernel_equals_the_reference(padded_gemms):
+    """With padding on, the kernel reads ``in_proj_qkvz``'s padded output in place."""
     cfg = tiny_config("tiny_dense")  # Dk = Dv = 8: the kernel takes its Gated DeltaNet layers
     params = random_params(cfg, seed=3)
     b, blocks = 2, 6

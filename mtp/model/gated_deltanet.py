@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp.config import ModelConfig
-from mtp.model.layers import dense, gated_rms_norm, l2norm
+from mtp.model.layers import dense, dense_rows, first_rows, gated_rms_norm, l2norm
 from mtp.pallas import gdn_step as fused_step  # a module: it imports mtp.model.layers too
 
 CHUNK = 64
@@ -40,17 +40,20 @@ UNROLL_STEPS = 8  # verify widths up to this many steps run as straight-line cod
 
 
 def project(p, x: jax.Array, cfg: ModelConfig):
-    """The input projections ``(mixed_qkv, qkvz, ba)``; ``mixed_qkv`` in the grouped conv order.
+    """The input projections ``(mixed_qkv, qkvz_rows, ba)``; ``mixed_qkv`` in the grouped conv order.
 
     ``in_proj_qkvz`` is laid out per key-head group as ``[q, k, v.., z..]``, so the
     conv input is the first ``2 Dk + r Dv`` channels of every group; ``gates`` takes
     ``z, b, a`` out of ``qkvz`` and ``ba`` where they are used (the fused step kernel
-    reads them in place, so that no slice of them is ever written).
+    reads them in place, so that no slice of them is ever written). ``qkvz_rows`` is
+    the GEMM's whole output (``layers.dense_rows``: ``[R >= B T, N]``, padding rows
+    kept) for the same reason; `layers.first_rows` gives the ``[B, T, N]`` view.
     """
-    qkvz = dense(x, p["in_proj_qkvz"]["weight"])
-    groups, qkv_width = _qkvz_groups(qkvz, cfg)
-    mixed = groups[..., :qkv_width].reshape(*x.shape[:-1], -1)
-    return mixed, qkvz, dense(x, p["in_proj_ba"]["weight"])
+    lead = x.shape[:-1]
+    qkvz_rows = dense_rows(x, p["in_proj_qkvz"]["weight"])
+    groups, qkv_width = _qkvz_groups(first_rows(qkvz_rows, lead), cfg)
+    mixed = groups[..., :qkv_width].reshape(*lead, -1)
+    return mixed, qkvz_rows, dense(x, p["in_proj_ba"]["weight"])
 
 
 def _qkvz_groups(qkvz: jax.Array, cfg):
@@ -219,20 +222,20 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
     one-token step after the conv is `mtp.pallas.gdn_step` (one kernel where ``impl``
     picks it). Returns ``(y, new_conv, new_rec, step_states)``.
     """
-    mixed, qkvz, ba = project(p, x, cfg)
+    mixed, qkvz_rows, ba = project(p, x, cfg)
     mixed = jnp.where(valid[..., None], mixed, 0)
     conv_out = conv_windows(p, cfg, conv_state, mixed)
     counts = jnp.sum(valid, axis=1).astype(jnp.int32)
     steps = None
     if per_step and x.shape[1] == 1:
-        y, new_rec = fused_step.gdn_step(conv_out[:, 0], qkvz[:, 0], ba[:, 0], valid[:, 0], rec_state,
+        y, new_rec = fused_step.gdn_step(conv_out[:, 0], qkvz_rows, ba[:, 0], valid[:, 0], rec_state,
                                          p["A_log"], p["dt_bias"], p["norm"]["weight"],
                                          num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
                                          impl=impl)
         out = out_project(p, y[:, None])
         rec_steps = new_rec[:, None]
     else:
-        z, b, a = gates(qkvz, ba, cfg)
+        z, b, a = gates(first_rows(qkvz_rows, x.shape[:-1]), ba, cfg)
         q, k, v, beta, g = split_heads(conv_out, b, a, p, cfg)
         k, beta, g = mask_updates(k, beta, g, valid)
         if per_step:

@@ -36,19 +36,40 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
 def padded_linear(x: jax.Array, w: jax.Array, rows_to: int) -> jax.Array:
     """``x @ w.T`` computed on ``x``'s rows zero-padded to ``rows_to`` (the extra rows dropped)."""
     rows = math.prod(x.shape[:-1])
-    padded = jnp.pad(x.reshape(rows, x.shape[-1]), ((0, rows_to - rows), (0, 0)))
-    return linear(padded, w)[:rows].reshape(*x.shape[:-1], w.shape[0])
+    return _padded_rows(x.reshape(rows, x.shape[-1]), w, rows_to)[:rows].reshape(
+        *x.shape[:-1], w.shape[0])
+
+
+def _padded_rows(x2: jax.Array, w: jax.Array, rows_to: int) -> jax.Array:
+    return linear(jnp.pad(x2, ((0, rows_to - x2.shape[0]), (0, 0))), w)
+
+
+def dense_rows(x: jax.Array, w) -> jax.Array:
+    """``dense`` as the GEMM wrote it: ``[R, out]`` with ``x``'s rows first, ``R >= rows``.
+
+    Where ``dense`` pads a small product, the padding rows are kept. A kernel that reads
+    only the first rows can then take the GEMM's own output buffer: XLA copies a sliced
+    operand of a custom call (a device memcpy, measured costly inside CUDA graphs).
+    """
+    rows = math.prod(x.shape[:-1])
+    x2 = x.reshape(rows, x.shape[-1])
+    if isinstance(w, jax.Array):
+        if rows < PAD_ROWS and w.size > PAD_MIN_WEIGHT and pad_small_gemms():
+            return _padded_rows(x2, w, PAD_ROWS)
+        return linear(x2, w)
+    from mtp import quant  # quantized MTP projections only; the target is never quantized
+
+    return quant.linear(x2, w)
 
 
 def dense(x: jax.Array, w) -> jax.Array:
     """``x @ w.T`` for a HF ``[out, in]`` weight, plain or quantized (`mtp.quant`)."""
-    if isinstance(w, jax.Array):
-        if math.prod(x.shape[:-1]) < PAD_ROWS and w.size > PAD_MIN_WEIGHT and pad_small_gemms():
-            return padded_linear(x, w, PAD_ROWS)
-        return linear(x, w)
-    from mtp import quant  # quantized MTP projections only; the target is never quantized
+    return first_rows(dense_rows(x, w), x.shape[:-1])
 
-    return quant.linear(x, w)
+
+def first_rows(y_rows: jax.Array, lead: tuple[int, ...]) -> jax.Array:
+    """The ``prod(lead)`` real rows of a `dense_rows` result, as ``[*lead, out]``."""
+    return y_rows[:math.prod(lead)].reshape(*lead, y_rows.shape[-1])
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

@@ -38,9 +38,10 @@ def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *,
     """The step as the model computes it (``gates`` + ``split_heads`` + one delta-rule step + gated norm).
 
     mixed: [B, 2 nk Dk + nv Dv] conv output, grouped per key head ([q, k, v of its
-    value heads] for each key head, `gated_deltanet`'s conv order); qkvz: [B, nk (2 Dk
-    + 2 r Dv)] and ba: [B, 2 nv], the ``in_proj_qkvz`` and ``in_proj_ba`` outputs that
-    ``z`` and ``b, a`` come from; valid: [B] bool; state: [B, nv, Dk, Dv] f32; a_log,
+    value heads] for each key head, `gated_deltanet`'s conv order); qkvz: [R >= B, nk (2
+    Dk + 2 r Dv)] and ba: [B, 2 nv], the ``in_proj_qkvz`` and ``in_proj_ba`` outputs that
+    ``z`` and ``b, a`` come from (qkvz's rows past B are ignored: the model passes a padded
+    GEMM's whole output, `layers.dense_rows`, so that XLA need not copy a slice of it); valid: [B] bool; state: [B, nv, Dk, Dv] f32; a_log,
     dt_bias: [nv]; norm_w: [Dv]. Returns ``(y [B, nv, Dv] in mixed's dtype, new_state)``.
     The kernel takes Dk = Dv (Qwen3-Next's 128) only.
     """
@@ -50,7 +51,7 @@ def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *,
     dk, dv = state.shape[-2:]
     bsz = mixed.shape[0]
     cfg_like = _HeadShape(num_k_heads, nv, dk, dv)
-    z, b, a = gdn.gates(qkvz, ba, cfg_like)
+    z, b, a = gdn.gates(qkvz[:bsz], ba, cfg_like)
     q, k, v, beta, g = gdn.split_heads(mixed[:, None], b[:, None], a[:, None],
                                        {"A_log": a_log, "dt_bias": dt_bias}, cfg_like)
     k, beta, g = gdn.mask_updates(k, beta, g, valid[:, None])
@@ -81,6 +82,8 @@ def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads) -> str | None:
                           ("ba", ba, 2 * nv)):
         if x.shape[-1] != want:
             return f"{name} has {x.shape[-1]} channels, not {want} (nk={nk}, nv={nv}, D={dk})"
+    if qkvz.shape[0] < mixed.shape[0]:
+        return f"qkvz has {qkvz.shape[0]} rows for a batch of {mixed.shape[0]}"
     return None
 
 
@@ -117,7 +120,7 @@ def _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, n
     # Free reshapes into d-wide blocks; the index maps pick each value head's blocks where the
     # projections put them, so z, b and a are never sliced out into arrays of their own.
     heads = mixed.reshape(bsz, nk * (2 + r), d)     # per key head [q, k, v x r]
-    zs = qkvz.reshape(bsz, nk * (2 + 2 * r), d)     # per key head [q, k, v x r, z x r]
+    zs = qkvz.reshape(qkvz.shape[0], nk * (2 + 2 * r), d)  # per key head [q, k, v x r, z x r]
     col = lambda off: pl.BlockSpec((1, 1, d), lambda i, h, off=off: (i, off(h), 0))
     scalar = lambda off: pl.BlockSpec((1, 1), lambda i, h, off=off: (i, off(h)))
     per_head = pl.BlockSpec((1, 1), lambda i, h: (h, 0))
