@@ -89,16 +89,16 @@ def test_model_decode_with_the_kernel_equals_the_reference(padded_gemms):
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=2e-5, rtol=1e-5)
 
 
-def test_auto_keeps_the_reference_unless_the_kernel_is_named(monkeypatch):
-    """On a GPU ``auto`` would pick Pallas; this op stays on the reference unless asked for."""
+def test_auto_takes_the_kernel_on_a_gpu_unless_the_reference_is_named(monkeypatch):
+    """On a GPU ``auto`` resolves to Pallas and takes the kernel; ``gdn_step=reference`` opts out."""
     import mtp.pallas.gdn_step as g
+    from mtp.pallas import backend
 
     calls = []
     monkeypatch.setattr(g, "_gdn_step_pallas", lambda *a, **k: calls.append(1) or ("kernel", None))
-    monkeypatch.setattr(g, "resolve_impl", lambda impl, op=None: "pallas")  # as on a GPU
+    monkeypatch.setattr(backend, "on_gpu", lambda: True)
     args = _case(0, 2, 2, 4, 16, jnp.float32)
     kw = dict(num_k_heads=2, eps=1e-6)
-    assert isinstance(g.gdn_step(*args, **kw)[0], jax.Array) and not calls
-    assert g.gdn_step(*args, impl="pallas", **kw)[0] == "kernel"
-    monkeypatch.setenv("MTP_KERNELS", "gdn_step=pallas")
-    assert g.gdn_step(*args, **kw)[0] == "kernel" and len(calls) == 2
+    assert g.gdn_step(*args, **kw)[0] == "kernel" and len(calls) == 1
+    monkeypatch.setenv("MTP_KERNELS", "gdn_step=reference")
+    assert isinstance(g.gdn_step(*args, **kw)[0], jax.Array) and len(calls) == 1

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from mtp.model.layers import gated_rms_norm, l2norm
-from mtp.pallas.backend import TENSOR_AXIS, env_choice, interpret_forced, resolve_impl, tensor_parallel_mesh
+from mtp.pallas.backend import TENSOR_AXIS, interpret_forced, resolve_impl, tensor_parallel_mesh
 
 
 def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps):
@@ -162,20 +162,16 @@ def gdn_step(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_hea
     """``gdn_step_reference``'s signature and results; ``impl`` picks the path (``backend``).
 
     Inputs the kernel cannot take (``kernel_unsupported``) go to the reference. ``auto``
-    keeps the reference unless ``MTP_KERNELS`` names this op (``gdn_step=pallas``) or
-    ``impl="pallas"`` is passed: on the H200 the kernel took a batch-1 decode step of the
-    1.38B model from 356 to 308 kernels and 1.30 to 1.24 ms of kernel time, but the step
-    itself did not get shorter (1.31 vs 1.33 ms; results/decode_h200.md, sessions 4 and 5),
-    so it does not pay yet. Since then the kernel reads ``z``, ``b`` and ``a`` in place in
-    the projections, which removed 24 slice kernels from that step (284, counted by
-    `experiments/count_kernels.py`; its GPU timing is still owed).
+    takes the kernel on a GPU since session 6: reading ``in_proj_qkvz``'s padded GEMM
+    output in place (no device memcpy of a slice of it per layer) made a batch-1 decode
+    step of the 1.38B model 1.290 vs 1.336 ms and a batch-8 step 1.678 vs 1.805 ms, side
+    by side on the H200 (results/decode_h200.md, session 6). Before that the kernel cut
+    kernel time but not the step. ``MTP_KERNELS=gdn_step=reference`` turns it off.
     Traced under a mesh that splits ``backend.TENSOR_AXIS`` over the key heads, the
     kernel runs per shard on each device's key-head groups (a step never mixes heads);
     where the key heads do not divide, the reference, which XLA partitions.
     """
     mode = resolve_impl(impl, op="gdn_step")
-    if impl == "auto" and mode == "pallas" and env_choice("gdn_step") == "auto":
-        mode = "reference"  # no end-to-end gain measured (see the docstring)
     mesh = tensor_parallel_mesh()
     tp = mesh.shape[TENSOR_AXIS] if mesh is not None else 1
     if mode == "reference" or kernel_unsupported(mixed, qkvz, ba, state, num_k_heads) or num_k_heads % tp:
