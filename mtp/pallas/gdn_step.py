@@ -151,6 +151,11 @@ def _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, n
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct((bsz, nv, d), mixed.dtype),
                    jax.ShapeDtypeStruct(state.shape, jnp.float32)],
+        # The new state overwrites the old one in place (each program reads its (b, h)
+        # block before writing it). Without this, a decode loop that carries the state
+        # copied the kernel's output into the carry every step: a device memcpy of 2 MB
+        # per layer (`experiments/count_kernels.py --loop`).
+        input_output_aliases={7: 1},
         interpret=interpret,
         **kwargs,
     )(heads, heads, heads, zs, ba, ba, valid.astype(jnp.int32)[:, None], state.astype(jnp.float32),
