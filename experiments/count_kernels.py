@@ -61,7 +61,9 @@ device_description_str: "NVIDIA H200"
 """
 
 flags.DEFINE_integer("tokens", 1, "Tokens per step: 1 is decode, K a verify of K tokens.")
-flags.DEFINE_bool("loop", False, "Also compile part A's timed fori_loop and count its body.")
+flags.DEFINE_bool("loop", False, "Also compile part A's timed fori_loop and count its body (its "
+                  "cache is donated, as in the decode loops: the single step's copies of the "
+                  "state it updates in place are not there).")
 flags.DEFINE_string("target_config", None, "A GpuTargetConfig text proto file (default: an H200).")
 flags.DEFINE_integer("top", 15, "How many kernel names to list.")
 flags.DEFINE_bool("list", False, "Print every launch in order, with its grid.")
@@ -98,6 +100,39 @@ def read_thunks(text: str, while_body: bool = False) -> list[tuple[str, str, str
             kind, name = m.group(2), m.group(3)
             out.append((kind, name if name and name != kind else "", m.group(4).strip(), len(m.group(1))))
     return out
+
+
+_COMPUTATION = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\{$")
+_COPY = re.compile(r"=\s*(\w+\[[^\]]*\])\S*\s+copy\(%([\w.\-]+)")
+
+
+def hlo_copies(text: str, while_body: bool = False) -> collections.Counter:
+    """What the ``kCopy`` thunks copy: ``(shape, source)`` counts of the ``copy`` ops XLA kept.
+
+    ``text``: the optimized HLO dump (``*after_optimizations.txt``); its entry computation,
+    or with ``while_body`` the body of the entry's first while loop. Each copy is a device
+    memcpy, which inside a CUDA graph can cost several µs however small
+    (results/decode_h200.md, session 6), so the source says what to change.
+    """
+    computations, name, entry = {}, None, None
+    for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            name = m.group(2)
+            computations[name] = []
+            entry = name if m.group(1) else entry
+        elif name is not None:
+            if line.strip() == "}":
+                name = None
+            else:
+                computations[name].append(line)
+    target = entry
+    if while_body:
+        target = next(re.search(r"body=%([\w.\-]+)", line).group(1)
+                      for line in computations[entry] if " while(" in line)
+    source = lambda name: re.sub(r"\d+", "*", re.sub(r"\.\d+$", "", name))  # one row per kind
+    return collections.Counter((m.group(1), source(m.group(2)))
+                               for line in computations[target] if (m := _COPY.search(line)))
 
 
 def summarize(thunks, graphs=None) -> dict:
@@ -180,6 +215,10 @@ def main(argv):
                   f"+{s['memory_ops']} memory copies), in {s['command_buffers']} command buffers "
                   f"(outside them: {s['outside_graphs'] or 'nothing'}); compiled in {time.time() - t0:.1f} s")
             print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
+            hlo = sorted(glob.glob(os.path.join(where, "*after_optimizations.txt")))[-1]
+            copies = hlo_copies(open(hlo).read(), loop)
+            print("  memory copies: " + (", ".join(f"{n} x {shape} of {src}" for (shape, src), n
+                                                   in copies.most_common()) or "none"))
             if FLAGS.list:
                 for i, (kind, name, dims, _) in enumerate(thunks):
                     print(f"  {i:4d} {kind:14s} {name} {dims}")

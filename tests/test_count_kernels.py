@@ -4,7 +4,7 @@ The compile itself needs JAX's CUDA plugin (`.venv-aot`), which CI does not inst
 is tested here is the part that turns XLA's dump text into the counts it reports.
 """
 
-from experiments.count_kernels import read_thunks, summarize
+from experiments.count_kernels import hlo_copies, read_thunks, summarize
 
 # A decode loop's thunk sequence before XLA's thunk passes: the loop's set-up, its while
 # (condition + body: two fusions, a Mosaic GPU custom call, a copy, a Triton kernel), after.
@@ -61,3 +61,31 @@ def test_while_body_and_its_command_buffers():
     # The custom call splits the body into two graphs and runs between them.
     assert s["command_buffers"] == 2 and s["outside_graphs"] == {"kCustomCall": 1}
     assert s["by_name"] == {"loop_add_fusion": 1, "input_reduce_fusion": 1, "kCustomCall": 1, "_kernel": 1}
+
+
+# An optimized HLO excerpt: the entry copies a parameter; the loop body copies a slice
+# fusion's output into the carry (twice) and a kernel's tuple output.
+HLO = """\
+%fused_slice (param_0: bf16[1,6,8]) -> bf16[1,3,8] {
+  %param_0 = bf16[1,6,8]{2,1,0} parameter(0)
+  ROOT %slice.1 = bf16[1,3,8]{2,1,0} slice(%param_0), slice={[0:1], [3:6], [0:8]}
+}
+
+%region_0.81 (arg_tuple.1: (s32[], bf16[1,3,8])) -> (s32[], bf16[1,3,8]) {
+  %loop_slice_fusion.3 = bf16[1,3,8]{2,1,0} fusion(%x), kind=kLoop, calls=%fused_slice
+  %copy.85 = bf16[1,3,8]{2,1,0} copy(%loop_slice_fusion.3), metadata={scheduling_name="copy.85"}
+  %copy.86 = bf16[1,3,8]{2,1,0} copy(%loop_slice_fusion.12), metadata={scheduling_name="copy.86"}
+  %copy.99 = f32[1,4,8,8]{3,2,1,0} copy(%pallas_call.78#1), metadata={scheduling_name="copy.99"}
+}
+
+ENTRY %main.5 (state_0__kv_k_0_.1: bf16[4,8]) -> bf16[4,8] {
+  %copy.18 = bf16[4,8]{1,0} copy(%state_0__kv_k_0_.1)
+  %while.39 = (s32[], bf16[1,3,8]{2,1,0}) while(%tuple.192), condition=%region_57.82, body=%region_0.81
+}
+"""
+
+
+def test_hlo_copies_name_what_each_memcpy_copies():
+    assert hlo_copies(HLO) == {("bf16[4,8]", "state_*__kv_k_*_"): 1}
+    assert hlo_copies(HLO, while_body=True) == {("bf16[1,3,8]", "loop_slice_fusion"): 2,
+                                                ("f32[1,4,8,8]", "pallas_call"): 1}
