@@ -171,7 +171,7 @@ def fold_fc_weight(norm_e_w, norm_h_w, w):
 # ------------------------------------------------------------------ small M: split-K stream
 
 MAX_CLUSTER = 8  # the portable thread-block cluster size: at most this many K splits reduce in-kernel
-REDUCE_COLS = 32  # f32 columns one cluster block reduces at a time (one 128-byte swizzle tile)
+REDUCE_COLS = 32  # width of a partial's f32 slabs: one 128-byte swizzle tile (a cluster block reduces whole slabs)
 
 
 def _plan_small(h: int, num_sms: int, tile_n=None, k_splits=None, stages=None):
