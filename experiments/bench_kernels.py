@@ -114,8 +114,8 @@ def bench_fc(m, h, reps, variants=None):
     """Checks, then times, the fc kernel path against XLA.
 
     "ours" is what the model runs per call: ``fc_gemm_folded`` on the load-time folded
-    weight (for M <= 64 one split-K kernel that reduces its splits in a thread-block
-    cluster; above, the row sum-of-squares kernel and the GEMM).
+    weight (for M <= 64 the split-K kernel and one XLA fusion that sums its splits; above,
+    the row sum-of-squares kernel and the GEMM).
     "XLA dot" is ``jnp.dot`` alone on an input already normalised and concatenated;
     "unfused" is the reference (norm + concat + dot), what ``impl="reference"`` runs.
     """

@@ -40,10 +40,11 @@ def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *,
     mixed: [B, 2 nk Dk + nv Dv] conv output, grouped per key head ([q, k, v of its
     value heads] for each key head, `gated_deltanet`'s conv order); qkvz: [R >= B, nk (2
     Dk + 2 r Dv)] and ba: [B, 2 nv], the ``in_proj_qkvz`` and ``in_proj_ba`` outputs that
-    ``z`` and ``b, a`` come from (qkvz's rows past B are ignored: the model passes a padded
-    GEMM's whole output, `layers.dense_rows`, so that XLA need not copy a slice of it); valid: [B] bool; state: [B, nv, Dk, Dv] f32; a_log,
-    dt_bias: [nv]; norm_w: [Dv]. Returns ``(y [B, nv, Dv] in mixed's dtype, new_state)``.
-    The kernel takes Dk = Dv (Qwen3-Next's 128) only.
+    ``z`` and ``b, a`` come from (qkvz's rows past B are ignored: the model passes a
+    padded GEMM's whole output, `layers.dense_rows`, so that XLA need not copy a slice of
+    it); valid: [B] bool; state: [B, nv, Dk, Dv] f32; a_log, dt_bias: [nv]; norm_w: [Dv].
+    Returns ``(y [B, nv, Dv] in mixed's dtype, new_state)``. The kernel takes Dk = Dv
+    (Qwen3-Next's 128) only.
     """
     from mtp.model import gated_deltanet as gdn  # imports this module: so here, not at the top
 
