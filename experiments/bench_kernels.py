@@ -181,15 +181,17 @@ def fc_variants(m, h):
         if m == 12288 and h == 4096:
             v.update({"rescale_s3": dict(stages=3), "rescale_n64_s6": dict(tile_n=64, stages=6)})
         return v
-    # M <= 64: the one-kernel column stream and its plan alternatives (tile_n, tile_k,
-    # stages), the split-K stream's in-cluster reduction, and split-K plan alternatives.
-    v = {"columns": dict(small="columns"), "columns_k64": dict(small="columns", tile_k=64),
-         "columns_k256": dict(small="columns", tile_k=256),
-         "columns_s6": dict(small="columns", stages=6),
-         "columns_n" + str(32 if h == 2048 else 16): dict(small="columns",
-                                                          tile_n=32 if h == 2048 else 16),
-         "splitk": dict(small="splitk"),
-         "cluster": dict(small="splitk", reduce="cluster"), "s3": dict(small="splitk", stages=3)}
+    # The split-K path (M <= 64): the in-cluster reduction beside the default partials
+    # form, and plan alternatives (tile_n, K splits, stages).
+    v = {"cluster": dict(reduce="cluster"), "s3": dict(stages=3), "s4": dict(stages=4)}
+    if h == 2048:
+        v.update({"k4": dict(k_splits=4), "k16_s4": dict(k_splits=16, stages=4),
+                  "n256_k16_s3": dict(tile_n=256, k_splits=16, stages=3),
+                  "n256_k8_s3": dict(tile_n=256, k_splits=8, stages=3)})
+    if h == 4096:
+        v.update({"k8": dict(k_splits=8), "n256_k8_s3": dict(tile_n=256, k_splits=8, stages=3),
+                  "n256_k16_s3": dict(tile_n=256, k_splits=16, stages=3),
+                  "n256_k4_s3": dict(tile_n=256, k_splits=4, stages=3)})
     return v
 
 

@@ -53,7 +53,7 @@ def test_grouped_conv_equals_the_checkpoint_order_conv(value_dim_factor):
     out_hf = jax.nn.silu(sum(full[:, i:i + t] * w[:, i] for i in range(kern)))
     # The model's order; the regrouping of any channel axis is the weight's.
     regroup = lambda a: gdn.grouped_conv_weight(a.reshape(-1, c).T[:, None, :], cfg).T.reshape(a.shape)
-    mixed, *_ = gdn.project(p, x, cfg)
+    mixed, *_ = gdn.project(p, x, cfg, x.shape[:-1])
     np.testing.assert_array_equal(mixed, regroup(mixed_hf))
     out = gdn.conv_windows(p, cfg, regroup(state_hf), mixed)
     np.testing.assert_allclose(out, regroup(out_hf), rtol=1e-6, atol=1e-6)
@@ -84,6 +84,50 @@ def test_dense_pads_one_row_products_of_large_weights(monkeypatch):
     monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "yes")
     with pytest.raises(ValueError, match="MTP_PAD_SMALL_GEMMS='yes'"):
         layers.dense(x, w)
+
+
+def test_padded_stream_rows(monkeypatch):
+    """A one-row step carries its stream padded: large GEMMs take all rows with no pad of
+    their own, small ones only the real rows, and the mixers' outputs add back per row."""
+    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 32 * 48 - 1)
+    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "1")
+    x = jax.random.normal(jax.random.key(0), (1, 1, 32))
+    rows = layers.stream_rows(x, pad=True)
+    assert rows.shape == (layers.PAD_ROWS, 32) and not rows[1:].any()
+    assert layers.stream_rows(x, pad=False).shape == (1, 32)
+    assert layers.stream_rows(jnp.ones((3, 1, 32)), pad=True).shape == (3, 32)  # enough rows
+    big, small = (jax.random.normal(jax.random.key(i), (n, 32)) for i, n in ((1, 48), (2, 16)))
+    for w in (big, small):
+        np.testing.assert_allclose(layers.dense(rows, w, (1, 1)), layers.dense(x, w), rtol=1e-6)
+    jaxpr = lambda w: str(jax.make_jaxpr(lambda r: layers.dense_rows(r, w, (1, 1)))(rows))
+    assert "pad" not in jaxpr(big) and "slice" not in jaxpr(big)  # both rows, as they are
+    assert "slice" in jaxpr(small)  # a small weight multiplies the real row only
+    y = jax.random.normal(jax.random.key(3), (1, 1, 32))
+    np.testing.assert_allclose(layers.add_rows(rows, y)[:1], (x + y).reshape(1, 32))
+    assert not layers.add_rows(rows, y)[1:].any()
+
+
+def test_a_one_row_step_pads_its_stream_once(tiny, monkeypatch):
+    """With padding on, decode has one pad (the stream's), not one per large GEMM."""
+    cfg, params = tiny
+    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
+    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "1")
+    cache = paged_cache(cfg, 1, blocks=4)
+
+    def pads():
+        jax.clear_caches()  # decode is jitted, and the settings are read while tracing
+        text = str(jax.make_jaxpr(lambda c, t: target.decode(cfg, params, c, t))(
+            cache, jnp.ones((1, 1), jnp.int32)))
+        return text.count("jit[name=_pad ")  # jnp.pad's (jitted) row pads, [1, H] -> [2, H]
+
+    now = pads()
+    monkeypatch.setattr(target, "_pads_stream", lambda cfg: False)  # as before: a pad per GEMM
+    before = pads()
+    jax.clear_caches()
+    assert before > 3 * cfg.num_hidden_layers
+    # The stream's own, and per layer at most two at the mixer's output (its one-row out
+    # projection, padded here as every weight is "large", and the residual add).
+    assert now <= 2 * cfg.num_hidden_layers + 1
 
 
 @pytest.mark.parametrize("padded_gemms", ["0", "1"], indirect=True)

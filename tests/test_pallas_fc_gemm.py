@@ -73,31 +73,7 @@ def test_fc_gemm_interpret_matches_reference(m, h):
 def test_split_k_path_matches_reference(m, h, kw):
     """The propose path: rows past M are TMA zero-fill; each split stays in one half."""
     args = _inputs(m * 31 + h, m, h)
-    _check_against_reference(_kernel(args, small="splitk", **kw), args)
-
-
-@pytest.mark.parametrize("m,h,kw", [
-    (3, 256, {}),                                    # the plan's 16-column slabs, a 2-deep ring
-    (8, 128, dict(tile_k=64, stages=2)),             # the ring wraps within and across halves
-    (64, 256, dict(tile_n=32, tile_k=64, stages=3)), # a full 64-row tile
-    (17, 256, dict(tile_k=256)),                     # one reduction step per half
-])
-def test_column_stream_matches_reference(m, h, kw):
-    """The one-kernel propose path: each program reads the whole input and owns its columns."""
-    args = _inputs(m * 17 + h, m, h)
-    _check_against_reference(_kernel(args, small="columns", **kw), args)
-
-
-def test_column_stream_plan():
-    assert fcmod._plan_columns(2048, 132)[0] == 16  # 128 programs
-    assert fcmod._plan_columns(4096, 132)[0] == 32  # 128 programs, not 256
-    tn, tk, st = fcmod._plan_columns(2048, 132)
-    assert st * (fcmod.SMALL_M + tn) * tk * 2 <= fcmod._SMEM_LIMIT
-    with pytest.raises(ValueError, match="tile_n=8"):
-        fcmod._plan_columns(256, 132, tile_n=8)
-    e, hd, ne, nh, w = _inputs(0, 4, 256)
-    with pytest.raises(ValueError, match="small='rows'"):
-        fc_gemm_folded(e, hd, w, eps=1e-6, small="rows")
+    _check_against_reference(_kernel(args, **kw), args)
 
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -106,21 +82,18 @@ ON_GPU = jax.default_backend() == "gpu"
 @pytest.mark.parametrize("m,h,kw", [
     (1, 2048, {}), (8, 2048, dict(tile_n=64, k_splits=4)), (32, 4096, {}), (5, 256, dict(k_splits=2)),
 ] if ON_GPU else [(5, 256, dict(k_splits=4)), (40, 128, dict(tile_n=32, k_splits=2, stages=2))])
-def test_small_m_compiled_forms_match_reference(m, h, kw):
-    """The propose paths as the model runs them: compiled on a GPU (the split-K stream in
-    both reductions, the column stream); interpreted elsewhere (no clusters there)."""
+def test_split_k_compiled_forms_match_reference(m, h, kw):
+    """The propose path as the model runs it: compiled on a GPU, where the in-cluster
+    reduction is checked too; interpreted elsewhere (the interpreter has no clusters)."""
     args = _inputs(m * 13 + h, m, h)
     w_f = fold_fc_weight(*args[2:])
     ctx = (contextlib.nullcontext() if ON_GPU
            else plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()))
     with ctx:
-        out = fc_gemm_folded(args[0], args[1], w_f, eps=1e-6, small="splitk", **kw)
-        clustered = (fc_gemm_folded(args[0], args[1], w_f, eps=1e-6, small="splitk",
-                                    reduce="cluster", **kw)
+        out = fc_gemm_folded(args[0], args[1], w_f, eps=1e-6, **kw)
+        clustered = (fc_gemm_folded(args[0], args[1], w_f, eps=1e-6, reduce="cluster", **kw)
                      if ON_GPU else None)
-        columns = fc_gemm_folded(args[0], args[1], w_f, eps=1e-6, small="columns")
     _check_against_reference(out, args)
-    _check_against_reference(columns, args)
     if ON_GPU:  # both forms sum the same partial products: they agree closely
         _check_against_reference(clustered, args)
         assert _rel_err(clustered, out) < 4e-3
@@ -249,7 +222,8 @@ def test_quantize_head_folds_fc_weight_and_fc_input_uses_it():
     params = {"model": {"embed_tokens": {"weight": table}},
               "mtp": {"fc": {"weight": w}, "pre_fc_norm_embedding": {"weight": ne},
                       "pre_fc_norm_hidden": {"weight": nh}}}
-    assert quantize_head(params, "bf16") is params  # CPU: the kernel path is not active
+    # By default it folds where the kernel path is active: a GPU, not a CPU.
+    assert (quantize_head(params, "bf16") is params) == (jax.default_backend() != "gpu")
     folded = quantize_head(params, "bf16", fold_fc=True)
     np.testing.assert_array_equal(np.asarray(folded["mtp"]["fc"]["weight_folded"], np.float32),
                                   np.asarray(fold_fc_weight(ne, nh, w), np.float32))

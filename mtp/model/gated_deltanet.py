@@ -39,7 +39,7 @@ CHUNK = 64
 UNROLL_STEPS = 8  # verify widths up to this many steps run as straight-line code
 
 
-def project(p, x: jax.Array, cfg: ModelConfig):
+def project(p, x: jax.Array, cfg: ModelConfig, lead: tuple[int, ...]):
     """The input projections ``(mixed_qkv, qkvz_rows, ba)``; ``mixed_qkv`` in the grouped conv order.
 
     ``in_proj_qkvz`` is laid out per key-head group as ``[q, k, v.., z..]``, so the
@@ -48,12 +48,12 @@ def project(p, x: jax.Array, cfg: ModelConfig):
     reads them in place, so that no slice of them is ever written). ``qkvz_rows`` is
     the GEMM's whole output (``layers.dense_rows``: ``[R >= B T, N]``, padding rows
     kept) for the same reason; `layers.first_rows` gives the ``[B, T, N]`` view.
+    ``x`` is ``[*lead, H]`` or the padded stream's rows (`layers.stream_rows`).
     """
-    lead = x.shape[:-1]
-    qkvz_rows = dense_rows(x, p["in_proj_qkvz"]["weight"])
+    qkvz_rows = dense_rows(x, p["in_proj_qkvz"]["weight"], lead)
     groups, qkv_width = _qkvz_groups(first_rows(qkvz_rows, lead), cfg)
     mixed = groups[..., :qkv_width].reshape(*lead, -1)
-    return mixed, qkvz_rows, dense(x, p["in_proj_ba"]["weight"])
+    return mixed, qkvz_rows, dense(x, p["in_proj_ba"]["weight"], lead)
 
 
 def _qkvz_groups(qkvz: jax.Array, cfg):
@@ -215,19 +215,20 @@ def conv_state_after(conv_state: jax.Array, mixed: jax.Array, counts: jax.Array)
 
 def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bool,
               impl: str = "reference"):
-    """One Gated DeltaNet layer over ``x [B, T, H]``.
+    """One Gated DeltaNet layer over ``x [B, T, H]`` (or the padded stream's rows, `layers.stream_rows`).
 
     ``valid [B, T]`` marks the real tokens, which are a prefix of each row. With
     ``per_step`` (verify) the state after every position is returned as well. A
     one-token step after the conv is `mtp.pallas.gdn_step` (one kernel where ``impl``
     picks it). Returns ``(y, new_conv, new_rec, step_states)``.
     """
-    mixed, qkvz_rows, ba = project(p, x, cfg)
+    lead = valid.shape
+    mixed, qkvz_rows, ba = project(p, x, cfg, lead)
     mixed = jnp.where(valid[..., None], mixed, 0)
     conv_out = conv_windows(p, cfg, conv_state, mixed)
     counts = jnp.sum(valid, axis=1).astype(jnp.int32)
     steps = None
-    if per_step and x.shape[1] == 1:
+    if per_step and lead[1] == 1:
         y, new_rec = fused_step.gdn_step(conv_out[:, 0], qkvz_rows, ba[:, 0], valid[:, 0], rec_state,
                                          p["A_log"], p["dt_bias"], p["norm"]["weight"],
                                          num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
@@ -235,7 +236,7 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
         out = out_project(p, y[:, None])
         rec_steps = new_rec[:, None]
     else:
-        z, b, a = gates(first_rows(qkvz_rows, x.shape[:-1]), ba, cfg)
+        z, b, a = gates(first_rows(qkvz_rows, lead), ba, cfg)
         q, k, v, beta, g = split_heads(conv_out, b, a, p, cfg)
         k, beta, g = mask_updates(k, beta, g, valid)
         if per_step:
@@ -245,7 +246,7 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
         out = output(p, core, z, x.dtype, cfg)
     if per_step:
         conv_steps = jnp.stack([conv_state_after(conv_state, mixed, jnp.full_like(counts, i + 1))
-                                for i in range(x.shape[1])], axis=1)
+                                for i in range(lead[1])], axis=1)
         steps = (conv_steps, rec_steps)
     new_conv = conv_state_after(conv_state, mixed, counts)
     return out, new_conv, new_rec, steps

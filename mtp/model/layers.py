@@ -44,17 +44,22 @@ def _padded_rows(x2: jax.Array, w: jax.Array, rows_to: int) -> jax.Array:
     return linear(jnp.pad(x2, ((0, rows_to - x2.shape[0]), (0, 0))), w)
 
 
-def dense_rows(x: jax.Array, w) -> jax.Array:
+def dense_rows(x: jax.Array, w, lead: tuple[int, ...] | None = None) -> jax.Array:
     """``dense`` as the GEMM wrote it: ``[R, out]`` with ``x``'s rows first, ``R >= rows``.
 
     Where ``dense`` pads a small product, the padding rows are kept. A kernel that reads
     only the first rows can then take the GEMM's own output buffer: XLA copies a sliced
     operand of a custom call (a device memcpy, measured costly inside CUDA graphs).
+    ``x`` is ``[*lead, in]``, or with ``lead`` given, the padded residual stream's rows
+    ``[R >= prod(lead), in]`` (``stream_rows``): a large weight then multiplies all R
+    rows as they are (no pad kernel), a small one only the real rows.
     """
-    rows = math.prod(x.shape[:-1])
-    x2 = x.reshape(rows, x.shape[-1])
+    rows = math.prod(x.shape[:-1] if lead is None else lead)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] > rows and (not isinstance(w, jax.Array) or w.size <= PAD_MIN_WEIGHT):
+        x2 = x2[:rows]
     if isinstance(w, jax.Array):
-        if rows < PAD_ROWS and w.size > PAD_MIN_WEIGHT and pad_small_gemms():
+        if x2.shape[0] < PAD_ROWS and w.size > PAD_MIN_WEIGHT and pad_small_gemms():
             return _padded_rows(x2, w, PAD_ROWS)
         return linear(x2, w)
     from mtp import quant  # quantized MTP projections only; the target is never quantized
@@ -62,9 +67,36 @@ def dense_rows(x: jax.Array, w) -> jax.Array:
     return quant.linear(x2, w)
 
 
-def dense(x: jax.Array, w) -> jax.Array:
-    """``x @ w.T`` for a HF ``[out, in]`` weight, plain or quantized (`mtp.quant`)."""
-    return first_rows(dense_rows(x, w), x.shape[:-1])
+def dense(x: jax.Array, w, lead: tuple[int, ...] | None = None) -> jax.Array:
+    """``x @ w.T`` for a HF ``[out, in]`` weight, plain or quantized (`mtp.quant`) -> ``[*lead, out]``.
+
+    ``lead``: ``x`` is the padded stream's rows (see ``dense_rows``); default ``x.shape[:-1]``.
+    """
+    lead = x.shape[:-1] if lead is None else lead
+    return first_rows(dense_rows(x, w, lead), lead)
+
+
+def stream_rows(x: jax.Array, pad: bool) -> jax.Array:
+    """The residual stream ``[*lead, H]`` as GEMM rows ``[R, H]``; with ``pad``, zero rows up to ``PAD_ROWS``.
+
+    Decode at batch 1 has one row, which ``dense`` pads to two before each large
+    GEMM: a pad kernel per projection (53 in the 1.38B model's step). Padding the
+    stream once instead keeps every norm, residual add and FFN on two rows and hands
+    the GEMMs their input as is; the token mixers take the real rows. The padding rows
+    stay finite (zero in, zero-mean norms of zeros) and are never read back as outputs.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    if pad and x2.shape[0] < PAD_ROWS:
+        x2 = jnp.pad(x2, ((0, PAD_ROWS - x2.shape[0]), (0, 0)))
+    return x2
+
+
+def add_rows(x: jax.Array, y: jax.Array) -> jax.Array:
+    """``x + y`` where ``x`` may be the padded stream's rows and ``y`` is ``[*lead, H]``."""
+    if x.shape == y.shape:
+        return x + y
+    y2 = y.reshape(-1, y.shape[-1])
+    return x + jnp.pad(y2, ((0, x.shape[0] - y2.shape[0]), (0, 0)))
 
 
 def first_rows(y_rows: jax.Array, lead: tuple[int, ...]) -> jax.Array:
@@ -112,21 +144,29 @@ def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
 def attention_qkv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
     """Project to rotated ``q [.., T, Hq, D]``, ``k, v [.., T, Hkv, D]`` and the output gate."""
     d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    lead = x.shape[:-1]
-    qg = dense(x, p["q_proj"]["weight"]).reshape(*lead, hq, 2 * d)
+    lead = _lead(x, positions)
+    qg = dense(x, p["q_proj"]["weight"], lead).reshape(*lead, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:]
     q = rms_norm(q, p["q_norm"]["weight"], cfg.rms_norm_eps)
-    k = rms_norm(dense(x, p["k_proj"]["weight"]).reshape(*lead, hkv, d), p["k_norm"]["weight"], cfg.rms_norm_eps)
-    v = dense(x, p["v_proj"]["weight"]).reshape(*lead, hkv, d)
+    k, v = _attention_kv(p, x, lead, cfg)
     return rope(q, positions, cfg), rope(k, positions, cfg), v, gate
+
+
+def _lead(x, positions):
+    """The tokens' shape: ``x``'s, or ``positions``' when ``x`` is the padded stream's rows."""
+    return positions.shape if x.ndim == positions.ndim else x.shape[:-1]
+
+
+def _attention_kv(p, x, lead, cfg):
+    d, hkv = cfg.head_dim, cfg.num_key_value_heads
+    k = dense(x, p["k_proj"]["weight"], lead).reshape(*lead, hkv, d)
+    v = dense(x, p["v_proj"]["weight"], lead).reshape(*lead, hkv, d)
+    return rms_norm(k, p["k_norm"]["weight"], cfg.rms_norm_eps), v
 
 
 def attention_kv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
     """Only the rotated keys and values: all a drafter prefill needs (no queries)."""
-    d, hkv = cfg.head_dim, cfg.num_key_value_heads
-    lead = x.shape[:-1]
-    k = rms_norm(dense(x, p["k_proj"]["weight"]).reshape(*lead, hkv, d), p["k_norm"]["weight"], cfg.rms_norm_eps)
-    v = dense(x, p["v_proj"]["weight"]).reshape(*lead, hkv, d)
+    k, v = _attention_kv(p, x, _lead(x, positions), cfg)
     return rope(k, positions, cfg), v
 
 

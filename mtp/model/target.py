@@ -17,7 +17,9 @@ from flax import struct
 from mtp.cache.state import LinearState, TargetCache, write_pages
 from mtp.config import ModelConfig
 from mtp.model import gated_deltanet as gdn
-from mtp.model.layers import (attention_out, attention_qkv, causal_attention, ffn, rms_norm)
+from mtp.model import layers
+from mtp.model.layers import (add_rows, attention_out, attention_qkv, causal_attention, ffn, first_rows,
+                              rms_norm, stream_rows)
 from mtp.model.params import Params
 from mtp.pallas.paged_attention import paged_attention
 
@@ -54,8 +56,12 @@ def lm_head(cfg: ModelConfig, params: Params, hidden_post: jax.Array) -> jax.Arr
 
 
 def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer) -> jax.Array:
-    """Pre-norm residual block; ``mixer`` is the layer's token mixer on normed input."""
-    x = x + mixer(rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps))
+    """Pre-norm residual block; ``mixer`` is the layer's token mixer on normed input.
+
+    ``x`` is ``[*lead, H]`` or the padded stream's rows (`layers.stream_rows`): the
+    norms and the FFN are row-wise, and the mixer returns ``[*lead, H]``.
+    """
+    x = add_rows(x, mixer(rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps)))
     return x + ffn(p["mlp"], rms_norm(x, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps), cfg)
 
 
@@ -82,10 +88,26 @@ def paged_attention_mixer(cfg, p, rope_positions, slots, k_pages, v_pages, block
     return mixer, result
 
 
-def _final(cfg, params, x, last_only: jax.Array | None) -> StepOutput:
-    post = rms_norm(x, params["model"]["norm"]["weight"], cfg.rms_norm_eps)
-    head_in = post if last_only is None else jnp.take_along_axis(post, last_only[:, None, None], axis=1)
-    return dict(logits=lm_head(cfg, params, head_in), hidden_pre=x, hidden_post=post)
+def _final(cfg, params, x, lead, last_only: jax.Array | None) -> StepOutput:
+    """The final norm and the LM head; ``x`` may be the padded stream's rows."""
+    post_rows = rms_norm(x, params["model"]["norm"]["weight"], cfg.rms_norm_eps)
+    x, post = first_rows(x, lead), first_rows(post_rows, lead)
+    if last_only is None:
+        logits = first_rows(lm_head(cfg, params, post_rows), lead)
+    else:
+        logits = lm_head(cfg, params, jnp.take_along_axis(post, last_only[:, None, None], axis=1))
+    return dict(logits=logits, hidden_pre=x, hidden_post=post)
+
+
+def _pads_stream(cfg: ModelConfig) -> bool:
+    """Whether a one-row step carries its residual stream padded (`layers.stream_rows`).
+
+    Where `dense` would pad a layer's GEMMs (a GPU, and weights above
+    `layers.PAD_MIN_WEIGHT`), so that the stream is padded once per step, not per GEMM.
+    """
+    largest = cfg.hidden_size * max(cfg.intermediate_size, cfg.moe_intermediate_size or 0,
+                                    cfg.num_attention_heads * cfg.head_dim * 2)
+    return layers.pad_small_gemms() and largest > layers.PAD_MIN_WEIGHT
 
 
 # ------------------------------------------------------------------ reference path
@@ -108,7 +130,7 @@ def forward_with_hiddens(cfg: ModelConfig, params: Params, tokens: jax.Array,
                 return gdn.gdn_layer(p["linear_attn"], h, cfg, zeros.conv[0], zeros.recurrent[0],
                                      valid, per_step=gdn_mode == "recurrent")[0]
         x = decoder_layer(cfg, p, x, mixer)
-    return StepOutput(**_final(cfg, params, x, None))
+    return StepOutput(**_final(cfg, params, x, (b, t), None))
 
 
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
@@ -122,7 +144,7 @@ def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, at
     """Shared body of prefill and verify: the stack over cached state."""
     b, t = tokens.shape
     positions = start[:, None] + jnp.arange(t)[None, :]
-    x = embed(params, tokens)
+    x = stream_rows(embed(params, tokens), _pads_stream(cfg))
     ks, vs, convs, recs, conv_steps, rec_steps = [], [], [], [], [], []
     for i, kind in enumerate(cfg.layer_types):
         p = params["model"]["layers"][str(i)]
@@ -178,7 +200,7 @@ def prefill(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Ar
     x, kv, linear, _ = _run_cached(cfg, params, cache, tokens, start, valid, write,
                                    start + t, False, impl, init)
     active = num_new > 0
-    out = _final(cfg, params, x, None if all_logits else jnp.maximum(num_new - 1, 0))
+    out = _final(cfg, params, x, (b, t), None if all_logits else jnp.maximum(num_new - 1, 0))
     new_cache = cache.replace(
         kv=kv,
         linear=linear.select_slots(active, cache.linear),
@@ -200,7 +222,7 @@ def verify(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Arr
     valid = jnp.ones((b, q), bool)
     x, kv, _, steps = _run_cached(cfg, params, cache, tokens, cache.lengths, valid, valid,
                                   cache.lengths + q, True, impl, cache.linear)
-    out = _final(cfg, params, x, None)
+    out = _final(cfg, params, x, (b, q), None)
     return cache.replace(kv=kv), VerifyOutput(**out, conv_steps=steps[0], rec_steps=steps[1])
 
 

@@ -360,141 +360,6 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
     return out.astype(dtype)
 
 
-# ------------------------------------------------------------------ small M: column stream
-
-
-def _plan_columns(h: int, num_sms: int, tile_n=None, tile_k=None, stages=None):
-    """(tile_n, tile_k, stages): the narrowest column slabs that still give one wave.
-
-    A program streams ``tile_n`` whole rows of ``W_f`` (``tile_n * 4H`` contiguous bytes),
-    so ``H / tile_n`` programs share the weight; 16 columns give 128 programs at H = 2048
-    and 32 give 128 at H = 4096. The stage ring fills the shared memory: the (64, tile_k)
-    input tile, mostly zero-fill at small M, is what bounds it.
-    """
-    if tile_n is None:
-        tile_n = 16
-        while h // (2 * tile_n) >= num_sms - num_sms // 8 and tile_n < 64:
-            tile_n *= 2
-    tile_k = tile_k or min(128, h)
-    if h % tile_n or tile_n % 16 or h % tile_k or tile_k % 64:
-        raise ValueError(f"column stream: tile_n={tile_n} (a multiple of 16: the output tile's "
-                         f"32-byte swizzle) and tile_k={tile_k} "
-                         f"(a multiple of 64) must divide H={h}")
-    per_stage = (SMALL_M + tile_n) * tile_k * 2
-    stages = stages or max(2, (_SMEM_LIMIT - SMALL_M * tile_n * 2) // per_stage)
-    return tile_n, tile_k, min(stages, 2 * h // tile_k)
-
-
-def _columns(embed, hidden, w_f, *, tile_n, tile_k, stages, eps):
-    """The propose path (M <= 64) as one kernel: each program owns whole output columns.
-
-    Program n streams rows ``[n tile_n, (n+1) tile_n)`` of ``W_f`` over the full 2H
-    reduction, embed half then hidden half, with the matching ``(64, tile_k)`` input
-    tiles (rows past M are TMA zero-fill). Warpgroup 1 issues the TMA copies into a
-    ``stages``-deep ring; warpgroup 0 runs the wgmmas into two accumulators (one per
-    half) and, while they run, sums the squares of the input tiles: every program sees
-    every input column, so it has the rows' full norms itself and nothing is reduced
-    across programs. The epilogue scales the two accumulators by ``r_e`` and ``r_h``
-    and stores bf16. Against ``_splitk``: no [S, M, H] partials and no second kernel,
-    at the price of each program reading the whole input (``4 M H`` bytes from L2).
-    """
-    m, h = embed.shape
-    dtype = embed.dtype
-    tile_m = SMALL_M
-    kh = h // tile_k  # reduction steps per half
-    nk = 2 * kh
-    in_tr = swizzle_transforms(tile_k, dtype)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    smem = stages * (tile_m + tile_n) * tile_k * 2 + tile_m * tile_n * 2
-    if smem > _SMEM_LIMIT:
-        raise ValueError(f"column-stream fc kernel needs {smem} bytes of shared memory "
-                         f"(tile_n={tile_n}, tile_k={tile_k}, stages={stages}); "
-                         f"the limit is {_SMEM_LIMIT}")
-
-    def kernel(e_ref, h_ref, w_ref, o_ref, x_smem, w_smem, o_smem, full, empty):
-        ni = lax.axis_index("n")
-        wg = lax.axis_index("wg")
-        rows = pl.ds(ni * 0, tile_m)  # a traced 0: rows past M are zero-fill / clipped stores
-        cols = pl.ds(ni * tile_n, tile_n)
-
-        @pl.when(wg == 1)
-        def _producer():
-            plgpu.set_max_registers(40, action="decrease")
-            for half, (src, base) in enumerate(((e_ref, 0), (h_ref, h))):
-                @pl.loop(0, kh)
-                def _(k, half=half, src=src, base=base):
-                    step = half * kh + k
-                    slot = lax.rem(step, stages)
-
-                    @pl.when(step >= stages)
-                    def _():
-                        plgpu.barrier_wait(empty.at[slot])
-
-                    plgpu.copy_gmem_to_smem(src.at[rows, pl.ds(k * tile_k, tile_k)],
-                                            x_smem.at[slot], full.at[slot])
-                    plgpu.copy_gmem_to_smem(w_ref.at[cols, pl.ds(base + k * tile_k, tile_k)],
-                                            w_smem.at[slot], full.at[slot])
-
-            @pl.loop(max(nk - stages, 0), nk)  # observe the last releases too (interpreter)
-            def _(j):
-                plgpu.barrier_wait(empty.at[lax.rem(j, stages)])
-
-        @pl.when(wg == 0)
-        def _consumer():
-            def run_half(acc_ref, half):
-                def body(k, ss):
-                    step = half * kh + k
-                    slot = lax.rem(step, stages)
-                    plgpu.barrier_wait(full.at[slot])
-                    plgpu.wgmma(acc_ref, x_smem.at[slot], w_smem.at[slot].T)
-                    x = plgpu.load(x_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-                    ss = ss + jnp.sum(x * x, axis=1)
-                    plgpu.wgmma_wait(1)  # the previous step's wgmma is done: free its stage
-
-                    @pl.when(step > 0)
-                    def _():
-                        plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
-
-                    return ss
-
-                zero = plgpu.layout_cast(jnp.zeros((tile_m,), jnp.float32), row_layout)
-                return lax.fori_loop(0, kh, body, zero)
-
-            def scope(acc_e, acc_h):
-                ss_e = run_half(acc_e, 0)
-                ss_h = run_half(acc_h, 1)
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(empty.at[(nk - 1) % stages])
-                scale = lambda ss: lax.broadcast_in_dim(
-                    lax.rsqrt(ss * (1.0 / h) + eps), (tile_m, tile_n), [0])
-                return acc_e[...] * scale(ss_e) + acc_h[...] * scale(ss_h)
-
-            out = pl.run_scoped(scope, plgpu.ACC((tile_m, tile_n), jnp.float32),
-                                plgpu.ACC((tile_m, tile_n), jnp.float32))
-            o_smem[...] = out.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows, cols])
-            plgpu.wait_smem_to_gmem(0)
-
-    call = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((m, h), dtype),
-        grid=(h // tile_n,),
-        grid_names=("n",),
-        num_threads=2,
-        thread_name="wg",
-        scratch_types=dict(
-            x_smem=plgpu.SMEM((stages, tile_m, tile_k), dtype, transforms=in_tr),
-            w_smem=plgpu.SMEM((stages, tile_n, tile_k), dtype, transforms=in_tr),
-            o_smem=plgpu.SMEM((tile_m, tile_n), dtype,
-                              transforms=swizzle_transforms(tile_n, dtype)),
-            full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            empty=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-        ),
-    )
-    return call(embed, hidden, w_f)
-
-
 # ------------------------------------------------------------------ row sums of squares
 
 
@@ -765,11 +630,10 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "wg_m", "tile_n", "k_splits", "stages",
-                                             "num_programs", "small_m", "acc", "sumsq", "reduce",
-                                             "small", "tile_k"))
+                                             "num_programs", "small_m", "acc", "sumsq", "reduce"))
 def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_splits=None,
                    stages=None, num_programs=None, small_m=SMALL_M, acc="rescale", sumsq=None,
-                   reduce="partials", small="splitk", tile_k=None):
+                   reduce="partials"):
     """The kernel path: ``fc_gemm`` given the folded weight ``fold_fc_weight(...)``.
 
     embed, hidden: [M, H]; w_folded: [H, 2H]; all three the same 16-bit dtype. The tile
@@ -788,11 +652,6 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     if m <= small_m:
         if m > SMALL_M:
             raise ValueError(f"small_m={small_m} exceeds the {SMALL_M}-row split-K tile")
-        if small == "columns":
-            tn, tk, st = _plan_columns(h, num_sms(), tile_n, tile_k, stages)
-            return _columns(embed, hidden, w_folded, tile_n=tn, tile_k=tk, stages=st, eps=eps)
-        if small != "splitk":
-            raise ValueError(f"small={small!r}: choose 'columns' or 'splitk'")
         tn, ks, st = _plan_small(h, num_sms(), tile_n, k_splits, stages)
         return _splitk(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st, eps=eps,
                        reduce=reduce)
