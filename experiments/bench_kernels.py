@@ -183,9 +183,7 @@ def fc_variants(m, h):
         return v
     # The split-K path (M <= 64): the in-cluster reduction beside the default partials
     # form, and plan alternatives (tile_n, K splits, stages).
-    v = {"cluster": dict(reduce="cluster"), "semaphore": dict(reduce="semaphore"),
-         "semaphore_s4": dict(reduce="semaphore", stages=4), "n64_partials": dict(tile_n=64),
-         "s3": dict(stages=3), "s4": dict(stages=4)}
+    v = {"cluster": dict(reduce="cluster"), "s3": dict(stages=3), "s4": dict(stages=4)}
     if h == 2048:
         v.update({"k4": dict(k_splits=4), "k16_s4": dict(k_splits=16, stages=4),
                   "n256_k16_s3": dict(tile_n=256, k_splits=16, stages=3),

@@ -210,18 +210,6 @@ def _cluster_sync():
     sync()
 
 
-def _fence(ptx: str):
-    """Memory fences Pallas has no primitive for, as inline PTX (one thread's worth suffices)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-
-    @plgpu.inline_mgpu()
-    def fence(_ctx):
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [], ptx, "", has_side_effects=True)
-
-    fence()
-
-
 def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k=64):
     """The propose path (M <= 64): ``fc_gemm`` as a split-K weight stream.
 
@@ -255,83 +243,16 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
     part_tr = swizzle_transforms(REDUCE_COLS, jnp.float32)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     cluster = reduce == "cluster"
-    last = reduce == "semaphore"
-    if reduce not in ("cluster", "partials", "semaphore"):
-        raise ValueError(f"reduce={reduce!r}: choose 'cluster', 'partials' or 'semaphore'")
-    if last and interpret_forced():
-        raise ValueError("reduce='semaphore' needs a GPU: Pallas' interpreter has no global semaphores")
-    if last and (h // tile_n) * k_splits > num_sms():
-        raise ValueError(f"reduce='semaphore' waits on co-resident blocks: {(h // tile_n) * k_splits} "
-                         f"programs exceed the {num_sms()} SMs")
+    if reduce not in ("cluster", "partials"):
+        raise ValueError(f"reduce={reduce!r}: choose 'cluster' or 'partials'")
     if tile_n % REDUCE_COLS or (cluster and k_splits > MAX_CLUSTER):
         raise ValueError(f"the split-K kernel needs tile_n a multiple of {REDUCE_COLS} and, to "
                          f"reduce in a cluster, k_splits <= {MAX_CLUSTER}; got tile_n={tile_n}, "
                          f"k_splits={k_splits}")
 
-    def _semaphore_reduce(parts_ref, ss_ref, o_ref, part_smem, ss_smem, out_smem, ni, si, zero):
-        """Split 0 of each column tile waits for the others' partials and finishes the tile.
-
-        Every block stores its f32 partial and its split's row shares, then (splits > 0)
-        fences and signals the tile's global semaphore. Block (n, 0) waits until all
-        ``S - 1`` have signalled (the wait takes the count back to zero, ready for the next
-        call), loads their partials and every split's shares with one round of TMA copies
-        into the shared memory the pipeline no longer uses, and stores the bf16 tile. All
-        ``H / tile_n * S`` blocks must be resident at once (checked: at most one per SM).
-        """
-        plgpu.commit_smem()
-        for j, slab_smem in enumerate(part_smem):
-            plgpu.copy_smem_to_gmem(slab_smem, parts_ref.at[
-                si, pl.ds(zero, tile_m), pl.ds(ni * tile_n + j * REDUCE_COLS, REDUCE_COLS)])
-        plgpu.copy_smem_to_gmem(ss_smem, ss_ref.at[ni, si])
-        plgpu.wait_smem_to_gmem(0)  # the stores are complete, not just issued
-        sem = pl.get_global(plgpu.SemaphoreType.REGULAR((h // tile_n,)))
-
-        @pl.when(si > 0)
-        def _():
-            _fence("fence.proxy.async.global;\nfence.acq_rel.gpu;")  # TMA stores, then the signal
-            pl.semaphore_signal(sem.at[ni], 1)
-
-        @pl.when(si == 0)
-        def _():
-            pl.semaphore_wait(sem.at[ni], k_splits - 1)
-            _fence("fence.acq_rel.gpu;\nfence.proxy.async.global;")  # the signal, then TMA loads
-
-            def scope(recv, ss_all, loaded):
-                for p in range(1, k_splits):
-                    for j in range(slabs):
-                        plgpu.copy_gmem_to_smem(parts_ref.at[
-                            p, pl.ds(zero, tile_m), pl.ds(ni * tile_n + j * REDUCE_COLS, REDUCE_COLS)],
-                            recv.at[p - 1, j], loaded)
-                plgpu.copy_gmem_to_smem(ss_ref.at[ni], ss_all, loaded)
-                plgpu.barrier_wait(loaded)
-                r_e, r_h = (lax.rsqrt(sum(plgpu.load(ss_all.at[p], layout=row_layout, optimized=False)
-                                          for p in splits) * (1.0 / h) + eps)
-                            for splits in (range(per_half), range(per_half, k_splits)))
-                bcast = lambda v: lax.broadcast_in_dim(v, (tile_m, REDUCE_COLS), [0])
-                for j, slab_smem in enumerate(part_smem):
-                    part = lambda p: plgpu.load(slab_smem if p == 0 else recv.at[p - 1, j],
-                                                layout=plgpu.Layout.WGMMA)
-                    acc_e = sum(part(p) for p in range(per_half))
-                    acc_h = sum(part(p) for p in range(per_half, k_splits))
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    out_smem[...] = (acc_e * bcast(r_e) + acc_h * bcast(r_h)).astype(dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem, o_ref.at[
-                        pl.ds(zero, tile_m), pl.ds(ni * tile_n + j * REDUCE_COLS, REDUCE_COLS)])
-                plgpu.wait_smem_to_gmem(0)
-
-            pl.run_scoped(
-                scope,
-                plgpu.SMEM((k_splits - 1, slabs, tile_m, REDUCE_COLS), jnp.float32, transforms=part_tr),
-                plgpu.SMEM((k_splits, tile_m), jnp.float32),
-                plgpu.Barrier(num_arrivals=(k_splits - 1) * slabs + 1),
-            )
-
     def kernel(e_ref, h_ref, w_ref, *outs, part_smem, ss_smem, out_smem=None):
         if cluster:
             (o_ref,) = outs
-        elif last:
-            o_ref, parts_ref, ss_ref = outs
         else:
             parts_ref, ss_ref = outs
         ni = lax.axis_index("n")
@@ -371,9 +292,6 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
         pl.when(si < per_half)(lambda: half(e_ref, 0))
         pl.when(si >= per_half)(lambda: half(h_ref, h))
 
-        if last:
-            _semaphore_reduce(parts_ref, ss_ref, o_ref, part_smem, ss_smem, out_smem, ni, si, zero)
-            return
         if not cluster:
             plgpu.commit_smem()
             for j, slab_smem in enumerate(part_smem):
@@ -410,9 +328,7 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
         _cluster_sync()  # no block leaves while a peer may still read its shared memory
 
     smem = (stages * (tile_m + tile_n) * tile_k * 2 + tile_m * tile_n * 4
-            + (tile_m * REDUCE_COLS * 2 if cluster or last else 0))
-    if last:  # the receive buffers reuse the pipeline's shared memory once it is done
-        smem = max(smem, tile_m * tile_n * 4 * k_splits + tile_m * (REDUCE_COLS * 2 + 4 * k_splits))
+            + (tile_m * REDUCE_COLS * 2 if cluster else 0))
     if smem > _SMEM_LIMIT:
         raise ValueError(f"split-K fc kernel needs {smem} bytes of shared memory "
                          f"(tile_n={tile_n}, stages={stages}); the limit is {_SMEM_LIMIT}")
@@ -420,19 +336,9 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
     scratch = dict(part_smem=[plgpu.SMEM((tile_m, REDUCE_COLS), jnp.float32, transforms=part_tr)
                               for _ in range(slabs)],
                    ss_smem=plgpu.SMEM((tile_m,), jnp.float32))
-    if cluster or last:
+    if cluster:
         scratch["out_smem"] = plgpu.SMEM((tile_m, REDUCE_COLS), dtype,
                                          transforms=swizzle_transforms(REDUCE_COLS, dtype))
-    if last:
-        out, _, _ = plgpu.kernel(
-            kernel,
-            out_type=(jax.ShapeDtypeStruct((m, h), dtype),
-                      jax.ShapeDtypeStruct((k_splits, m, h), jnp.float32),
-                      jax.ShapeDtypeStruct((h // tile_n, k_splits, tile_m), jnp.float32)),
-            grid=(h // tile_n, k_splits), grid_names=("n", "k"),
-            scratch_types=scratch,
-        )(embed, hidden, w_f)
-        return out
         return plgpu.kernel(
             kernel, out_type=jax.ShapeDtypeStruct((m, h), dtype),
             grid=(h // tile_n,), grid_names=("n",), cluster=(k_splits,), cluster_names=("k",),
@@ -746,8 +652,6 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     if m <= small_m:
         if m > SMALL_M:
             raise ValueError(f"small_m={small_m} exceeds the {SMALL_M}-row split-K tile")
-        if reduce == "semaphore" and tile_n is None:
-            tile_n = 64  # fewer K splits, so the finishing block's receive buffers fit
         tn, ks, st = _plan_small(h, num_sms(), tile_n, k_splits, stages)
         return _splitk(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st, eps=eps,
                        reduce=reduce)
