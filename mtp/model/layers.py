@@ -22,7 +22,9 @@ from mtp.pallas.backend import pad_small_gemms
 # one row, 3.5 for two; [8192, 2048] 2.3 vs 4.3), so `dense` gives such a product a
 # second, zero row there. Padding further (to 4 or 8 rows) measured slower than 2, and
 # weights of at most 2048 x 4096 elements measured no gain (or a loss): they keep
-# their shape.
+# their shape. A model whose weights pad carries its whole one-row residual stream
+# padded instead (`stream_rows`, chosen in `mtp.model.target`), so that the pad is one
+# kernel per step rather than one per GEMM (results/decode_h200.md, session 7).
 PAD_ROWS = 2
 PAD_MIN_WEIGHT = 2048 * 4096
 
