@@ -51,13 +51,9 @@ def project(p, x: jax.Array, cfg: ModelConfig, lead: tuple[int, ...]):
     ``x`` is ``[*lead, H]`` or the padded stream's rows (`layers.stream_rows`).
     """
     qkvz_rows = dense_rows(x, p["in_proj_qkvz"]["weight"], lead)
-    return conv_inputs(first_rows(qkvz_rows, lead), cfg), qkvz_rows, dense(x, p["in_proj_ba"]["weight"], lead)
-
-
-def conv_inputs(qkvz: jax.Array, cfg) -> jax.Array:
-    """The conv's input channels of ``qkvz`` (each key-head group's q, k, v), in the grouped order."""
-    groups, qkv_width = _qkvz_groups(qkvz, cfg)
-    return groups[..., :qkv_width].reshape(*qkvz.shape[:-1], -1)
+    groups, qkv_width = _qkvz_groups(first_rows(qkvz_rows, lead), cfg)
+    mixed = groups[..., :qkv_width].reshape(*lead, -1)
+    return mixed, qkvz_rows, dense(x, p["in_proj_ba"]["weight"], lead)
 
 
 def _qkvz_groups(qkvz: jax.Array, cfg):
@@ -230,22 +226,24 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
     mixed, qkvz_rows, ba = project(p, x, cfg, lead)
     mixed = jnp.where(valid[..., None], mixed, 0)
     conv_out = conv_windows(p, cfg, conv_state, mixed)
-    if per_step and lead[1] == 1:  # the fused step also shifts the conv state (in place)
-        y, new_rec, new_conv = fused_step.gdn_step(
-            conv_out[:, 0], qkvz_rows, ba[:, 0], valid[:, 0], rec_state, conv_state, p["A_log"],
-            p["dt_bias"], p["norm"]["weight"], num_k_heads=cfg.linear_num_key_heads,
-            eps=cfg.rms_norm_eps, impl=impl)
-        return out_project(p, y[:, None]), new_conv, new_rec, (new_conv[:, None], new_rec[:, None])
     counts = jnp.sum(valid, axis=1).astype(jnp.int32)
-    z, b, a = gates(first_rows(qkvz_rows, lead), ba, cfg)
-    q, k, v, beta, g = split_heads(conv_out, b, a, p, cfg)
-    k, beta, g = mask_updates(k, beta, g, valid)
     steps = None
-    if per_step:
-        core, new_rec, rec_steps = recurrent_delta_rule(q, k, v, beta, g, rec_state)
+    if per_step and lead[1] == 1:
+        y, new_rec = fused_step.gdn_step(conv_out[:, 0], qkvz_rows, ba[:, 0], valid[:, 0], rec_state,
+                                         p["A_log"], p["dt_bias"], p["norm"]["weight"],
+                                         num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
+                                         impl=impl)
+        out = out_project(p, y[:, None])
+        rec_steps = new_rec[:, None]
     else:
-        core, new_rec = chunked_delta_rule(q, k, v, beta, g, rec_state)
-    out = output(p, core, z, x.dtype, cfg)
+        z, b, a = gates(first_rows(qkvz_rows, lead), ba, cfg)
+        q, k, v, beta, g = split_heads(conv_out, b, a, p, cfg)
+        k, beta, g = mask_updates(k, beta, g, valid)
+        if per_step:
+            core, new_rec, rec_steps = recurrent_delta_rule(q, k, v, beta, g, rec_state)
+        else:
+            core, new_rec = chunked_delta_rule(q, k, v, beta, g, rec_state)
+        out = output(p, core, z, x.dtype, cfg)
     if per_step:
         conv_steps = jnp.stack([conv_state_after(conv_state, mixed, jnp.full_like(counts, i + 1))
                                 for i in range(lead[1])], axis=1)

@@ -1,4 +1,4 @@
-"""One decode step of a Gated DeltaNet layer, after its conv, as one kernel (and the conv state's shift).
+"""One decode step of a Gated DeltaNet layer, after its conv, as one kernel.
 
 At batch 1 the step's arithmetic is tiny, but XLA spreads it over ~10 kernels per
 layer (two l2norms, the gates, three delta-rule fusions, the gated RMSNorm's reduce
@@ -10,13 +10,7 @@ streaming the layer's weights (results/decode_h200.md). Here one program per
     S = exp(g) S;  S += k (beta (v - k^T S));  o = q^T S
     y = silu(z) * w * rmsnorm(o)
 
-and writes ``y`` (the out projection's input) and the new state. It also shifts the conv
-state in place (drop the oldest of the last ``K - 1`` conv inputs, append this step's): in
-XLA that shift is a fusion whose output a decode loop then copies back into its carry with a
-device memcpy, per layer per step (`experiments/count_kernels.py --loop`). The conv itself
-stays in XLA: the ``r`` programs of a key-head group all read the group's q and k state,
-so no one of them may overwrite it in place before the others have read it; the shift
-needs only the new inputs, which come straight from ``in_proj_qkvz``'s output.
+and writes ``y`` (the out projection's input) and the new state.
 
 Why Pallas' Triton lowering and not Mosaic GPU (the project's default, since Triton's
 Pallas backend is deprecated): the step is two mat-vec reductions over the state's
@@ -40,20 +34,17 @@ from mtp.model.layers import gated_rms_norm, l2norm
 from mtp.pallas.backend import TENSOR_AXIS, interpret_forced, resolve_impl, tensor_parallel_mesh
 
 
-def gdn_step_reference(mixed, qkvz, ba, valid, state, conv_state, a_log, dt_bias, norm_w, *,
-                       num_k_heads, eps):
-    """The step as the model computes it (``gates`` + ``split_heads`` + one delta-rule step +
-    gated norm, and ``conv_state_after`` for the conv state).
+def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps):
+    """The step as the model computes it (``gates`` + ``split_heads`` + one delta-rule step + gated norm).
 
     mixed: [B, 2 nk Dk + nv Dv] conv output, grouped per key head ([q, k, v of its
     value heads] for each key head, `gated_deltanet`'s conv order); qkvz: [R >= B, nk (2
     Dk + 2 r Dv)] and ba: [B, 2 nv], the ``in_proj_qkvz`` and ``in_proj_ba`` outputs that
     ``z`` and ``b, a`` come from (qkvz's rows past B are ignored: the model passes a
     padded GEMM's whole output, `layers.dense_rows`, so that XLA need not copy a slice of
-    it); valid: [B] bool; state: [B, nv, Dk, Dv] f32; conv_state: [B, K - 1, 2 nk Dk + nv
-    Dv], the last conv inputs in the grouped order; a_log, dt_bias: [nv]; norm_w: [Dv].
-    Returns ``(y [B, nv, Dv] in mixed's dtype, new_state, new_conv_state)``; a row with
-    ``valid`` False keeps both states. The kernel takes Dk = Dv (Qwen3-Next's 128) only.
+    it); valid: [B] bool; state: [B, nv, Dk, Dv] f32; a_log, dt_bias: [nv]; norm_w: [Dv].
+    Returns ``(y [B, nv, Dv] in mixed's dtype, new_state)``. The kernel takes Dk = Dv
+    (Qwen3-Next's 128) only.
     """
     from mtp.model import gated_deltanet as gdn  # imports this module: so here, not at the top
 
@@ -67,9 +58,7 @@ def gdn_step_reference(mixed, qkvz, ba, valid, state, conv_state, a_log, dt_bias
     k, beta, g = gdn.mask_updates(k, beta, g, valid[:, None])
     core, new_state, _ = gdn.recurrent_delta_rule(q, k, v, beta, g, state)
     y = gated_rms_norm(core[:, 0].astype(mixed.dtype), z, norm_w, eps)
-    conv_in = jnp.where(valid[:, None], gdn.conv_inputs(qkvz[:bsz], cfg_like), 0)
-    new_conv = gdn.conv_state_after(conv_state, conv_in[:, None], valid.astype(jnp.int32))
-    return y.reshape(bsz, nv, dv), new_state, new_conv.astype(conv_state.dtype)
+    return y.reshape(bsz, nv, dv), new_state
 
 
 class _HeadShape:
@@ -80,7 +69,7 @@ class _HeadShape:
         self.linear_key_head_dim, self.linear_value_head_dim = dk, dv
 
 
-def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, conv_state=None) -> str | None:
+def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads) -> str | None:
     """Why the kernel cannot take these inputs (the caller then runs the reference), or None."""
     _, nv, dk, dv = state.shape
     nk = num_k_heads
@@ -96,26 +85,13 @@ def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, conv_state=None) -> 
             return f"{name} has {x.shape[-1]} channels, not {want} (nk={nk}, nv={nv}, D={dk})"
     if qkvz.shape[0] < mixed.shape[0]:
         return f"qkvz has {qkvz.shape[0]} rows for a batch of {mixed.shape[0]}"
-    if conv_state is not None and (conv_state.shape[::2] != mixed.shape
-                                   or conv_state.dtype != qkvz.dtype or conv_state.shape[1] < 1):
-        return (f"conv state {conv_state.shape} {conv_state.dtype} does not match the step's "
-                f"{mixed.shape} {qkvz.dtype} conv inputs")
     return None
 
 
-def _kernel(q_ref, k_ref, v_ref, z_ref, xq_ref, xk_ref, xv_ref, b_ref, a_ref, valid_ref, s_ref,
-            cs_ref, alog_ref, dtb_ref, w_ref, y_ref, s_out_ref, cs_out_ref, *, eps, r):
-    del cs_ref  # aliased to cs_out_ref: the old conv state is read (and shifted) there
+def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref, dtb_ref, w_ref,
+            y_ref, s_out_ref, *, eps):
     d = s_ref.shape[-1]
     f32 = jnp.float32
-    # The conv state's rows to keep, loaded first so that the loads overlap the state's
-    # (at the end they cost one more memory round trip: measured +1.1 us per step).
-    h = pl.program_id(1)
-    group = (h // r) * (2 + r)
-    keep = cs_out_ref.shape[1]
-    blocks = {"v": (group + 2 + h % r, xv_ref), "q": (group, xq_ref), "k": (group + 1, xk_ref)}
-    kept = {name: ([cs_out_ref[0, j, pl.ds(blk * d, d)] for j in range(1, keep)], x_ref[0, 0, :])
-            for name, (blk, x_ref) in blocks.items()}
     q = l2norm(q_ref[0, 0, :].astype(f32)) * (d ** -0.5)
     k = l2norm(k_ref[0, 0, :].astype(f32))
     v = v_ref[0, 0, :].astype(f32)
@@ -135,27 +111,10 @@ def _kernel(q_ref, k_ref, v_ref, z_ref, xq_ref, xk_ref, xv_ref, b_ref, a_ref, va
     y = gated_rms_norm(o.astype(y_ref.dtype)[None, :], z_ref[0, 0, :][None, :], w_ref[...], eps)
     y_ref[0, 0, :] = y[0]
 
-    # The conv state: this head's v channels, and (one program per key-head group) q and k.
-    # Read and written through the output ref, the same memory: one pointer for both.
-    def shift(name):
-        cols = pl.ds(blocks[name][0] * d, d)
-        rows, x = kept[name]
-        for j, row in enumerate(rows + [x.astype(cs_out_ref.dtype)]):
-            cs_out_ref[0, j, cols] = row
-
-    @pl.when(live)
-    def _():
-        shift("v")
-
-        @pl.when(h % r == 0)
-        def _():
-            shift("q")
-            shift("k")
-
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "interpret"))
-def _gdn_step_pallas(mixed, qkvz, ba, valid, state, conv_state, a_log, dt_bias, norm_w, *,
-                     num_k_heads, eps, interpret=False):
+def _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
+                     interpret=False):
     bsz, nv, d, _ = state.shape
     nk = num_k_heads
     r = nv // nk
@@ -164,7 +123,6 @@ def _gdn_step_pallas(mixed, qkvz, ba, valid, state, conv_state, a_log, dt_bias, 
     heads = mixed.reshape(bsz, nk * (2 + r), d)     # per key head [q, k, v x r]
     zs = qkvz.reshape(qkvz.shape[0], nk * (2 + 2 * r), d)  # per key head [q, k, v x r, z x r]
     col = lambda off: pl.BlockSpec((1, 1, d), lambda i, h, off=off: (i, off(h), 0))
-    conv_spec = pl.BlockSpec((1,) + conv_state.shape[1:], lambda i, h: (i, 0, 0))
     scalar = lambda off: pl.BlockSpec((1, 1), lambda i, h, off=off: (i, off(h)))
     per_head = pl.BlockSpec((1, 1), lambda i, h: (h, 0))
     group = lambda h: (h // r) * (2 + r)     # the value head's key-head group
@@ -173,45 +131,40 @@ def _gdn_step_pallas(mixed, qkvz, ba, valid, state, conv_state, a_log, dt_bias, 
         col(lambda h: group(h) + 1),         # k
         col(lambda h: group(h) + 2 + h % r), # v
         col(lambda h: (h // r) * (2 + 2 * r) + 2 + r + h % r),  # z, in qkvz
-        col(lambda h: (h // r) * (2 + 2 * r)),                   # this step's conv inputs: q,
-        col(lambda h: (h // r) * (2 + 2 * r) + 1),               # k
-        col(lambda h: (h // r) * (2 + 2 * r) + 2 + h % r),       # and v, in qkvz
         scalar(lambda h: (h // r) * 2 * r + h % r),             # b, in ba ([b x r, a x r] per group)
         scalar(lambda h: (h // r) * 2 * r + r + h % r),         # a
         pl.BlockSpec((1, 1), lambda i, h: (i, 0)),              # valid
         pl.BlockSpec((1, 1, d, d), lambda i, h: (i, h, 0, 0)),  # state
-        conv_spec,                           # conv state: the sequence's whole window
         per_head, per_head,                  # A_log, dt_bias
         pl.BlockSpec((d,), lambda i, h: (0,)),                  # norm weight
     ]
     out_specs = [pl.BlockSpec((1, 1, d), lambda i, h: (i, h, 0)),
-                 pl.BlockSpec((1, 1, d, d), lambda i, h: (i, h, 0, 0)), conv_spec]
+                 pl.BlockSpec((1, 1, d, d), lambda i, h: (i, h, 0, 0))]
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as pl_triton
 
         kwargs["compiler_params"] = pl_triton.CompilerParams(num_warps=8, num_stages=1)
     return pl.pallas_call(
-        functools.partial(_kernel, eps=eps, r=r),
+        functools.partial(_kernel, eps=eps),
         grid=(bsz, nv),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct((bsz, nv, d), mixed.dtype),
-                   jax.ShapeDtypeStruct(state.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)],
+                   jax.ShapeDtypeStruct(state.shape, jnp.float32)],
         # The new state overwrites the old one in place (each program reads its (b, h)
         # block before writing it). Without this, a decode loop that carries the state
         # copied the kernel's output into the carry every step: a device memcpy of 2 MB
         # per layer (`experiments/count_kernels.py --loop`).
-        input_output_aliases={10: 1, 11: 2},
+        input_output_aliases={7: 1},
         interpret=interpret,
         **kwargs,
-    )(heads, heads, heads, zs, zs, zs, zs, ba, ba, valid.astype(jnp.int32)[:, None],
-      state.astype(jnp.float32), conv_state, a_log[:, None], dt_bias[:, None], norm_w)
+    )(heads, heads, heads, zs, ba, ba, valid.astype(jnp.int32)[:, None], state.astype(jnp.float32),
+      a_log[:, None], dt_bias[:, None], norm_w)
 
 
-def gdn_step(mixed, qkvz, ba, valid, state, conv_state, a_log, dt_bias, norm_w, *, num_k_heads,
-             eps, impl="auto"):
+def gdn_step(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
+             impl="auto"):
     """``gdn_step_reference``'s signature and results; ``impl`` picks the path (``backend``).
 
     Inputs the kernel cannot take (``kernel_unsupported``) go to the reference. ``auto``
@@ -227,13 +180,12 @@ def gdn_step(mixed, qkvz, ba, valid, state, conv_state, a_log, dt_bias, norm_w, 
     mode = resolve_impl(impl, op="gdn_step")
     mesh = tensor_parallel_mesh()
     tp = mesh.shape[TENSOR_AXIS] if mesh is not None else 1
-    if (mode == "reference" or num_k_heads % tp
-            or kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, conv_state)):
-        return gdn_step_reference(mixed, qkvz, ba, valid, state, conv_state, a_log, dt_bias,
-                                  norm_w, num_k_heads=num_k_heads, eps=eps)
+    if mode == "reference" or kernel_unsupported(mixed, qkvz, ba, state, num_k_heads) or num_k_heads % tp:
+        return gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
+                                  num_k_heads=num_k_heads, eps=eps)
 
-    def run(mixed, qkvz, ba, valid, state, conv_state, a_log, dt_bias, norm_w):
-        return _gdn_step_pallas(mixed, qkvz, ba, valid, state, conv_state, a_log, dt_bias, norm_w,
+    def run(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w):
+        return _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
                                 num_k_heads=num_k_heads // tp, eps=eps,
                                 interpret=mode == "interpret" or interpret_forced())
 
@@ -243,7 +195,6 @@ def gdn_step(mixed, qkvz, ba, valid, state, conv_state, a_log, dt_bias, norm_w, 
         ax = TENSOR_AXIS
         run = jax.shard_map(run, mesh=mesh, check_vma=False,
                             in_specs=(P(None, ax), P(None, ax), P(None, ax), P(),
-                                      P(None, ax, None, None), P(None, None, ax), P(ax), P(ax), P()),
-                            out_specs=(P(None, ax, None), P(None, ax, None, None),
-                                       P(None, None, ax)))
-    return run(mixed, qkvz, ba, valid, state, conv_state, a_log, dt_bias, norm_w)
+                                      P(None, ax, None, None), P(ax), P(ax), P()),
+                            out_specs=(P(None, ax, None), P(None, ax, None, None)))
+    return run(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w)
