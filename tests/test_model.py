@@ -121,7 +121,7 @@ def test_a_one_row_step_pads_its_stream_once(tiny, monkeypatch):
         return text.count("jit[name=_pad ")  # jnp.pad's (jitted) row pads, [1, H] -> [2, H]
 
     now = pads()
-    monkeypatch.setattr(target, "_pads_stream", lambda cfg: False)  # as before: a pad per GEMM
+    monkeypatch.setattr(target, "_pads_stream", lambda params: False)  # as before: a pad per GEMM
     before = pads()
     jax.clear_caches()
     assert before > 3 * cfg.num_hidden_layers

@@ -102,8 +102,8 @@ def add_rows(x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def first_rows(y_rows: jax.Array, lead: tuple[int, ...]) -> jax.Array:
-    """The ``prod(lead)`` real rows of a `dense_rows` result, as ``[*lead, out]``."""
-    return y_rows[:math.prod(lead)].reshape(*lead, y_rows.shape[-1])
+    """The ``prod(lead)`` real rows of a `dense_rows` result (or of the padded stream), as ``[*lead, out]``."""
+    return y_rows.reshape(-1, y_rows.shape[-1])[:math.prod(lead)].reshape(*lead, y_rows.shape[-1])
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

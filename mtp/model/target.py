@@ -99,14 +99,13 @@ def _final(cfg, params, x, lead, last_only: jax.Array | None) -> StepOutput:
     return dict(logits=logits, hidden_pre=x, hidden_post=post)
 
 
-def _pads_stream(cfg: ModelConfig) -> bool:
+def _pads_stream(params: Params) -> bool:
     """Whether a one-row step carries its residual stream padded (`layers.stream_rows`).
 
-    Where `dense` would pad a layer's GEMMs (a GPU, and weights above
+    Where `dense` would pad some of the layers' GEMMs (a GPU, and a weight above
     `layers.PAD_MIN_WEIGHT`), so that the stream is padded once per step, not per GEMM.
     """
-    largest = cfg.hidden_size * max(cfg.intermediate_size, cfg.moe_intermediate_size or 0,
-                                    cfg.num_attention_heads * cfg.head_dim * 2)
+    largest = max(w.size for w in jax.tree.leaves(params["model"]["layers"]))
     return layers.pad_small_gemms() and largest > layers.PAD_MIN_WEIGHT
 
 
@@ -144,7 +143,7 @@ def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, at
     """Shared body of prefill and verify: the stack over cached state."""
     b, t = tokens.shape
     positions = start[:, None] + jnp.arange(t)[None, :]
-    x = stream_rows(embed(params, tokens), _pads_stream(cfg))
+    x = stream_rows(embed(params, tokens), _pads_stream(params))
     ks, vs, convs, recs, conv_steps, rec_steps = [], [], [], [], [], []
     for i, kind in enumerate(cfg.layer_types):
         p = params["model"]["layers"][str(i)]
