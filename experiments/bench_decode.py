@@ -110,7 +110,7 @@ _HLO_LINE = re.compile(r"^\s*%?([\w.-]+) = (\S+) .*?stack_frame_id=(\d+)")
 _TABLE_ROW = re.compile(r"^(\d+) (?:\"(.*)\"|\{(.*)\})$")
 
 
-def _kernel_sources(compiled_text: str, depth: int = 3) -> dict[str, str]:
+def kernel_sources(compiled_text: str, depth: int = 3) -> dict[str, str]:
     """Kernel (fusion) name -> where in the model it comes from, from the optimised HLO.
 
     XLA keeps each op's Python stack in the module's stack-frame tables; the key is the
@@ -178,7 +178,7 @@ def _kernel_profile(step, state, params, top=8, by_source=False):
     out = {"kernels": len(timings), "kernel_sum_ms": sum(ms for _, ms in timings),
            "top_kernels": [(n[:80], round(ms * 1e3, 1)) for n, ms in worst]}
     if by_source:
-        where = _kernel_sources(jax.jit(step).lower(state, params).compile().as_text())
+        where = kernel_sources(jax.jit(step).lower(state, params).compile().as_text())
         groups: dict[str, list] = {}
         for name, ms in timings:
             key = where.get(name) or where.get(name.split(".")[0]) or f"? {name[:40]}"

@@ -21,14 +21,15 @@ from the GPU's; and Mosaic GPU kernels are lowered here but assembled only on th
 Needs the CUDA plugin (`scripts/setup_aot.sh` makes `.venv-aot`; BUILD.md):
 
     PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py [--batches 1,8] [--tokens 4]
-        [--loop] [--list] [--dump DIR]
+        [--loop] [--list] [--by_source] [--dump DIR]
     MTP_KERNELS=reference PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py
 
 (``--batches``, ``--context`` and ``--steps_per_call`` are bench_decode's own flags.)
 
 Prints, per compile: the kernel launches from XLA's thunk sequence (each kernel thunk and
 each custom call launches one kernel, memory copies are counted apart), the launches by
-name, and how many command buffers (CUDA graphs) they run in.
+name, and how many command buffers (CUDA graphs) they run in; ``--by_source`` groups them by the
+model source line they come from.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import time
 
 from absl import app, flags
 
-from experiments.bench_decode import BIG, chained_verify_step, random_cache  # and its flags
+from experiments.bench_decode import BIG, chained_verify_step, kernel_sources, random_cache  # and its flags
 
 H200_TARGET = """\
 gpu_device_info {
@@ -67,6 +68,8 @@ flags.DEFINE_bool("loop", False, "Also compile part A's timed fori_loop and coun
 flags.DEFINE_string("target_config", None, "A GpuTargetConfig text proto file (default: an H200).")
 flags.DEFINE_integer("top", 15, "How many kernel names to list.")
 flags.DEFINE_bool("list", False, "Print every launch in order, with its grid.")
+flags.DEFINE_bool("by_source", False, "Also group the launches by the model source line (and output "
+                  "shape) each comes from, as bench_decode.py groups its CUPTI kernel times.")
 flags.DEFINE_string("dump", None, "Keep XLA's dumps here (default: a temporary folder).")
 FLAGS = flags.FLAGS
 
@@ -133,6 +136,13 @@ def hlo_copies(text: str, while_body: bool = False) -> collections.Counter:
     source = lambda name: re.sub(r"\d+", "*", re.sub(r"\.\d+$", "", name))  # one row per kind
     return collections.Counter((m.group(1), source(m.group(2)))
                                for line in computations[target] if (m := _COPY.search(line)))
+
+
+def by_source(thunks, compiled_text: str) -> collections.Counter:
+    """Launches per model source line and output shape (`bench_decode.kernel_sources`)."""
+    where = kernel_sources(compiled_text)
+    return collections.Counter(where.get(name.replace(".", "_"), f"? {name or kind}")
+                               for kind, name, _, _ in thunks if kind in KERNEL_KINDS + LIBRARY_KINDS)
 
 
 def summarize(thunks, graphs=None) -> dict:
@@ -204,7 +214,7 @@ def main(argv):
         for what, fn, loop in runs:
             where = os.path.join(dump_root, f"b{batch}_{what.split()[0]}")
             t0 = time.time()
-            fn.lower(state, params).compile(compiler_options={"xla_dump_to": where})
+            compiled = fn.lower(state, params).compile(compiler_options={"xla_dump_to": where})
             seq = sorted(glob.glob(os.path.join(where, "*.thunk_sequence.txt")))[-1]
             thunks = read_thunks(open(seq).read(), loop)
             graphs = read_thunks(open(seq.replace(".thunk_sequence.", ".thunk_sequence_after_thunk_passes.")).read(),
@@ -219,6 +229,9 @@ def main(argv):
             copies = hlo_copies(open(hlo).read(), loop)
             print("  memory copies: " + (", ".join(f"{n} x {shape} of {src}" for (shape, src), n
                                                    in copies.most_common()) or "none"))
+            if FLAGS.by_source:
+                print("  by source: " + "; ".join(
+                    f"{n} x {src}" for src, n in by_source(thunks, compiled.as_text()).most_common()))
             if FLAGS.list:
                 for i, (kind, name, dims, _) in enumerate(thunks):
                     print(f"  {i:4d} {kind:14s} {name} {dims}")

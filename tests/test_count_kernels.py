@@ -89,3 +89,49 @@ def test_hlo_copies_name_what_each_memcpy_copies():
     assert hlo_copies(HLO) == {("bf16[4,8]", "state_*__kv_k_*_"): 1}
     assert hlo_copies(HLO, while_body=True) == {("bf16[1,3,8]", "loop_slice_fusion"): 2,
                                                 ("f32[1,4,8,8]", "pallas_call"): 1}
+
+
+# The optimized HLO's stack-frame tables and two of its ops, for grouping launches by model
+# source line. As XLA prints them, a frame's parent_frame_id is the parent's row + 1 (1: none).
+COMPILED = """\
+HloModule jit_step
+
+FileNames
+1 "/work/main/mtp/model/target.py"
+2 "/work/main/mtp/model/layers.py"
+3 "/usr/lib/python3/site-packages/jax/_src/numpy/lax_numpy.py"
+
+FunctionNames
+1 "decoder_layer"
+2 "rms_norm"
+3 "dense"
+4 "pad"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=64 end_line=64 column=1 end_column=9}
+2 {file_name_id=2 function_name_id=2 line=113 end_line=113 column=1 end_column=9}
+3 {file_name_id=2 function_name_id=3 line=78 end_line=78 column=1 end_column=9}
+4 {file_name_id=3 function_name_id=4 line=900 end_line=900 column=1 end_column=9}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=2}
+3 {file_location_id=3 parent_frame_id=2}
+4 {file_location_id=4 parent_frame_id=4}
+
+ENTRY %main {
+  %fusion.855 = bf16[2,2048]{1,0} fusion(%a, %b), kind=kCustom, calls=%c, metadata={op_name="x" stack_frame_id=2}
+  %gemm_fusion_dot.36 = f32[2,11264]{1,0} fusion(%d, %e), kind=kCustom, calls=%f, metadata={op_name="y" stack_frame_id=4}
+}
+"""
+
+
+def test_launches_are_grouped_by_model_source_line():
+    from experiments.count_kernels import by_source
+
+    thunks = [("kCustomKernel", "fusion_855", "", 4), ("kCustomKernel", "gemm_fusion_dot_36", "", 4),
+              ("kCustomKernel", "fusion_855", "", 4), ("kCopy", "", "", 4), ("kCustomCall", "", "", 4)]
+    got = by_source(thunks, COMPILED)
+    # Frames outside mtp/ (jax's own pad) are skipped; the innermost mtp/ frames come first.
+    assert got == {"rms_norm:113 < decoder_layer:64 -> bf16[2,2048]": 2,
+                   "dense:78 < decoder_layer:64 -> f32[2,11264]": 1, "? kCustomCall": 1}
