@@ -85,7 +85,8 @@ def stream_rows(x: jax.Array, pad: bool) -> jax.Array:
     GEMM: a pad kernel per projection (53 in the 1.38B model's step). Padding the
     stream once instead keeps every norm, residual add and FFN on two rows and hands
     the GEMMs their input as is; the token mixers take the real rows. The padding rows
-    stay finite (zero in, zero-mean norms of zeros) and are never read back as outputs.
+    stay zero through every layer (a norm, an FFN or an expert of zeros is zero) and are
+    never read back as outputs.
     """
     x2 = x.reshape(-1, x.shape[-1])
     if pad and x2.shape[0] < PAD_ROWS:
