@@ -155,6 +155,12 @@ def kernel_sources(compiled_text: str, depth: int = 3) -> dict[str, str]:
             for name, (fid, shape) in where.items()}
 
 
+def source_of(where: dict[str, str], kernel: str) -> str:
+    """``kernel_sources``' entry for a launched kernel's name (CUPTI's or XLA's thunk's)."""
+    return (where.get(kernel.replace(".", "_")) or where.get(kernel.split(".")[0])
+            or f"? {kernel[:40]}")
+
+
 def _kernel_profile(step, state, params, top=8, by_source=False):
     """CUPTI view of one step: kernel count, summed kernel time and the costliest kernels.
 
@@ -181,7 +187,7 @@ def _kernel_profile(step, state, params, top=8, by_source=False):
         where = kernel_sources(jax.jit(step).lower(state, params).compile().as_text())
         groups: dict[str, list] = {}
         for name, ms in timings:
-            key = where.get(name) or where.get(name.split(".")[0]) or f"? {name[:40]}"
+            key = source_of(where, name)
             g = groups.setdefault(key, [0, 0.0])
             g[0] += 1
             g[1] += ms

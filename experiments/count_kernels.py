@@ -43,7 +43,8 @@ import time
 
 from absl import app, flags
 
-from experiments.bench_decode import BIG, chained_verify_step, kernel_sources, random_cache  # and its flags
+from experiments.bench_decode import (BIG, chained_verify_step, kernel_sources, random_cache,  # and its flags
+                                      source_of)
 
 H200_TARGET = """\
 gpu_device_info {
@@ -139,9 +140,9 @@ def hlo_copies(text: str, while_body: bool = False) -> collections.Counter:
 
 
 def by_source(thunks, compiled_text: str) -> collections.Counter:
-    """Launches per model source line and output shape (`bench_decode.kernel_sources`)."""
+    """Launches per model source line and output shape (`bench_decode.kernel_sources`, `source_of`)."""
     where = kernel_sources(compiled_text)
-    return collections.Counter(where.get(name.replace(".", "_"), f"? {name or kind}")
+    return collections.Counter(source_of(where, name or kind)
                                for kind, name, _, _ in thunks if kind in KERNEL_KINDS + LIBRARY_KINDS)
 
 
