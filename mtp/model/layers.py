@@ -29,6 +29,11 @@ PAD_ROWS = 2
 PAD_MIN_WEIGHT = 2048 * 4096
 
 
+def pads_weight(size: int) -> bool:
+    """Whether a weight of ``size`` elements is large enough for a one-row product to be padded."""
+    return size > PAD_MIN_WEIGHT
+
+
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w.T`` for a plain HF ``[out, in]`` weight: f32 accumulation, x's dtype out."""
     y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
@@ -58,10 +63,10 @@ def dense_rows(x: jax.Array, w, lead: tuple[int, ...] | None = None) -> jax.Arra
     """
     rows = math.prod(x.shape[:-1] if lead is None else lead)
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] > rows and (not isinstance(w, jax.Array) or w.size <= PAD_MIN_WEIGHT):
+    if x2.shape[0] > rows and (not isinstance(w, jax.Array) or not pads_weight(w.size)):
         x2 = x2[:rows]
     if isinstance(w, jax.Array):
-        if x2.shape[0] < PAD_ROWS and w.size > PAD_MIN_WEIGHT and pad_small_gemms():
+        if x2.shape[0] < PAD_ROWS and pads_weight(w.size) and pad_small_gemms():
             return _padded_rows(x2, w, PAD_ROWS)
         return linear(x2, w)
     from mtp import quant  # quantized MTP projections only; the target is never quantized
@@ -96,10 +101,10 @@ def stream_rows(x: jax.Array, pad: bool) -> jax.Array:
 
 def add_rows(x: jax.Array, y: jax.Array) -> jax.Array:
     """``x + y`` where ``x`` may be the padded stream's rows and ``y`` is ``[*lead, H]``."""
-    if x.shape == y.shape:
-        return x + y
-    y2 = y.reshape(-1, y.shape[-1])
-    return x + jnp.pad(y2, ((0, x.shape[0] - y2.shape[0]), (0, 0)))
+    y2 = y.reshape(x.shape) if y.size == x.size else y.reshape(-1, y.shape[-1])
+    if y2.shape != x.shape:  # x carries padding rows
+        y2 = jnp.pad(y2, ((0, x.shape[0] - y2.shape[0]), (0, 0)))
+    return x + y2
 
 
 def first_rows(y_rows: jax.Array, lead: tuple[int, ...]) -> jax.Array:

@@ -106,7 +106,7 @@ def _pads_stream(params: Params) -> bool:
     `layers.PAD_MIN_WEIGHT`), so that the stream is padded once per step, not per GEMM.
     """
     largest = max(w.size for w in jax.tree.leaves(params["model"]["layers"]))
-    return layers.pad_small_gemms() and largest > layers.PAD_MIN_WEIGHT
+    return layers.pad_small_gemms() and layers.pads_weight(largest)
 
 
 # ------------------------------------------------------------------ reference path
