@@ -45,14 +45,24 @@ def tiny(request):
     return cfg, random_params(cfg)
 
 
+GEMM_LAYOUTS = ("plain", "padded", "merged", "padded_merged")
+
+
 @pytest.fixture
-def padded_gemms(request, monkeypatch):
-    """``dense``'s small-row padding forced on ("1": every projection of < 8 rows pads) or off."""
+def gemm_layout(request, monkeypatch):
+    """The GPU's decode GEMM layouts, forced on a CPU (each read at trace time).
+
+    "padded": ``dense``'s small-row padding, every projection of < 8 rows (and so the
+    one-row residual stream) padded; "merged": ``dense_columns`` merges projections of
+    one input into one GEMM.
+    """
     from mtp.model import layers
 
-    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", request.param)
+    padded, merged = request.param in ("padded", "padded_merged"), "merged" in request.param
+    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "1" if padded else "0")
+    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "1" if merged else "0")
     monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
     monkeypatch.setattr(layers, "PAD_ROWS", 8)
-    jax.clear_caches()  # the setting is read at trace time
+    jax.clear_caches()
     yield request.param
     jax.clear_caches()

@@ -11,7 +11,7 @@ from mtp.config import ConfigError, ModelConfig
 from mtp.model import target
 from mtp.model import gated_deltanet as gdn
 from mtp.model import layers
-from tests.conftest import paged_cache, random_params, tiny_config
+from tests.conftest import GEMM_LAYOUTS, paged_cache, random_params, tiny_config
 
 def test_chunked_delta_rule_matches_recurrent():
     key = jax.random.key(3)
@@ -107,6 +107,26 @@ def test_padded_stream_rows(monkeypatch):
     assert not layers.add_rows(rows, y)[1:].any()
 
 
+def test_dense_columns_merges_projections_of_one_input(monkeypatch):
+    """One GEMM over the concatenated weights where merging is on, each product's columns
+    equal to its own ``dense``; not for a prefill's many rows, nor for quantized weights."""
+    ws = [jax.random.normal(jax.random.key(i), (n, 32)) for i, n in ((1, 48), (2, 8), (3, 16))]
+    dots = lambda x: str(jax.make_jaxpr(lambda a: [c.rows for c in layers.dense_columns(a, ws)])(x)
+                         ).count("dot_general")
+    x = jax.random.normal(jax.random.key(0), (2, 3, 32))
+    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "1")
+    cols = layers.dense_columns(x, ws)
+    assert dots(x) == 1 and [c.start for c in cols] == [0, 48, 56] and cols[0].rows is cols[2].rows
+    for c, w in zip(cols, ws):
+        np.testing.assert_allclose(c.view((2, 3)), layers.dense(x, w), rtol=1e-5, atol=1e-5)
+    assert dots(jnp.ones((layers.MERGE_MAX_ROWS + 1, 32))) == 3
+    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "0")
+    assert dots(x) == 3
+    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "on")
+    with pytest.raises(ValueError, match="MTP_MERGE_PROJECTIONS='on'"):
+        layers.dense_columns(x, ws)
+
+
 def test_a_one_row_step_pads_its_stream_once(tiny, monkeypatch):
     """With padding on, decode has one pad (the stream's), not one per large GEMM."""
     cfg, params = tiny
@@ -130,8 +150,8 @@ def test_a_one_row_step_pads_its_stream_once(tiny, monkeypatch):
     assert now <= 2 * cfg.num_hidden_layers + 1
 
 
-@pytest.mark.parametrize("padded_gemms", ["0", "1"], indirect=True)
-def test_prefill_then_decode_equals_forward(tiny, padded_gemms):
+@pytest.mark.parametrize("gemm_layout", GEMM_LAYOUTS, indirect=True)
+def test_prefill_then_decode_equals_forward(tiny, gemm_layout):
     cfg, params = tiny
     b, total = 3, 23
     toks = jax.random.randint(jax.random.key(5), (b, total), 0, cfg.vocab_size)

@@ -69,8 +69,8 @@ def test_unsupported_shapes_take_the_reference():
     np.testing.assert_array_equal(s, s_ref)
 
 
-@pytest.mark.parametrize("padded_gemms", ["0", "1"], indirect=True)
-def test_model_decode_with_the_kernel_equals_the_reference(padded_gemms):
+@pytest.mark.parametrize("gemm_layout", ["plain", "padded_merged", "merged"], indirect=True)
+def test_model_decode_with_the_kernel_equals_the_reference(gemm_layout):
     """With padding on, the kernel reads ``in_proj_qkvz``'s padded output in place."""
     cfg = tiny_config("tiny_dense")  # Dk = Dv = 8: the kernel takes its Gated DeltaNet layers
     params = random_params(cfg, seed=3)
@@ -102,3 +102,19 @@ def test_auto_takes_the_kernel_on_a_gpu_unless_the_reference_is_named(monkeypatc
     assert g.gdn_step(*args, **kw)[0] == "kernel" and len(calls) == 1
     monkeypatch.setenv("MTP_KERNELS", "gdn_step=reference")
     assert isinstance(g.gdn_step(*args, **kw)[0], jax.Array) and len(calls) == 1
+
+
+def test_merged_projection_buffer_is_read_in_place():
+    """qkvz and ba as one buffer (``layers.dense_columns``): ba at a column offset, padding rows."""
+    args = _case(11, 2, 2, 4, 16, jnp.float32)
+    qkvz, ba = args[1], args[2]
+    junk = 1e3 * jax.random.normal(jax.random.key(4), (1, qkvz.shape[1] + ba.shape[1]))
+    merged = jnp.concatenate([jnp.concatenate([qkvz, ba], axis=1), junk])
+    y_ref, s_ref = gdn_step_reference(*args, num_k_heads=2, eps=1e-6)
+    rest = (args[0], merged, merged, *args[3:])
+    assert kernel_unsupported(args[0], merged, merged, args[4], 2, ba_col=qkvz.shape[1]) is None
+    assert "ba has" in kernel_unsupported(args[0], merged, merged, args[4], 2, ba_col=qkvz.shape[1] + 1)
+    for impl in ("interpret", "reference"):
+        y, s = gdn_step(*rest, num_k_heads=2, eps=1e-6, ba_col=qkvz.shape[1], impl=impl)
+        np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5)

@@ -212,9 +212,9 @@ def test_reduced_draft_vocabulary_is_lossless_and_maps_back(greedy_reference):
         draft_vocabulary(counts, 200)
 
 
-@pytest.mark.parametrize("padded_gemms", ["1"], indirect=True)
-def test_padded_gemms_keep_speculative_equal_to_plain(greedy_reference, padded_gemms):
-    """``dense``'s row padding (on by default on a GPU) forced onto every projection."""
+@pytest.mark.parametrize("gemm_layout", ["padded_merged"], indirect=True)
+def test_gpu_gemm_layout_keeps_speculative_equal_to_plain(greedy_reference, gemm_layout):
+    """``dense``'s row padding and merged projections (both on by default on a GPU), forced on."""
     cfg, params, prompts, base = greedy_reference["tiny_dense"]
     plain = generate(cfg, params, prompts, SpecConfig(max_new_tokens=MAX_NEW), speculative=False)
     assert plain.tokens == base

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp.config import ModelConfig
-from mtp.model.layers import dense, dense_rows, first_rows, gated_rms_norm, l2norm
+from mtp.model.layers import dense, dense_columns, gated_rms_norm, l2norm
 from mtp.pallas import gdn_step as fused_step  # a module: it imports mtp.model.layers too
 
 CHUNK = 64
@@ -40,20 +40,20 @@ UNROLL_STEPS = 8  # verify widths up to this many steps run as straight-line cod
 
 
 def project(p, x: jax.Array, cfg: ModelConfig, lead: tuple[int, ...]):
-    """The input projections ``(mixed_qkv, qkvz_rows, ba)``; ``mixed_qkv`` in the grouped conv order.
+    """The input projections ``(mixed_qkv, qkvz, ba)``; ``mixed_qkv`` in the grouped conv order.
 
     ``in_proj_qkvz`` is laid out per key-head group as ``[q, k, v.., z..]``, so the
     conv input is the first ``2 Dk + r Dv`` channels of every group; ``gates`` takes
-    ``z, b, a`` out of ``qkvz`` and ``ba`` where they are used (the fused step kernel
-    reads them in place, so that no slice of them is ever written). ``qkvz_rows`` is
-    the GEMM's whole output (``layers.dense_rows``: ``[R >= B T, N]``, padding rows
-    kept) for the same reason; `layers.first_rows` gives the ``[B, T, N]`` view.
+    ``z, b, a`` out of ``qkvz`` and ``ba`` where they are used. ``qkvz`` and ``ba`` are
+    `layers.Columns` of the GEMM output (one GEMM where `layers.dense_columns` merges
+    them, ``qkvz`` first), padding rows kept (``layers.dense_rows``): the fused step
+    kernel reads z, b and a in place, so that XLA never copies a slice of them.
     ``x`` is ``[*lead, H]`` or the padded stream's rows (`layers.stream_rows`).
     """
-    qkvz_rows = dense_rows(x, p["in_proj_qkvz"]["weight"], lead)
-    groups, qkv_width = _qkvz_groups(first_rows(qkvz_rows, lead), cfg)
+    qkvz, ba = dense_columns(x, [p["in_proj_qkvz"]["weight"], p["in_proj_ba"]["weight"]], lead)
+    groups, qkv_width = _qkvz_groups(qkvz.view(lead), cfg)
     mixed = groups[..., :qkv_width].reshape(*lead, -1)
-    return mixed, qkvz_rows, dense(x, p["in_proj_ba"]["weight"], lead)
+    return mixed, qkvz, ba
 
 
 def _qkvz_groups(qkvz: jax.Array, cfg):
@@ -206,10 +206,16 @@ def output(p, core: jax.Array, z: jax.Array, x_dtype, cfg: ModelConfig) -> jax.A
     return out_project(p, gated_rms_norm(core.astype(x_dtype), z, p["norm"]["weight"], cfg.rms_norm_eps))
 
 
-def conv_state_after(conv_state: jax.Array, mixed: jax.Array, counts: jax.Array) -> jax.Array:
-    """The last ``K - 1`` conv inputs after consuming ``counts[b]`` of ``mixed[b]``."""
+def conv_state_after(conv_state: jax.Array, mixed: jax.Array, counts: jax.Array | int) -> jax.Array:
+    """The last ``K - 1`` conv inputs after consuming ``counts[b]`` of ``mixed[b]`` (an int: of every row).
+
+    A static count is a plain slice; XLA keeps a per-row one (a gather) as a kernel of
+    its own even at constant counts.
+    """
     keep = conv_state.shape[1]
     full = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)
+    if isinstance(counts, int):
+        return full[:, counts:counts + keep]
     return jax.vmap(lambda f, c: jax.lax.dynamic_slice_in_dim(f, c, keep, axis=0))(full, counts)
 
 
@@ -223,20 +229,20 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
     picks it). Returns ``(y, new_conv, new_rec, step_states)``.
     """
     lead = valid.shape
-    mixed, qkvz_rows, ba = project(p, x, cfg, lead)
+    mixed, qkvz, ba = project(p, x, cfg, lead)
     mixed = jnp.where(valid[..., None], mixed, 0)
     conv_out = conv_windows(p, cfg, conv_state, mixed)
     counts = jnp.sum(valid, axis=1).astype(jnp.int32)
     steps = None
     if per_step and lead[1] == 1:
-        y, new_rec = fused_step.gdn_step(conv_out[:, 0], qkvz_rows, ba[:, 0], valid[:, 0], rec_state,
+        y, new_rec = fused_step.gdn_step(conv_out[:, 0], qkvz.rows, ba.rows, valid[:, 0], rec_state,
                                          p["A_log"], p["dt_bias"], p["norm"]["weight"],
                                          num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
-                                         impl=impl)
+                                         ba_col=ba.start, impl=impl)
         out = out_project(p, y[:, None])
         rec_steps = new_rec[:, None]
     else:
-        z, b, a = gates(first_rows(qkvz_rows, lead), ba, cfg)
+        z, b, a = gates(qkvz.view(lead), ba.view(lead), cfg)
         q, k, v, beta, g = split_heads(conv_out, b, a, p, cfg)
         k, beta, g = mask_updates(k, beta, g, valid)
         if per_step:
@@ -245,8 +251,7 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
             core, new_rec = chunked_delta_rule(q, k, v, beta, g, rec_state)
         out = output(p, core, z, x.dtype, cfg)
     if per_step:
-        conv_steps = jnp.stack([conv_state_after(conv_state, mixed, jnp.full_like(counts, i + 1))
-                                for i in range(lead[1])], axis=1)
+        conv_steps = jnp.stack([conv_state_after(conv_state, mixed, i + 1) for i in range(lead[1])], axis=1)
         steps = (conv_steps, rec_steps)
     new_conv = conv_state_after(conv_state, mixed, counts)
     return out, new_conv, new_rec, steps

@@ -7,13 +7,15 @@ are the checkpoint's own nesting. Numerics follow the Hugging Face implementatio
 
 from __future__ import annotations
 
+import itertools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from mtp.config import ModelConfig
-from mtp.pallas.backend import pad_small_gemms
+from mtp.pallas.backend import merge_projections, pad_small_gemms, tensor_parallel_mesh
 
 
 # Plain decode at batch 1 multiplies one row by each weight: a weight stream. On the
@@ -81,6 +83,51 @@ def dense(x: jax.Array, w, lead: tuple[int, ...] | None = None) -> jax.Array:
     """
     lead = x.shape[:-1] if lead is None else lead
     return first_rows(dense_rows(x, w, lead), lead)
+
+
+class Columns(NamedTuple):
+    """One product's columns in a GEMM's output rows: ``rows[:, start:start + width]``.
+
+    A kernel can take ``rows`` and ``start`` and read its columns in place (XLA copies a
+    sliced custom-call operand); ``view`` is the ``[*lead, width]`` array for everyone else.
+    """
+
+    rows: jax.Array
+    start: int
+    width: int
+
+    def view(self, lead: tuple[int, ...]) -> jax.Array:
+        return first_rows(self.rows[:, self.start:self.start + self.width], lead)
+
+
+# Merged projections feed decode and verify steps; a prefill's GEMM of thousands of rows is
+# compute-bound, gains nothing from one launch less, and may go to cuBLAS, which would
+# write the concatenated weight out.
+MERGE_MAX_ROWS = 64
+
+
+def dense_columns(x: jax.Array, ws, lead: tuple[int, ...] | None = None) -> list[Columns]:
+    """``dense`` of one input by several weights, as one GEMM where they merge.
+
+    A decode step is mostly small kernels, each a few µs of launch and tail inside a
+    CUDA graph, so the small projections (``in_proj_ba``, ``k_proj``, ``v_proj``) cost
+    more as GEMMs of their own than their bytes do. Their weights are concatenated
+    with the large one's inside the trace: XLA fuses the concatenation into its Triton
+    GEMM, which reads each weight in place (as its own dot merger does for gate and up),
+    so nothing is copied and the step loses a launch per merged weight. Merged only
+    where `backend.merge_projections` says (a GPU by default), for plain weights, at
+    most ``MERGE_MAX_ROWS`` rows, and not under a tensor-parallel mesh (the weights are
+    split on the concatenated axis there). ``x`` and ``lead`` as in ``dense_rows``.
+    """
+    lead = x.shape[:-1] if lead is None else lead
+    merge = (len(ws) > 1 and merge_projections() and tensor_parallel_mesh() is None
+             and math.prod(lead) <= MERGE_MAX_ROWS
+             and all(isinstance(w, jax.Array) and w.dtype == ws[0].dtype for w in ws))
+    if not merge:
+        return [Columns(y, 0, y.shape[-1]) for y in (dense_rows(x, w, lead) for w in ws)]
+    rows = dense_rows(x, jnp.concatenate(ws, axis=0), lead)
+    starts = [0, *itertools.accumulate(w.shape[0] for w in ws)]
+    return [Columns(rows, s, w.shape[0]) for s, w in zip(starts, ws)]
 
 
 def stream_rows(x: jax.Array, pad: bool) -> jax.Array:
@@ -151,12 +198,13 @@ def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
 # ------------------------------------------------------------------ gated attention
 def attention_qkv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
     """Project to rotated ``q [.., T, Hq, D]``, ``k, v [.., T, Hkv, D]`` and the output gate."""
-    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    d, hq = cfg.head_dim, cfg.num_attention_heads
     lead = _lead(x, positions)
-    qg = dense(x, p["q_proj"]["weight"], lead).reshape(*lead, hq, 2 * d)
+    qg, k, v = _projections(p, x, lead, ("q_proj", "k_proj", "v_proj"))
+    qg = qg.reshape(*lead, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:]
     q = rms_norm(q, p["q_norm"]["weight"], cfg.rms_norm_eps)
-    k, v = _attention_kv(p, x, lead, cfg)
+    k, v = _key_values(p, k, v, lead, cfg)
     return rope(q, positions, cfg), rope(k, positions, cfg), v, gate
 
 
@@ -165,16 +213,22 @@ def _lead(x, positions):
     return positions.shape if x.ndim == positions.ndim else x.shape[:-1]
 
 
-def _attention_kv(p, x, lead, cfg):
+def _projections(p, x, lead, names):
+    """The named projections of ``x``, each ``[*lead, out]`` (merged into one GEMM where `dense_columns` can)."""
+    return [c.view(lead) for c in dense_columns(x, [p[n]["weight"] for n in names], lead)]
+
+
+def _key_values(p, k, v, lead, cfg):
+    """Projected keys (normed) and values as ``[*lead, Hkv, D]``."""
     d, hkv = cfg.head_dim, cfg.num_key_value_heads
-    k = dense(x, p["k_proj"]["weight"], lead).reshape(*lead, hkv, d)
-    v = dense(x, p["v_proj"]["weight"], lead).reshape(*lead, hkv, d)
-    return rms_norm(k, p["k_norm"]["weight"], cfg.rms_norm_eps), v
+    k = rms_norm(k.reshape(*lead, hkv, d), p["k_norm"]["weight"], cfg.rms_norm_eps)
+    return k, v.reshape(*lead, hkv, d)
 
 
 def attention_kv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
     """Only the rotated keys and values: all a drafter prefill needs (no queries)."""
-    k, v = _attention_kv(p, x, _lead(x, positions), cfg)
+    lead = _lead(x, positions)
+    k, v = _key_values(p, *_projections(p, x, lead, ("k_proj", "v_proj")), lead, cfg)
     return rope(k, positions, cfg), v
 
 

@@ -230,6 +230,11 @@ def commit(cache: TargetCache, out: VerifyOutput, num_keep: jax.Array) -> Target
     idx = jnp.maximum(num_keep - 1, 0)
 
     def at(steps):
+        if steps.shape[1] == 1:
+            # One position (decode): the only choice. Said statically, because XLA keeps a
+            # batched gather at constant indices, which copied every layer's recurrent state
+            # twice per batch-8 decode step (`experiments/count_kernels.py --batches 8 --loop`).
+            return steps[:, 0]
         return jax.vmap(lambda s, i: s[i])(steps, idx)
 
     chosen = LinearState(conv=tuple(at(s) for s in out.conv_steps),

@@ -96,6 +96,17 @@ def tensor_parallel_mesh():
 
 
 PAD_ENV_VAR = "MTP_PAD_SMALL_GEMMS"
+MERGE_ENV_VAR = "MTP_MERGE_PROJECTIONS"
+
+
+def _gpu_default_switch(env_var: str) -> bool:
+    """A 0/1 switch read from ``env_var`` when a function is traced; unset, on exactly on a GPU."""
+    value = os.environ.get(env_var)
+    if value is None:
+        return on_gpu()
+    if value not in ("0", "1"):
+        raise ValueError(f"{env_var}={value!r}: set it to 0 or 1")
+    return value == "1"
 
 
 def pad_small_gemms() -> bool:
@@ -103,14 +114,18 @@ def pad_small_gemms() -> bool:
 
     On by default on a GPU, where XLA's GEMM streams such weights faster for 2 rows
     than for 1 (measured, see ``dense``); ``MTP_PAD_SMALL_GEMMS=0`` or ``1`` decides
-    instead (benchmarks flip it to compare). Read when a function is traced.
+    instead (benchmarks flip it to compare).
     """
-    value = os.environ.get(PAD_ENV_VAR)
-    if value is None:
-        return on_gpu()
-    if value not in ("0", "1"):
-        raise ValueError(f"{PAD_ENV_VAR}={value!r}: set it to 0 or 1")
-    return value == "1"
+    return _gpu_default_switch(PAD_ENV_VAR)
+
+
+def merge_projections() -> bool:
+    """Whether `mtp.model.layers.dense_columns` runs projections of one input as one GEMM.
+
+    On by default on a GPU, where a decode step's launches cost more than its small
+    GEMMs' bytes (see ``dense_columns``); ``MTP_MERGE_PROJECTIONS=0`` or ``1`` decides instead.
+    """
+    return _gpu_default_switch(MERGE_ENV_VAR)
 
 
 def interpret_forced() -> bool:

@@ -34,15 +34,18 @@ from mtp.model.layers import gated_rms_norm, l2norm
 from mtp.pallas.backend import TENSOR_AXIS, interpret_forced, resolve_impl, tensor_parallel_mesh
 
 
-def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps):
+def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
+                       ba_col=0):
     """The step as the model computes it (``gates`` + ``split_heads`` + one delta-rule step + gated norm).
 
     mixed: [B, 2 nk Dk + nv Dv] conv output, grouped per key head ([q, k, v of its
-    value heads] for each key head, `gated_deltanet`'s conv order); qkvz: [R >= B, nk (2
-    Dk + 2 r Dv)] and ba: [B, 2 nv], the ``in_proj_qkvz`` and ``in_proj_ba`` outputs that
-    ``z`` and ``b, a`` come from (qkvz's rows past B are ignored: the model passes a
-    padded GEMM's whole output, `layers.dense_rows`, so that XLA need not copy a slice of
-    it); valid: [B] bool; state: [B, nv, Dk, Dv] f32; a_log, dt_bias: [nv]; norm_w: [Dv].
+    value heads] for each key head, `gated_deltanet`'s conv order); qkvz: [R >= B, >= nk (2
+    Dk + 2 r Dv)] with the ``in_proj_qkvz`` output in its first columns, and ba: [R' >= B,
+    >= ba_col + 2 nv] with the ``in_proj_ba`` output at columns ``ba_col...``: where ``z``
+    and ``b, a`` come from. Rows past B and other columns are ignored: the model passes
+    whole GEMM outputs, padding rows and merged projections included (`layers.dense_rows`,
+    `layers.dense_columns`; qkvz and ba are then one buffer), so that XLA need not copy a
+    slice of them; valid: [B] bool; state: [B, nv, Dk, Dv] f32; a_log, dt_bias: [nv]; norm_w: [Dv].
     Returns ``(y [B, nv, Dv] in mixed's dtype, new_state)``. The kernel takes Dk = Dv
     (Qwen3-Next's 128) only.
     """
@@ -52,13 +55,20 @@ def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *,
     dk, dv = state.shape[-2:]
     bsz = mixed.shape[0]
     cfg_like = _HeadShape(num_k_heads, nv, dk, dv)
-    z, b, a = gdn.gates(qkvz[:bsz], ba, cfg_like)
+    z, b, a = gdn.gates(qkvz[:bsz, :_qkvz_width(num_k_heads, state)], ba[:bsz, ba_col:ba_col + 2 * nv],
+                        cfg_like)
     q, k, v, beta, g = gdn.split_heads(mixed[:, None], b[:, None], a[:, None],
                                        {"A_log": a_log, "dt_bias": dt_bias}, cfg_like)
     k, beta, g = gdn.mask_updates(k, beta, g, valid[:, None])
     core, new_state, _ = gdn.recurrent_delta_rule(q, k, v, beta, g, state)
     y = gated_rms_norm(core[:, 0].astype(mixed.dtype), z, norm_w, eps)
     return y.reshape(bsz, nv, dv), new_state
+
+
+def _qkvz_width(num_k_heads, state) -> int:
+    """The channels of ``in_proj_qkvz``'s output: q and k per key head, v and z per value head."""
+    _, nv, dk, dv = state.shape
+    return 2 * num_k_heads * dk + 2 * nv * dv
 
 
 class _HeadShape:
@@ -69,7 +79,7 @@ class _HeadShape:
         self.linear_key_head_dim, self.linear_value_head_dim = dk, dv
 
 
-def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads) -> str | None:
+def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, ba_col=0) -> str | None:
     """Why the kernel cannot take these inputs (the caller then runs the reference), or None."""
     _, nv, dk, dv = state.shape
     nk = num_k_heads
@@ -79,12 +89,13 @@ def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads) -> str | None:
         return f"head dim {dk} is not a power of two >= 8"
     if nv % nk:
         return f"{nv} value heads do not group over {nk} key heads"
-    for name, x, want in (("mixed", mixed, (2 * nk + nv) * dk), ("qkvz", qkvz, 2 * (nk + nv) * dk),
-                          ("ba", ba, 2 * nv)):
-        if x.shape[-1] != want:
-            return f"{name} has {x.shape[-1]} channels, not {want} (nk={nk}, nv={nv}, D={dk})"
-    if qkvz.shape[0] < mixed.shape[0]:
-        return f"qkvz has {qkvz.shape[0]} rows for a batch of {mixed.shape[0]}"
+    if mixed.shape[-1] != (2 * nk + nv) * dk:
+        return f"mixed has {mixed.shape[-1]} channels, not {(2 * nk + nv) * dk} (nk={nk}, nv={nv}, D={dk})"
+    for name, x, want in (("qkvz", qkvz, _qkvz_width(nk, state)), ("ba", ba, ba_col + 2 * nv)):
+        if x.shape[-1] < want:
+            return f"{name} has {x.shape[-1]} channels, fewer than {want} (nk={nk}, nv={nv}, D={dk})"
+        if x.shape[0] < mixed.shape[0]:
+            return f"{name} has {x.shape[0]} rows for a batch of {mixed.shape[0]}"
     return None
 
 
@@ -108,29 +119,30 @@ def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref
     o = jnp.sum(s * q[:, None], axis=0)
     s_out_ref[0, 0, :, :] = s
     # The model's own gated norm, on [1, Dv] rows: Triton lowers 2-D reductions directly.
-    y = gated_rms_norm(o.astype(y_ref.dtype)[None, :], z_ref[0, 0, :][None, :], w_ref[...], eps)
+    y = gated_rms_norm(o.astype(y_ref.dtype)[None, :], z_ref[...], w_ref[...], eps)
     y_ref[0, 0, :] = y[0]
 
 
-@functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "ba_col", "interpret"))
 def _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
-                     interpret=False):
+                     ba_col=0, interpret=False):
     bsz, nv, d, _ = state.shape
     nk = num_k_heads
     r = nv // nk
-    # Free reshapes into d-wide blocks; the index maps pick each value head's blocks where the
-    # projections put them, so z, b and a are never sliced out into arrays of their own.
+    # d-wide blocks; the index maps pick each value head's blocks where the projections put
+    # them, so z, b and a are never sliced out into arrays of their own. qkvz is per key
+    # head [q, k, v x r, z x r]; it and ba may be one merged buffer wider than either.
     heads = mixed.reshape(bsz, nk * (2 + r), d)     # per key head [q, k, v x r]
-    zs = qkvz.reshape(qkvz.shape[0], nk * (2 + 2 * r), d)  # per key head [q, k, v x r, z x r]
     col = lambda off: pl.BlockSpec((1, 1, d), lambda i, h, off=off: (i, off(h), 0))
-    scalar = lambda off: pl.BlockSpec((1, 1), lambda i, h, off=off: (i, off(h)))
+    z_col = lambda off: pl.BlockSpec((1, d), lambda i, h, off=off: (i, off(h)))
+    scalar = lambda off: pl.BlockSpec((1, 1), lambda i, h, off=off: (i, ba_col + off(h)))
     per_head = pl.BlockSpec((1, 1), lambda i, h: (h, 0))
     group = lambda h: (h // r) * (2 + r)     # the value head's key-head group
     in_specs = [
         col(group),                          # q of the value head's key head
         col(lambda h: group(h) + 1),         # k
         col(lambda h: group(h) + 2 + h % r), # v
-        col(lambda h: (h // r) * (2 + 2 * r) + 2 + r + h % r),  # z, in qkvz
+        z_col(lambda h: (h // r) * (2 + 2 * r) + 2 + r + h % r),  # z, in qkvz
         scalar(lambda h: (h // r) * 2 * r + h % r),             # b, in ba ([b x r, a x r] per group)
         scalar(lambda h: (h // r) * 2 * r + r + h % r),         # a
         pl.BlockSpec((1, 1), lambda i, h: (i, 0)),              # valid
@@ -159,12 +171,12 @@ def _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, n
         input_output_aliases={7: 1},
         interpret=interpret,
         **kwargs,
-    )(heads, heads, heads, zs, ba, ba, valid.astype(jnp.int32)[:, None], state.astype(jnp.float32),
+    )(heads, heads, heads, qkvz, ba, ba, valid.astype(jnp.int32)[:, None], state.astype(jnp.float32),
       a_log[:, None], dt_bias[:, None], norm_w)
 
 
 def gdn_step(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
-             impl="auto"):
+             ba_col=0, impl="auto"):
     """``gdn_step_reference``'s signature and results; ``impl`` picks the path (``backend``).
 
     Inputs the kernel cannot take (``kernel_unsupported``) go to the reference. ``auto``
@@ -175,18 +187,22 @@ def gdn_step(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_hea
     kernel time but not the step. ``MTP_KERNELS=gdn_step=reference`` turns it off.
     Traced under a mesh that splits ``backend.TENSOR_AXIS`` over the key heads, the
     kernel runs per shard on each device's key-head groups (a step never mixes heads);
-    where the key heads do not divide, the reference, which XLA partitions.
+    where the key heads do not divide, or qkvz and ba come merged (their columns then
+    do not split on groups), the reference, which XLA partitions.
     """
     mode = resolve_impl(impl, op="gdn_step")
     mesh = tensor_parallel_mesh()
     tp = mesh.shape[TENSOR_AXIS] if mesh is not None else 1
-    if mode == "reference" or kernel_unsupported(mixed, qkvz, ba, state, num_k_heads) or num_k_heads % tp:
+    # A split of the channel axes falls on key-head groups only for the projections alone.
+    merged = ba_col or qkvz.shape[-1] != _qkvz_width(num_k_heads, state)
+    if (mode == "reference" or kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, ba_col)
+            or num_k_heads % tp or (tp > 1 and merged)):
         return gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
-                                  num_k_heads=num_k_heads, eps=eps)
+                                  num_k_heads=num_k_heads, eps=eps, ba_col=ba_col)
 
     def run(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w):
         return _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
-                                num_k_heads=num_k_heads // tp, eps=eps,
+                                num_k_heads=num_k_heads // tp, eps=eps, ba_col=ba_col,
                                 interpret=mode == "interpret" or interpret_forced())
 
     if mesh is not None:
