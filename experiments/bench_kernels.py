@@ -56,6 +56,8 @@ flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to 
 flags.DEFINE_integer("fc_max_m", None, "fc GEMM: only the rows with M up to this (default: all).")
 flags.DEFINE_list("pa_batches", None, "Paged attention: only these batch sizes (default: all).")
 flags.DEFINE_string("pa_heads", None, "Paged attention: only this (Hq,Hkv,D), e.g. 16,2,256.")
+flags.DEFINE_list("gdn_warps", [], "Fused Gated DeltaNet step: also time the kernel at these num_warps "
+                  "(default: gdn_step.default_num_warps).")
 flags.DEFINE_bool("small", False, "fc and gemv only, tiny shapes (Pallas interpret mode): a CPU check "
                   "that the script runs end to end (timings meaningless).")
 
@@ -255,6 +257,9 @@ def bench_gdn(b, nk, nv, d, reps):
            "rel_err_y": _rel_err(y, y_r), "rel_err_state": _rel_err(s, s_r)}
     res["t_ours"], res["timing"] = _time(ours, sets, reps)
     res["t_xla"] = _time(ref, sets, reps)[0]
+    for w in map(int, FLAGS.gdn_warps):
+        res[f"t_ours_warps{w}"] = _time(jax.jit(functools.partial(gdnmod._gdn_step_pallas, num_warps=w, **kw)),
+                                        sets, reps)[0]
     return res
 
 
@@ -478,6 +483,8 @@ def render(results):
             lines.append(f"| {r['B']} | {r['rel_err_y']:.1e} | {r['rel_err_state']:.1e} | "
                          f"{_fmt_us(r['t_ours'])} | {tb(r['t_ours'])} | {_fmt_us(r['t_xla'])} | "
                          f"{tb(r['t_xla'])} | {r['t_xla'] / r['t_ours']:.2f}x |")
+            lines += [f"|  | num_warps={k[len('t_ours_warps'):]} | | {_fmt_us(t)} | {tb(t)} | | | |"
+                      for k, t in r.items() if k.startswith("t_ours_warps")]
     if results.get("pa_checks"):
         lines += ["", "### paged attention on ragged lengths (0, 2, 17, 1000, 2047, 2560), gated",
                   "", "| Hq,Hkv,D | Q | rel err | finite | idle slot zero |", "|---|---|---|---|---|"]

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from mtp.model.layers import gated_rms_norm, l2norm
-from mtp.pallas.backend import TENSOR_AXIS, interpret_forced, resolve_impl, tensor_parallel_mesh
+from mtp.pallas.backend import TENSOR_AXIS, interpret_forced, num_sms, resolve_impl, tensor_parallel_mesh
 
 
 def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
@@ -103,6 +103,7 @@ def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref
             y_ref, s_out_ref, *, eps):
     d = s_ref.shape[-1]
     f32 = jnp.float32
+    s = s_ref[0, 0, :, :]  # the state first: its 64 KB are the program's long load
     q = l2norm(q_ref[0, 0, :].astype(f32)) * (d ** -0.5)
     k = l2norm(k_ref[0, 0, :].astype(f32))
     v = v_ref[0, 0, :].astype(f32)
@@ -110,23 +111,37 @@ def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref
     beta = jnp.where(live, jax.nn.sigmoid(b_ref[0, 0].astype(f32)), 0.0)
     g = -jnp.exp(alog_ref[0, 0].astype(f32)) * jax.nn.softplus(
         a_ref[0, 0].astype(f32) + dtb_ref[0, 0].astype(f32))
-    g = jnp.where(live, g, 0.0)
+    decay = jnp.exp(jnp.where(live, g, 0.0))
     k = jnp.where(live, k, 0.0)
-    s = s_ref[0, 0, :, :] * jnp.exp(g)
-    kv = jnp.sum(s * k[:, None], axis=0)
-    delta = (v - kv) * beta
-    s = s + k[:, None] * delta[None, :]
-    o = jnp.sum(s * q[:, None], axis=0)
-    s_out_ref[0, 0, :, :] = s
+    # Both reads of the old state in one pass: with S' = decay S + k delta^T,
+    # k^T S' needs k^T S and q^T S' = decay q^T S + (q . k) delta, so the new state is
+    # only written, never read back.
+    sk = jnp.sum(s * k[:, None], axis=0)
+    sq = jnp.sum(s * q[:, None], axis=0)
+    delta = (v - decay * sk) * beta
+    s_out_ref[0, 0, :, :] = decay * s + k[:, None] * delta[None, :]
+    o = decay * sq + jnp.sum(q * k) * delta
     # The model's own gated norm, on [1, Dv] rows: Triton lowers 2-D reductions directly.
     y = gated_rms_norm(o.astype(y_ref.dtype)[None, :], z_ref[...], w_ref[...], eps)
     y_ref[0, 0, :] = y[0]
 
 
-@functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "ba_col", "interpret"))
+def default_num_warps(programs: int) -> int:
+    """Warps per program (one value head's 128 x 128 state), by how many programs the step has.
+
+    Measured on the H200 (results/kernels_h200.md, run 15; ``bench_kernels --only gdn
+    --gdn_warps 4,8,16``): a grid that fits on the SMs at once (batch 1: 32 programs) is
+    latency-bound and best at 8 (5.1 vs 5.3 µs at 4); a larger one runs more programs per
+    SM at 4 (batch 8: 9.3 vs 11.0 µs at 8).
+    """
+    return 8 if programs <= num_sms() else 4
+
+
+@functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "ba_col", "num_warps", "interpret"))
 def _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
-                     ba_col=0, interpret=False):
+                     ba_col=0, num_warps=None, interpret=False):
     bsz, nv, d, _ = state.shape
+    num_warps = num_warps or default_num_warps(bsz * nv)
     nk = num_k_heads
     r = nv // nk
     # d-wide blocks; the index maps pick each value head's blocks where the projections put
@@ -156,7 +171,7 @@ def _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, n
     if not interpret:
         from jax.experimental.pallas import triton as pl_triton
 
-        kwargs["compiler_params"] = pl_triton.CompilerParams(num_warps=8, num_stages=1)
+        kwargs["compiler_params"] = pl_triton.CompilerParams(num_warps=num_warps, num_stages=1)
     return pl.pallas_call(
         functools.partial(_kernel, eps=eps),
         grid=(bsz, nv),
