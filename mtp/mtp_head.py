@@ -198,7 +198,7 @@ def draft_step(cfg: ModelConfig, params: Params, dcache: DrafterCache, token: ja
     mixer, res = paged_attention_mixer(cfg, p, pair_key[:, None] + 1, rows, dcache.kv.k[0], dcache.kv.v[0],
                                        dcache.block_tables, active[:, None],
                                        jnp.where(active, dcache.rows + 1, 0), impl)
-    x = decoder_layer(cfg, p, x, mixer)
+    x = decoder_layer(cfg, p, x, mixer, impl)
     logits, chained = _head_out(cfg, params, x[:, 0], draft_vocab)
     kp, vp = res["kv"]
     step = active.astype(jnp.int32)

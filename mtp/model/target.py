@@ -18,9 +18,10 @@ from mtp.cache.state import LinearState, TargetCache, write_pages
 from mtp.config import ModelConfig
 from mtp.model import gated_deltanet as gdn
 from mtp.model import layers
-from mtp.model.layers import (add_rows, attention_out, attention_qkv, causal_attention, ffn, first_rows,
+from mtp.model.layers import (attention_out, attention_qkv, causal_attention, ffn, first_rows,
                               rms_norm, stream_rows)
 from mtp.model.params import Params
+from mtp.pallas.add_rms_norm import add_rms_norm
 from mtp.pallas.paged_attention import paged_attention
 
 
@@ -55,14 +56,17 @@ def lm_head(cfg: ModelConfig, params: Params, hidden_post: jax.Array) -> jax.Arr
                       preferred_element_type=jnp.float32)
 
 
-def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer) -> jax.Array:
+def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer, impl: str = "reference") -> jax.Array:
     """Pre-norm residual block; ``mixer`` is the layer's token mixer on normed input.
 
     ``x`` is ``[*lead, H]`` or the padded stream's rows (`layers.stream_rows`): the
-    norms and the FFN are row-wise, and the mixer returns ``[*lead, H]``.
+    norms and the FFN are row-wise, and the mixer returns ``[*lead, H]``. The mixer's
+    residual add and the FFN's norm are one op (`mtp.pallas.add_rms_norm`, a kernel
+    where ``impl`` picks it).
     """
-    x = add_rows(x, mixer(rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps)))
-    return x + ffn(p["mlp"], rms_norm(x, p["post_attention_layernorm"]["weight"], cfg.rms_norm_eps), cfg)
+    x, h = add_rms_norm(x, mixer(rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps)),
+                        p["post_attention_layernorm"]["weight"], eps=cfg.rms_norm_eps, impl=impl)
+    return x + ffn(p["mlp"], h, cfg)
 
 
 def paged_attention_mixer(cfg, p, rope_positions, slots, k_pages, v_pages, block_tables, write,
@@ -151,7 +155,7 @@ def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, at
             j = len(ks)
             mixer, res = paged_attention_mixer(cfg, p, positions, positions, cache.kv.k[j], cache.kv.v[j],
                                                cache.block_tables, write, attn_lengths, impl)
-            x = decoder_layer(cfg, p, x, mixer)
+            x = decoder_layer(cfg, p, x, mixer, impl)
             ks.append(res["kv"][0])
             vs.append(res["kv"][1])
         else:
@@ -164,7 +168,7 @@ def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, at
                 res.update(conv=c, rec=r, steps=steps)
                 return y
 
-            x = decoder_layer(cfg, p, x, mixer)
+            x = decoder_layer(cfg, p, x, mixer, impl)
             convs.append(res["conv"])
             recs.append(res["rec"])
             if per_step:

@@ -1,0 +1,60 @@
+"""The residual add + RMSNorm kernel (interpret mode) against the model's own add and norm."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp.model import layers
+from mtp.pallas.add_rms_norm import add_rms_norm, add_rms_norm_reference, kernel_unsupported
+
+# The compiled Triton kernel on a GPU, the same kernel code in Pallas' interpreter elsewhere.
+IMPL = "pallas" if jax.default_backend() == "gpu" else "interpret"
+
+
+def _case(seed, x_shape, y_shape, dtype):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    h = x_shape[-1]
+    x = (3 * jax.random.normal(ks[0], x_shape)).astype(dtype)
+    y = jax.random.normal(ks[1], y_shape).astype(dtype)
+    w = (0.2 * jax.random.normal(ks[2], (h,))).astype(dtype)
+    return x, y, w
+
+
+@pytest.mark.parametrize("x_shape,y_shape,dtype,tol", [
+    ((3, 4, 64), (3, 4, 64), jnp.float32, 1e-6),       # the stream as [B, T, H]
+    ((2, 128), (1, 1, 128), jnp.float32, 1e-6),         # the padded one-row stream: row 1 is padding
+    ((8, 128), (3, 1, 128), jnp.bfloat16, 1e-2),        # padding past a batch of 3, bf16
+])
+def test_kernel_matches_reference(x_shape, y_shape, dtype, tol):
+    x, y, w = _case(sum(x_shape), x_shape, y_shape, dtype)
+    assert kernel_unsupported(x, y, w) is None
+    s, h = add_rms_norm(x, y, w, eps=1e-6, impl=IMPL)
+    s_ref, h_ref = add_rms_norm_reference(x, y, w, eps=1e-6)
+    assert s.shape == h.shape == x.shape and s.dtype == h.dtype == dtype
+    f = lambda a: np.asarray(a, np.float32)
+    np.testing.assert_array_equal(f(s), f(s_ref))  # one rounding of x + y either way
+    np.testing.assert_allclose(f(h), f(h_ref), atol=tol, rtol=tol)
+    real = y.size // x_shape[-1]
+    x2 = f(x).reshape(-1, x_shape[-1])
+    np.testing.assert_array_equal(f(s).reshape(x2.shape)[real:], x2[real:])  # padding rows: x + 0
+    assert np.abs(f(s).reshape(x2.shape)[:real] - x2[:real]).max() > 0.1     # real rows moved
+
+
+def test_padding_rows_stay_zero_in_the_padded_stream():
+    x = layers.stream_rows(jax.random.normal(jax.random.key(0), (1, 1, 64)), pad=True)
+    y = jax.random.normal(jax.random.key(1), (1, 1, 64))
+    s, h = add_rms_norm(x, y, jnp.zeros((64,)), eps=1e-6, impl=IMPL)
+    assert not s[1:].any() and not h[1:].any() and s[0].any()
+
+
+def test_unsupported_inputs_take_the_reference():
+    x, y, w = _case(0, (2, 48), (2, 48), jnp.float32)
+    assert "power of two" in kernel_unsupported(x, y, w)
+    s, h = add_rms_norm(x, y, w, eps=1e-6, impl=IMPL)
+    s_ref, h_ref = add_rms_norm_reference(x, y, w, eps=1e-6)
+    np.testing.assert_array_equal(s, s_ref)
+    np.testing.assert_array_equal(h, h_ref)
+    x, y, w = _case(0, (2, 64), (3, 64), jnp.float32)
+    assert "at most the stream's rows" in kernel_unsupported(x, y, w)
+    assert "does not match" in kernel_unsupported(x, y, w[:32])
