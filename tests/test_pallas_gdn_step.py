@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mtp.model import target
-from mtp.pallas.gdn_step import gdn_step, gdn_step_reference, kernel_unsupported
+from mtp.pallas.gdn_step import MAX_STEPS, gdn_step, gdn_step_reference, gdn_steps, gdn_steps_reference, kernel_unsupported
 from tests.conftest import paged_cache, random_params, tiny_config
 
 
@@ -51,7 +51,7 @@ def test_qkvz_rows_past_the_batch_are_ignored():
         y_ref, s_ref = gdn_step_reference(*args, num_k_heads=2, eps=1e-6)
         np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5)
-    assert "rows for a batch" in kernel_unsupported(args[0], args[1][:1], args[2], args[4], 2)
+    assert "rows for 2 tokens" in kernel_unsupported(args[0], args[1][:1], args[2], args[4], 2)
 
 
 def test_unsupported_shapes_take_the_reference():
@@ -95,11 +95,12 @@ def test_auto_takes_the_kernel_on_a_gpu_unless_the_reference_is_named(monkeypatc
     from mtp.pallas import backend
 
     calls = []
-    monkeypatch.setattr(g, "_gdn_step_pallas", lambda *a, **k: calls.append(1) or ("kernel", None))
+    fake = (jnp.full((2, 1, 4, 16), 7.0), jnp.zeros((2, 1, 4, 16, 16)))  # what "the kernel" returns here
+    monkeypatch.setattr(g, "_gdn_steps_pallas", lambda *a, **k: calls.append(1) or fake)
     monkeypatch.setattr(backend, "on_gpu", lambda: True)
     args = _case(0, 2, 2, 4, 16, jnp.float32)
     kw = dict(num_k_heads=2, eps=1e-6)
-    assert g.gdn_step(*args, **kw)[0] == "kernel" and len(calls) == 1
+    assert bool((g.gdn_step(*args, **kw)[0] == 7.0).all()) and len(calls) == 1
     monkeypatch.setenv("MTP_KERNELS", "gdn_step=reference")
     assert isinstance(g.gdn_step(*args, **kw)[0], jax.Array) and len(calls) == 1
 
@@ -118,3 +119,35 @@ def test_merged_projection_buffer_is_read_in_place():
         y, s = gdn_step(*rest, num_k_heads=2, eps=1e-6, ba_col=qkvz.shape[1], impl=impl)
         np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("steps", [3, 4])
+def test_verify_steps_match_one_step_at_a_time(steps):
+    """T tokens per sequence (verify) in one call: every step's state and output equal T
+    decode steps in a row, a masked token leaves the state, and the projections come as one
+    merged buffer with padding rows."""
+    bsz, nk, nv, d = 2, 2, 4, 16
+    ks = jax.random.split(jax.random.key(steps), 6)
+    mixed = jax.random.normal(ks[0], (bsz, steps, (2 * nk + nv) * d))
+    qkvz = jax.random.normal(ks[1], (bsz * steps, 2 * (nk + nv) * d))
+    ba = jax.random.normal(ks[2], (bsz * steps, 2 * nv))
+    merged = jnp.concatenate([jnp.concatenate([qkvz, ba], 1), 1e3 * jnp.ones((2, qkvz.shape[1] + 2 * nv))])
+    valid = jnp.ones((bsz, steps), bool).at[1, 1].set(False)
+    state = 0.3 * jax.random.normal(ks[3], (bsz, nv, d, d))
+    rest = (jax.random.normal(ks[4], (nv,)), jax.random.normal(ks[5], (nv,)), jnp.linspace(0.5, 1.5, d))
+    kw = dict(num_k_heads=nk, eps=1e-6)
+    s, ys, states = state, [], []
+    for t in range(steps):  # the definition: one decode step after another
+        rows = jnp.arange(bsz) * steps + t
+        y, s = gdn_step_reference(mixed[:, t], qkvz[rows], ba[rows], valid[:, t], s, *rest, **kw)
+        ys.append(y)
+        states.append(s)
+    want_y, want_s = jnp.stack(ys, 1), jnp.stack(states, 1)
+    np.testing.assert_array_equal(want_s[1, 1], want_s[1, 0])  # the masked token
+    for impl in ("interpret", "reference"):
+        y, st = gdn_steps(mixed, merged, merged, valid, state, *rest, ba_col=qkvz.shape[1], impl=impl, **kw)
+        assert y.shape == (bsz, steps, nv, d) and st.shape == (bsz, steps, nv, d, d)
+        np.testing.assert_allclose(y, want_y, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(st, want_s, atol=1e-5, rtol=1e-5)
+    too_many = jnp.zeros((bsz, MAX_STEPS + 1, mixed.shape[-1]))
+    assert "at most" in kernel_unsupported(too_many, merged, merged, state, nk)

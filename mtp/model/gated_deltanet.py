@@ -224,9 +224,9 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
     """One Gated DeltaNet layer over ``x [B, T, H]`` (or the padded stream's rows, `layers.stream_rows`).
 
     ``valid [B, T]`` marks the real tokens, which are a prefix of each row. With
-    ``per_step`` (verify) the state after every position is returned as well. A
-    one-token step after the conv is `mtp.pallas.gdn_step` (one kernel where ``impl``
-    picks it). Returns ``(y, new_conv, new_rec, step_states)``.
+    ``per_step`` (decode and verify) the state after every position is returned as well,
+    and the tokens after the conv are `mtp.pallas.gdn_step.gdn_steps` (one kernel for up
+    to 8 tokens where ``impl`` picks it). Returns ``(y, new_conv, new_rec, step_states)``.
     """
     lead = valid.shape
     mixed, qkvz, ba = project(p, x, cfg, lead)
@@ -234,21 +234,18 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
     conv_out = conv_windows(p, cfg, conv_state, mixed)
     counts = jnp.sum(valid, axis=1).astype(jnp.int32)
     steps = None
-    if per_step and lead[1] == 1:
-        y, new_rec = fused_step.gdn_step(conv_out[:, 0], qkvz.rows, ba.rows, valid[:, 0], rec_state,
-                                         p["A_log"], p["dt_bias"], p["norm"]["weight"],
-                                         num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
-                                         ba_col=ba.start, impl=impl)
-        out = out_project(p, y[:, None])
-        rec_steps = new_rec[:, None]
+    if per_step:
+        y, rec_steps = fused_step.gdn_steps(conv_out, qkvz.rows, ba.rows, valid, rec_state, p["A_log"],
+                                            p["dt_bias"], p["norm"]["weight"],
+                                            num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
+                                            ba_col=ba.start, impl=impl)
+        out = out_project(p, y)
+        new_rec = rec_steps[:, -1]  # a masked token keeps the state: the last step's is the final one
     else:
         z, b, a = gates(qkvz.view(lead), ba.view(lead), cfg)
         q, k, v, beta, g = split_heads(conv_out, b, a, p, cfg)
         k, beta, g = mask_updates(k, beta, g, valid)
-        if per_step:
-            core, new_rec, rec_steps = recurrent_delta_rule(q, k, v, beta, g, rec_state)
-        else:
-            core, new_rec = chunked_delta_rule(q, k, v, beta, g, rec_state)
+        core, new_rec = chunked_delta_rule(q, k, v, beta, g, rec_state)
         out = output(p, core, z, x.dtype, cfg)
     if per_step:
         conv_steps = jnp.stack([conv_state_after(conv_state, mixed, i + 1) for i in range(lead[1])], axis=1)

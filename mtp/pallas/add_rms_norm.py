@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from mtp.model.layers import add_rows, rms_norm
-from mtp.pallas.backend import interpret_forced, resolve_impl, tensor_parallel_mesh
+from mtp.pallas.backend import interpret_forced, resolve_impl, tensor_parallel_mesh, triton_interpret_scope
 
 
 def add_rms_norm_reference(x, y, w, *, eps):
@@ -92,5 +92,6 @@ def add_rms_norm(x, y, w, *, eps, impl="auto"):
     mode = resolve_impl(impl, op="add_rms_norm")
     if mode == "reference" or kernel_unsupported(x, y, w) or tensor_parallel_mesh() is not None:
         return add_rms_norm_reference(x, y, w, eps=eps)
-    return _add_rms_norm_pallas(x, y, w, eps=eps,
-                                interpret=mode == "interpret" or interpret_forced())
+    interpret = mode == "interpret" or interpret_forced()
+    with triton_interpret_scope(interpret):
+        return _add_rms_norm_pallas(x, y, w, eps=eps, interpret=interpret)

@@ -11,6 +11,7 @@ out) without touching code.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -141,6 +142,28 @@ def interpret_forced() -> bool:
         return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
     except AttributeError:
         return False
+
+
+@contextlib.contextmanager
+def triton_interpret_scope(interpret: bool):
+    """Where a Triton-style kernel runs interpreted: Pallas' generic interpreter, not Mosaic GPU's.
+
+    Tests force Mosaic GPU's interpreter around a whole model (``interpret_forced``), and
+    it takes every ``pallas_call`` traced inside; it runs only kernels whose BlockSpecs
+    have trivial windows, which the per-program blocks of the Triton kernels
+    (`mtp.pallas.gdn_step`, `mtp.pallas.add_rms_norm`) are not. Inside this scope such a
+    kernel, called with ``interpret=True``, gets the generic interpreter instead.
+    """
+    if not interpret:
+        yield
+        return
+    from jax._src import config as jax_config
+
+    prev = jax_config.pallas_tpu_interpret_mode_context_manager.swap_local(None)
+    try:
+        yield
+    finally:
+        jax_config.pallas_tpu_interpret_mode_context_manager.set_local(prev)
 
 
 def num_sms() -> int:

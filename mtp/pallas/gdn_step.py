@@ -24,6 +24,7 @@ Mosaic GPU register layouts are built around wgmma tiles.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,38 +32,47 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from mtp.model.layers import gated_rms_norm, l2norm
-from mtp.pallas.backend import TENSOR_AXIS, interpret_forced, num_sms, resolve_impl, tensor_parallel_mesh
+from mtp.pallas.backend import (TENSOR_AXIS, interpret_forced, num_sms, resolve_impl, tensor_parallel_mesh,
+                                triton_interpret_scope)
 
 
-def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
-                       ba_col=0):
-    """The step as the model computes it (``gates`` + ``split_heads`` + one delta-rule step + gated norm).
+def gdn_steps_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
+                        ba_col=0):
+    """T steps as the model computes them (``gates`` + ``split_heads`` + the delta rule + gated norm).
 
-    mixed: [B, 2 nk Dk + nv Dv] conv output, grouped per key head ([q, k, v of its
-    value heads] for each key head, `gated_deltanet`'s conv order); qkvz: [R >= B, >= nk (2
-    Dk + 2 r Dv)] with the ``in_proj_qkvz`` output in its first columns, and ba: [R' >= B,
-    >= ba_col + 2 nv] with the ``in_proj_ba`` output at columns ``ba_col...``: where ``z``
-    and ``b, a`` come from. Rows past B and other columns are ignored: the model passes
-    whole GEMM outputs, padding rows and merged projections included (`layers.dense_rows`,
-    `layers.dense_columns`; qkvz and ba are then one buffer), so that XLA need not copy a
-    slice of them; valid: [B] bool; state: [B, nv, Dk, Dv] f32; a_log, dt_bias: [nv]; norm_w: [Dv].
-    Returns ``(y [B, nv, Dv] in mixed's dtype, new_state)``. The kernel takes Dk = Dv
-    (Qwen3-Next's 128) only.
+    mixed: [B, T, 2 nk Dk + nv Dv] conv output, grouped per key head ([q, k, v of its
+    value heads] for each key head, `gated_deltanet`'s conv order); qkvz: [R >= B T, >= nk
+    (2 Dk + 2 r Dv)] with the ``in_proj_qkvz`` output in its first columns (token t of
+    sequence b in row b T + t), and ba: [R' >= B T, >= ba_col + 2 nv] with the
+    ``in_proj_ba`` output at columns ``ba_col...``: where ``z`` and ``b, a`` come from. Rows
+    past B T and other columns are ignored: the model passes whole GEMM outputs, padding
+    rows and merged projections included (`layers.dense_rows`, `layers.dense_columns`; qkvz
+    and ba are then one buffer), so that XLA need not copy a slice of them; valid: [B, T]
+    bool (a masked token leaves the state as it was); state: [B, nv, Dk, Dv] f32; a_log,
+    dt_bias: [nv]; norm_w: [Dv]. Returns ``(y [B, T, nv, Dv] in mixed's dtype, states [B,
+    T, nv, Dk, Dv])``, the state after every step (verify keeps the accepted one). The
+    kernel takes Dk = Dv (Qwen3-Next's 128) only.
     """
     from mtp.model import gated_deltanet as gdn  # imports this module: so here, not at the top
 
     nv = state.shape[1]
     dk, dv = state.shape[-2:]
-    bsz = mixed.shape[0]
+    bsz, t = mixed.shape[:2]
+    rows = lambda x, lo, n: x[:bsz * t, lo:lo + n].reshape(bsz, t, n)
     cfg_like = _HeadShape(num_k_heads, nv, dk, dv)
-    z, b, a = gdn.gates(qkvz[:bsz, :_qkvz_width(num_k_heads, state)], ba[:bsz, ba_col:ba_col + 2 * nv],
-                        cfg_like)
-    q, k, v, beta, g = gdn.split_heads(mixed[:, None], b[:, None], a[:, None],
-                                       {"A_log": a_log, "dt_bias": dt_bias}, cfg_like)
-    k, beta, g = gdn.mask_updates(k, beta, g, valid[:, None])
-    core, new_state, _ = gdn.recurrent_delta_rule(q, k, v, beta, g, state)
-    y = gated_rms_norm(core[:, 0].astype(mixed.dtype), z, norm_w, eps)
-    return y.reshape(bsz, nv, dv), new_state
+    z, b, a = gdn.gates(rows(qkvz, 0, _qkvz_width(num_k_heads, state)), rows(ba, ba_col, 2 * nv), cfg_like)
+    q, k, v, beta, g = gdn.split_heads(mixed, b, a, {"A_log": a_log, "dt_bias": dt_bias}, cfg_like)
+    k, beta, g = gdn.mask_updates(k, beta, g, valid)
+    core, _, states = gdn.recurrent_delta_rule(q, k, v, beta, g, state)
+    return gated_rms_norm(core.astype(mixed.dtype), z, norm_w, eps), states
+
+
+def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
+                       ba_col=0):
+    """One step (decode): ``gdn_steps_reference`` with T = 1, mixed [B, C] and valid [B]; ``(y, new_state)``."""
+    y, states = gdn_steps_reference(mixed[:, None], qkvz, ba, valid[:, None], state, a_log, dt_bias, norm_w,
+                                    num_k_heads=num_k_heads, eps=eps, ba_col=ba_col)
+    return y[:, 0], states[:, 0]
 
 
 def _qkvz_width(num_k_heads, state) -> int:
@@ -91,39 +101,47 @@ def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, ba_col=0) -> str | N
         return f"{nv} value heads do not group over {nk} key heads"
     if mixed.shape[-1] != (2 * nk + nv) * dk:
         return f"mixed has {mixed.shape[-1]} channels, not {(2 * nk + nv) * dk} (nk={nk}, nv={nv}, D={dk})"
+    tokens = math.prod(mixed.shape[:-1])
+    if tokens // mixed.shape[0] > MAX_STEPS:
+        return f"{tokens // mixed.shape[0]} steps per sequence; the kernel unrolls at most {MAX_STEPS}"
     for name, x, want in (("qkvz", qkvz, _qkvz_width(nk, state)), ("ba", ba, ba_col + 2 * nv)):
         if x.shape[-1] < want:
             return f"{name} has {x.shape[-1]} channels, fewer than {want} (nk={nk}, nv={nv}, D={dk})"
-        if x.shape[0] < mixed.shape[0]:
-            return f"{name} has {x.shape[0]} rows for a batch of {mixed.shape[0]}"
+        if x.shape[0] < tokens:
+            return f"{name} has {x.shape[0]} rows for {tokens} tokens"
     return None
+
+
+MAX_STEPS = 8  # tokens per sequence a call unrolls (verify widths); more go to the reference
 
 
 def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref, dtb_ref, w_ref,
             y_ref, s_out_ref, *, eps):
-    d = s_ref.shape[-1]
+    d = w_ref.shape[-1]
     f32 = jnp.float32
-    s = s_ref[0, 0, :, :]  # the state first: its 64 KB are the program's long load
-    q = l2norm(q_ref[0, 0, :].astype(f32)) * (d ** -0.5)
-    k = l2norm(k_ref[0, 0, :].astype(f32))
-    v = v_ref[0, 0, :].astype(f32)
-    live = valid_ref[0, 0] != 0
-    beta = jnp.where(live, jax.nn.sigmoid(b_ref[0, 0].astype(f32)), 0.0)
-    g = -jnp.exp(alog_ref[0, 0].astype(f32)) * jax.nn.softplus(
-        a_ref[0, 0].astype(f32) + dtb_ref[0, 0].astype(f32))
-    decay = jnp.exp(jnp.where(live, g, 0.0))
-    k = jnp.where(live, k, 0.0)
-    # Both reads of the old state in one pass: with S' = decay S + k delta^T,
-    # k^T S' needs k^T S and q^T S' = decay q^T S + (q . k) delta, so the new state is
-    # only written, never read back.
-    sk = jnp.sum(s * k[:, None], axis=0)
-    sq = jnp.sum(s * q[:, None], axis=0)
-    delta = (v - decay * sk) * beta
-    s_out_ref[0, 0, :, :] = decay * s + k[:, None] * delta[None, :]
-    o = decay * sq + jnp.sum(q * k) * delta
-    # The model's own gated norm, on [1, Dv] rows: Triton lowers 2-D reductions directly.
-    y = gated_rms_norm(o.astype(y_ref.dtype)[None, :], z_ref[...], w_ref[...], eps)
-    y_ref[0, 0, :] = y[0]
+    steps = y_ref.shape[1]
+    s = s_ref[0, 0, 0]  # the state first: its 64 KB are the program's long load
+    scale_a = -jnp.exp(alog_ref[0, 0].astype(f32))
+    for t in range(steps):  # verify's few tokens, unrolled; the state stays in registers
+        q = l2norm(q_ref[0, t, 0, :].astype(f32)) * (d ** -0.5)
+        k = l2norm(k_ref[0, t, 0, :].astype(f32))
+        v = v_ref[0, t, 0, :].astype(f32)
+        live = valid_ref[0, t] != 0
+        beta = jnp.where(live, jax.nn.sigmoid(b_ref[t, 0].astype(f32)), 0.0)
+        g = scale_a * jax.nn.softplus(a_ref[t, 0].astype(f32) + dtb_ref[0, 0].astype(f32))
+        decay = jnp.exp(jnp.where(live, g, 0.0))
+        k = jnp.where(live, k, 0.0)
+        # Both reads of the old state in one pass: with S' = decay S + k delta^T,
+        # k^T S' needs k^T S and q^T S' = decay q^T S + (q . k) delta.
+        sk = jnp.sum(s * k[:, None], axis=0)
+        sq = jnp.sum(s * q[:, None], axis=0)
+        delta = (v - decay * sk) * beta
+        s = decay * s + k[:, None] * delta[None, :]
+        s_out_ref[0, t, 0] = s
+        o = decay * sq + jnp.sum(q * k) * delta
+        # The model's own gated norm, on [1, Dv] rows: Triton lowers 2-D reductions directly.
+        y = gated_rms_norm(o.astype(y_ref.dtype)[None, :], z_ref[pl.ds(t, 1), :], w_ref[...], eps)
+        y_ref[0, t, 0, :] = y[0]
 
 
 def default_num_warps(programs: int) -> int:
@@ -138,21 +156,24 @@ def default_num_warps(programs: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "ba_col", "num_warps", "interpret"))
-def _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
-                     ba_col=0, num_warps=None, interpret=False):
-    bsz, nv, d, _ = state.shape
+def _gdn_steps_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
+                      ba_col=0, num_warps=None, interpret=False):
+    bsz, t = mixed.shape[:2]
+    _, nv, d, _ = state.shape
     num_warps = num_warps or default_num_warps(bsz * nv)
     nk = num_k_heads
     r = nv // nk
-    # d-wide blocks; the index maps pick each value head's blocks where the projections put
-    # them, so z, b and a are never sliced out into arrays of their own. qkvz is per key
-    # head [q, k, v x r, z x r]; it and ba may be one merged buffer wider than either.
-    heads = mixed.reshape(bsz, nk * (2 + r), d)     # per key head [q, k, v x r]
-    col = lambda off: pl.BlockSpec((1, 1, d), lambda i, h, off=off: (i, off(h), 0))
-    z_col = lambda off: pl.BlockSpec((1, d), lambda i, h, off=off: (i, off(h)))
-    scalar = lambda off: pl.BlockSpec((1, 1), lambda i, h, off=off: (i, ba_col + off(h)))
+    # d-wide blocks of all T tokens; the index maps pick each value head's blocks where the
+    # projections put them, so z, b and a are never sliced out into arrays of their own.
+    # qkvz is per key head [q, k, v x r, z x r]; it and ba may be one merged buffer wider
+    # than either, with token t of sequence i in row i T + t.
+    heads = mixed.reshape(bsz, t, nk * (2 + r), d)     # per key head [q, k, v x r]
+    col = lambda off: pl.BlockSpec((1, t, 1, d), lambda i, h, off=off: (i, 0, off(h), 0))
+    z_col = lambda off: pl.BlockSpec((t, d), lambda i, h, off=off: (i, off(h)))
+    scalar = lambda off: pl.BlockSpec((t, 1), lambda i, h, off=off: (i, ba_col + off(h)))
     per_head = pl.BlockSpec((1, 1), lambda i, h: (h, 0))
     group = lambda h: (h // r) * (2 + r)     # the value head's key-head group
+    head_state = pl.BlockSpec((1, 1, 1, d, d), lambda i, h: (i, 0, h, 0, 0))
     in_specs = [
         col(group),                          # q of the value head's key head
         col(lambda h: group(h) + 1),         # k
@@ -160,13 +181,13 @@ def _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, n
         z_col(lambda h: (h // r) * (2 + 2 * r) + 2 + r + h % r),  # z, in qkvz
         scalar(lambda h: (h // r) * 2 * r + h % r),             # b, in ba ([b x r, a x r] per group)
         scalar(lambda h: (h // r) * 2 * r + r + h % r),         # a
-        pl.BlockSpec((1, 1), lambda i, h: (i, 0)),              # valid
-        pl.BlockSpec((1, 1, d, d), lambda i, h: (i, h, 0, 0)),  # state
+        pl.BlockSpec((1, t), lambda i, h: (i, 0)),              # valid
+        head_state,                          # the state, as [B, 1, nv, D, D]
         per_head, per_head,                  # A_log, dt_bias
         pl.BlockSpec((d,), lambda i, h: (0,)),                  # norm weight
     ]
-    out_specs = [pl.BlockSpec((1, 1, d), lambda i, h: (i, h, 0)),
-                 pl.BlockSpec((1, 1, d, d), lambda i, h: (i, h, 0, 0))]
+    out_specs = [pl.BlockSpec((1, t, 1, d), lambda i, h: (i, 0, h, 0)),
+                 pl.BlockSpec((1, t, 1, d, d), lambda i, h: (i, 0, h, 0, 0))]
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as pl_triton
@@ -177,22 +198,23 @@ def _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, n
         grid=(bsz, nv),
         in_specs=in_specs,
         out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct((bsz, nv, d), mixed.dtype),
-                   jax.ShapeDtypeStruct(state.shape, jnp.float32)],
-        # The new state overwrites the old one in place (each program reads its (b, h)
-        # block before writing it). Without this, a decode loop that carries the state
-        # copied the kernel's output into the carry every step: a device memcpy of 2 MB
-        # per layer (`experiments/count_kernels.py --loop`).
-        input_output_aliases={7: 1},
+        out_shape=[jax.ShapeDtypeStruct((bsz, t, nv, d), mixed.dtype),
+                   jax.ShapeDtypeStruct((bsz, t, nv, d, d), jnp.float32)],
+        # One step (decode): the new state overwrites the old one in place (each program
+        # reads its (b, h) block before writing it). Without this, a decode loop that carries
+        # the state copied the kernel's output into the carry every step: a device memcpy of
+        # 2 MB per layer (`experiments/count_kernels.py --loop`). T > 1 (verify) writes every
+        # step's state, a new buffer.
+        input_output_aliases={7: 1} if t == 1 else {},
         interpret=interpret,
         **kwargs,
-    )(heads, heads, heads, qkvz, ba, ba, valid.astype(jnp.int32)[:, None], state.astype(jnp.float32),
+    )(heads, heads, heads, qkvz, ba, ba, valid.astype(jnp.int32), state.astype(jnp.float32)[:, None],
       a_log[:, None], dt_bias[:, None], norm_w)
 
 
-def gdn_step(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
-             ba_col=0, impl="auto"):
-    """``gdn_step_reference``'s signature and results; ``impl`` picks the path (``backend``).
+def gdn_steps(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
+              ba_col=0, impl="auto"):
+    """``gdn_steps_reference``'s signature and results; ``impl`` picks the path (``backend``).
 
     Inputs the kernel cannot take (``kernel_unsupported``) go to the reference. ``auto``
     takes the kernel on a GPU since session 6: reading ``in_proj_qkvz``'s padded GEMM
@@ -212,20 +234,31 @@ def gdn_step(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_hea
     merged = ba_col or qkvz.shape[-1] != _qkvz_width(num_k_heads, state)
     if (mode == "reference" or kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, ba_col)
             or num_k_heads % tp or (tp > 1 and merged)):
-        return gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
-                                  num_k_heads=num_k_heads, eps=eps, ba_col=ba_col)
+        return gdn_steps_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
+                                   num_k_heads=num_k_heads, eps=eps, ba_col=ba_col)
+
+    interpret = mode == "interpret" or interpret_forced()
 
     def run(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w):
-        return _gdn_step_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
-                                num_k_heads=num_k_heads // tp, eps=eps, ba_col=ba_col,
-                                interpret=mode == "interpret" or interpret_forced())
+        with triton_interpret_scope(interpret):
+            return _gdn_steps_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
+                                     num_k_heads=num_k_heads // tp, eps=eps, ba_col=ba_col,
+                                     interpret=interpret)
 
     if mesh is not None:
         # The channels of mixed, qkvz and ba are grouped per key head, so an even split is a
         # split on groups.
         ax = TENSOR_AXIS
         run = jax.shard_map(run, mesh=mesh, check_vma=False,
-                            in_specs=(P(None, ax), P(None, ax), P(None, ax), P(),
+                            in_specs=(P(None, None, ax), P(None, ax), P(None, ax), P(),
                                       P(None, ax, None, None), P(ax), P(ax), P()),
-                            out_specs=(P(None, ax, None), P(None, ax, None, None)))
+                            out_specs=(P(None, None, ax, None), P(None, None, ax, None, None)))
     return run(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w)
+
+
+def gdn_step(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
+             ba_col=0, impl="auto"):
+    """One step (decode): ``gdn_steps`` with T = 1, mixed [B, C] and valid [B]; ``(y [B, nv, Dv], new_state)``."""
+    y, states = gdn_steps(mixed[:, None], qkvz, ba, valid[:, None], state, a_log, dt_bias, norm_w,
+                          num_k_heads=num_k_heads, eps=eps, ba_col=ba_col, impl=impl)
+    return y[:, 0], states[:, 0]
