@@ -14,7 +14,8 @@ on its 1.38B Qwen3-Next-shaped model. Checked against the H200's own CUPTI count
 (results/decode_h200_session5.json, _session6.json): 356 kernels at batch 1 with XLA's Gated
 DeltaNet step (``MTP_KERNELS=gdn_step=reference``; the default until session 6), 308 and then
 284 with the fused step kernel (before and after it read z, b, a in place; the default now),
-and 255 with the one-row residual stream padded once (session 7), all exact. Two limits: XLA cannot autotune
+255 with the one-row residual stream padded once (session 7), 235 with merged projections and
+219 with the residual add + norm kernel (session 8), all exact. Two limits: XLA cannot autotune
 without a device, so GEMM tile choices (and where they add split-K reductions) may differ
 from the GPU's; and Mosaic GPU kernels are lowered here but assembled only on the device.
 
