@@ -1,4 +1,4 @@
-"""One decode step of a Gated DeltaNet layer, after its conv, as one kernel.
+"""The per-token steps of a Gated DeltaNet layer, after its conv, as one kernel: decode and verify.
 
 At batch 1 the step's arithmetic is tiny, but XLA spreads it over ~10 kernels per
 layer (two l2norms, the gates, three delta-rule fusions, the gated RMSNorm's reduce
@@ -10,7 +10,10 @@ streaming the layer's weights (results/decode_h200.md). Here one program per
     S = exp(g) S;  S += k (beta (v - k^T S));  o = q^T S
     y = silu(z) * w * rmsnorm(o)
 
-and writes ``y`` (the out projection's input) and the new state.
+and writes ``y`` (the out projection's input) and the new state. A verify of T <= 8 tokens
+per sequence is one call too: each program keeps its state in registers across the T tokens
+and writes the state after every one (verify keeps the accepted one), where XLA ran the
+step token by token (results/decode_h200.md, session 8: 363 -> 232 kernels at K = 4).
 
 Why Pallas' Triton lowering and not Mosaic GPU (the project's default, since Triton's
 Pallas backend is deprecated): the step is two mat-vec reductions over the state's
@@ -18,7 +21,7 @@ rows and an outer-product update, on 128 x 128 f32 blocks with no matmul to feed
 wgmma; Triton expresses reductions along either axis of a block directly, while the
 Mosaic GPU register layouts are built around wgmma tiles.
 
-``gdn_step_reference`` is the definition: the model's own functions, composed.
+``gdn_steps_reference`` is the definition: the model's own functions, composed.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from jax.sharding import PartitionSpec as P
 from mtp.model.layers import gated_rms_norm, l2norm
 from mtp.pallas.backend import (TENSOR_AXIS, interpret_forced, num_sms, resolve_impl, tensor_parallel_mesh,
                                 triton_interpret_scope)
+
+
+MAX_STEPS = 8  # tokens per sequence a call unrolls (verify widths); more go to the reference
 
 
 def gdn_steps_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
@@ -110,9 +116,6 @@ def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, ba_col=0) -> str | N
         if x.shape[0] < tokens:
             return f"{name} has {x.shape[0]} rows for {tokens} tokens"
     return None
-
-
-MAX_STEPS = 8  # tokens per sequence a call unrolls (verify widths); more go to the reference
 
 
 def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref, dtb_ref, w_ref,
