@@ -241,14 +241,13 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
                                             ba_col=ba.start, impl=impl)
         out = out_project(p, y)
         new_rec = rec_steps[:, -1]  # a masked token keeps the state: the last step's is the final one
+        conv_steps = jnp.stack([conv_state_after(conv_state, mixed, i + 1) for i in range(lead[1])], axis=1)
+        steps = (conv_steps, rec_steps)
     else:
         z, b, a = gates(qkvz.view(lead), ba.view(lead), cfg)
         q, k, v, beta, g = split_heads(conv_out, b, a, p, cfg)
         k, beta, g = mask_updates(k, beta, g, valid)
         core, new_rec = chunked_delta_rule(q, k, v, beta, g, rec_state)
         out = output(p, core, z, x.dtype, cfg)
-    if per_step:
-        conv_steps = jnp.stack([conv_state_after(conv_state, mixed, i + 1) for i in range(lead[1])], axis=1)
-        steps = (conv_steps, rec_steps)
     new_conv = conv_state_after(conv_state, mixed, counts)
     return out, new_conv, new_rec, steps
