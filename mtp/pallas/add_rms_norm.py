@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from mtp.model.layers import add_rows, rms_norm
-from mtp.pallas.backend import interpret_forced, resolve_impl, tensor_parallel_mesh, triton_interpret_scope
+from mtp.pallas.backend import resolve_impl, tensor_parallel_mesh, triton_compiler_params, triton_interpret_scope
 
 
 def add_rms_norm_reference(x, y, w, *, eps):
@@ -62,11 +62,6 @@ def _add_rms_norm_pallas(x, y, w, *, eps, interpret=False):
     x2, y2 = x.reshape(-1, h), y.reshape(-1, h)
     rows, real_rows = x2.shape[0], y2.shape[0]
     row = pl.BlockSpec((1, h), lambda r: (r, 0))
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pl_triton
-
-        kwargs["compiler_params"] = pl_triton.CompilerParams(num_warps=4, num_stages=1)
     s, normed = pl.pallas_call(
         functools.partial(_kernel, real_rows=real_rows, eps=eps),
         grid=(rows,),
@@ -76,7 +71,7 @@ def _add_rms_norm_pallas(x, y, w, *, eps, interpret=False):
         out_specs=[row, row],
         out_shape=[jax.ShapeDtypeStruct(x2.shape, x.dtype)] * 2,
         interpret=interpret,
-        **kwargs,
+        **triton_compiler_params(interpret, num_warps=4),
     )(x2, y2, w)
     return s.reshape(x.shape), normed.reshape(x.shape)
 
@@ -92,6 +87,5 @@ def add_rms_norm(x, y, w, *, eps, impl="auto"):
     mode = resolve_impl(impl, op="add_rms_norm")
     if mode == "reference" or kernel_unsupported(x, y, w) or tensor_parallel_mesh() is not None:
         return add_rms_norm_reference(x, y, w, eps=eps)
-    interpret = mode == "interpret" or interpret_forced()
-    with triton_interpret_scope(interpret):
+    with triton_interpret_scope(mode) as interpret:
         return _add_rms_norm_pallas(x, y, w, eps=eps, interpret=interpret)

@@ -145,25 +145,35 @@ def interpret_forced() -> bool:
 
 
 @contextlib.contextmanager
-def triton_interpret_scope(interpret: bool):
-    """Where a Triton-style kernel runs interpreted: Pallas' generic interpreter, not Mosaic GPU's.
+def triton_interpret_scope(mode: str):
+    """The scope a Triton-lowered kernel is traced in; yields whether it runs interpreted.
 
-    Tests force Mosaic GPU's interpreter around a whole model (``interpret_forced``), and
-    it takes every ``pallas_call`` traced inside; it runs only kernels whose BlockSpecs
-    have trivial windows, which the per-program blocks of the Triton kernels
-    (`mtp.pallas.gdn_step`, `mtp.pallas.add_rms_norm`) are not. Inside this scope such a
-    kernel, called with ``interpret=True``, gets the generic interpreter instead.
+    ``mode``: ``resolve_impl``'s choice, "pallas" or "interpret". Tests also force Mosaic
+    GPU's interpreter around a whole model (``interpret_forced``), and it takes every
+    ``pallas_call`` traced inside; it runs only kernels whose BlockSpecs have trivial
+    windows, which the per-program blocks of the Triton kernels (`mtp.pallas.gdn_step`,
+    `mtp.pallas.add_rms_norm`) are not. Inside this scope such a kernel, called with
+    ``interpret=True``, gets Pallas' generic interpreter instead.
     """
-    if not interpret:
-        yield
+    if not (mode == "interpret" or interpret_forced()):
+        yield False
         return
     from jax._src import config as jax_config
 
     prev = jax_config.pallas_tpu_interpret_mode_context_manager.swap_local(None)
     try:
-        yield
+        yield True
     finally:
         jax_config.pallas_tpu_interpret_mode_context_manager.set_local(prev)
+
+
+def triton_compiler_params(interpret: bool, num_warps: int) -> dict:
+    """``pallas_call``'s keyword arguments for a Triton-lowered kernel (none when interpreted)."""
+    if interpret:
+        return {}
+    from jax.experimental.pallas import triton as pl_triton
+
+    return {"compiler_params": pl_triton.CompilerParams(num_warps=num_warps, num_stages=1)}
 
 
 def num_sms() -> int:

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from mtp.model.layers import gated_rms_norm, l2norm
-from mtp.pallas.backend import (TENSOR_AXIS, interpret_forced, num_sms, resolve_impl, tensor_parallel_mesh,
+from mtp.pallas.backend import (TENSOR_AXIS, num_sms, resolve_impl, tensor_parallel_mesh, triton_compiler_params,
                                 triton_interpret_scope)
 
 
@@ -191,11 +191,6 @@ def _gdn_steps_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, 
     ]
     out_specs = [pl.BlockSpec((1, t, 1, d), lambda i, h: (i, 0, h, 0)),
                  pl.BlockSpec((1, t, 1, d, d), lambda i, h: (i, 0, h, 0, 0))]
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pl_triton
-
-        kwargs["compiler_params"] = pl_triton.CompilerParams(num_warps=num_warps, num_stages=1)
     return pl.pallas_call(
         functools.partial(_kernel, eps=eps),
         grid=(bsz, nv),
@@ -210,7 +205,7 @@ def _gdn_steps_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, 
         # step's state, a new buffer.
         input_output_aliases={7: 1} if t == 1 else {},
         interpret=interpret,
-        **kwargs,
+        **triton_compiler_params(interpret, num_warps),
     )(heads, heads, heads, qkvz, ba, ba, valid.astype(jnp.int32), state.astype(jnp.float32)[:, None],
       a_log[:, None], dt_bias[:, None], norm_w)
 
@@ -240,10 +235,8 @@ def gdn_steps(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_he
         return gdn_steps_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
                                    num_k_heads=num_k_heads, eps=eps, ba_col=ba_col)
 
-    interpret = mode == "interpret" or interpret_forced()
-
     def run(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w):
-        with triton_interpret_scope(interpret):
+        with triton_interpret_scope(mode) as interpret:
             return _gdn_steps_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
                                      num_k_heads=num_k_heads // tp, eps=eps, ba_col=ba_col,
                                      interpret=interpret)
