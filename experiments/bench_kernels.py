@@ -41,7 +41,6 @@ import numpy as np
 from mtp.model import layers
 from mtp.pallas import fc_gemm as fcmod
 from mtp.pallas import gdn_step as gdnmod
-from mtp.pallas import gemv as gemvmod
 from mtp.pallas import paged_attention as pamod
 from mtp.pallas.backend import num_sms
 
@@ -54,8 +53,6 @@ flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "gdn", "chain"],
                   "Which kernels to check and time (gemv: XLA's small-row GEMMs, as is vs padded).")
 flags.DEFINE_list("gemv_rows", ["1"], "Small-row GEMMs: the row counts M to time.")
 flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.")
-flags.DEFINE_list("gemv_plans", [], "Small-row GEMMs: Pallas kernel plans timed beside the default, "
-                  "each block_n:block_k:depth:num_warps (mtp.pallas.gemv.Plan).")
 flags.DEFINE_integer("fc_max_m", None, "fc GEMM: only the rows with M up to this (default: all).")
 flags.DEFINE_list("pa_batches", None, "Paged attention: only these batch sizes (default: all).")
 flags.DEFINE_string("pa_heads", None, "Paged attention: only this (Hq,Hkv,D), e.g. 16,2,256.")
@@ -228,18 +225,6 @@ def bench_gemv(m, n, k, reps):
            "rel_err": _rel_err(padded(*sets[0]), as_is(*sets[0]))}
     res["t_padded"], res["timing"] = _time(padded, sets, reps)
     res["t_xla"] = _time(as_is, sets, reps)[0]
-    plans = {"default": gemvmod.default_plan(m, n, k)}
-    plans.update({p: gemvmod.Plan(*map(int, p.split(":"))) for p in FLAGS.gemv_plans})
-    for name, plan in plans.items():
-        why = gemvmod.kernel_unsupported(sets[0][0], sets[0][1], plan)
-        if why:
-            res[f"pallas {name}"] = {"error": why}
-            continue
-        impl = "interpret" if FLAGS.small else "pallas"
-        ours = jax.jit(functools.partial(gemvmod.gemv, impl=impl, plan=plan))
-        r = _safe(lambda: {"plan": ":".join(map(str, plan)), "rel_err": _rel_err(ours(*sets[0]), as_is(*sets[0])),
-                           "t": _time(ours, sets, reps)[0]})
-        res[f"pallas {name}"] = r
     del sets
     return res
 
@@ -491,23 +476,6 @@ def render(results):
                 f"| {r['M']} | {r['N']} | {r['K']} | {r['what']} | {_fmt_us(r['t_xla'])} | "
                 f"{tb(r['t_xla'])} | {r['padded_to']} | {_fmt_us(r['t_padded'])} | {tb(r['t_padded'])} | "
                 f"{r['t_xla'] / r['t_padded']:.2f}x |")
-        lines += ["", "### small-row GEMMs: the Pallas weight stream (`mtp.pallas.gemv`) vs XLA's best of as is / "
-                  "padded", "", "| M | N | K | what | plan (block_n:block_k:depth:warps) | rel err | µs | TB/s | "
-                  "vs XLA (speed) |", "|---|---|---|---|---|---|---|---|---|"]
-        for r in results["gemv"]:
-            if "error" in r:
-                continue
-            best_xla = min(r["t_xla"], r["t_padded"])
-            for name, p in r.items():
-                if not name.startswith("pallas "):
-                    continue
-                if "error" in p:
-                    lines.append(f"| {r['M']} | {r['N']} | {r['K']} | {r['what']} | {name[7:]} | {p['error'][:80]} |")
-                    continue
-                lines.append(
-                    f"| {r['M']} | {r['N']} | {r['K']} | {r['what']} | {p['plan']}{' (default)' if name == 'pallas default' else ''} | "
-                    f"{p['rel_err']:.1e} | {_fmt_us(p['t'])} | {r['w_bytes'] / p['t'] / 1e12:.2f} | "
-                    f"{best_xla / p['t']:.2f}x |")
     if results.get("gdn"):
         lines += ["", "### fused Gated DeltaNet decode step (nk=16, nv=32, D=128; TB/s = state bytes / time)",
                   "", "| B | rel err y | rel err state | ours µs | ours TB/s | XLA µs | XLA TB/s | ours / XLA (speed) |",

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 CHOICES = ("auto", "reference", "pallas", "interpret")
-OPS = ("paged_attention", "fc_gemm", "gdn_step", "add_rms_norm", "gemv")  # the names MTP_KERNELS' per-op entries take
+OPS = ("paged_attention", "fc_gemm", "gdn_step", "add_rms_norm")  # the names MTP_KERNELS' per-op entries take
 ENV_VAR = "MTP_KERNELS"
 
 
