@@ -49,10 +49,13 @@ flags.DEFINE_bool("quick", False, "Correctness plus the goal shapes only.")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_kernels"), "Where results go.")
 flags.DEFINE_integer("reps", 30, "Timed calls per variant.")
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens.")
-flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "gdn", "chain"],
+flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "merged", "gdn", "chain"],
                   "Which kernels to check and time (gemv: XLA's small-row GEMMs, as is vs padded).")
 flags.DEFINE_list("gemv_rows", ["1"], "Small-row GEMMs: the row counts M to time.")
 flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.")
+flags.DEFINE_integer("gemv_rotate_mb", None, "Small-row GEMMs: rotate the weights through copies of this "
+                     "many MB in all, at most 256 copies (default: 4x L2, at most 16); a decode step of the 1.38B "
+                     "model streams ~2800 MB between two reads of one weight.")
 flags.DEFINE_integer("fc_max_m", None, "fc GEMM: only the rows with M up to this (default: all).")
 flags.DEFINE_list("pa_batches", None, "Paged attention: only these batch sizes (default: all).")
 flags.DEFINE_string("pa_heads", None, "Paged attention: only this (Hq,Hkv,D), e.g. 16,2,256.")
@@ -214,17 +217,54 @@ def bench_gemv(m, n, k, reps):
     of a decode step do: a step reads every weight once.
     """
     w_bytes = n * k * 2
-    n_sets = max(2, min(16, math.ceil(ROTATE_BYTES / w_bytes)))
+    if FLAGS.gemv_rotate_mb:
+        n_sets = max(2, min(256, math.ceil(FLAGS.gemv_rotate_mb * 2**20 / w_bytes)))
+    else:
+        n_sets = max(2, min(16, math.ceil(ROTATE_BYTES / w_bytes)))
     ks = jax.random.split(jax.random.key(n + k + m), 2 * n_sets)
     sets = [(jax.random.normal(ks[2 * i], (m, k), jnp.bfloat16),
              (jax.random.normal(ks[2 * i + 1], (n, k)) / math.sqrt(k)).astype(jnp.bfloat16))
             for i in range(n_sets)]
     as_is = jax.jit(layers.linear)
     padded = jax.jit(functools.partial(layers.padded_linear, rows_to=max(m, FLAGS.pad_rows)))
-    res = {"M": m, "N": n, "K": k, "w_bytes": w_bytes, "padded_to": max(m, FLAGS.pad_rows),
+    res = {"M": m, "N": n, "K": k, "w_bytes": w_bytes, "padded_to": max(m, FLAGS.pad_rows), "copies": n_sets,
            "rel_err": _rel_err(padded(*sets[0]), as_is(*sets[0]))}
+    reps = max(reps, n_sets)  # every copy is read in turn
     res["t_padded"], res["timing"] = _time(padded, sets, reps)
     res["t_xla"] = _time(as_is, sets, reps)[0]
+    del sets
+    return res
+
+
+# The decode step's projections of one input, as the 1.38B model merges them ([N, K] each).
+MERGED_FAMILIES = {"gate + up": [(5632, 2048), (5632, 2048)],
+                   "in_proj_qkvz + in_proj_ba": [(12288, 2048), (64, 2048)],
+                   "q_proj + k_proj + v_proj": [(8192, 2048), (512, 2048), (512, 2048)]}
+
+
+def bench_merged(m, family, reps):
+    """One input times several weights, three ways, all XLA: separate dots (XLA's dot merger
+    may join them), the weights concatenated inside the trace (``layers.dense_columns``), and
+    one weight concatenated beforehand (a load-time layout). TB/s = weight bytes / time.
+    """
+    shapes = MERGED_FAMILIES[family]
+    k = shapes[0][1]
+    w_bytes = sum(n * kk * 2 for n, kk in shapes)
+    n_sets = max(2, min(16, math.ceil(ROTATE_BYTES / w_bytes)))
+    sets = []
+    for i in range(n_sets):
+        ks = jax.random.split(jax.random.key(1000 * i + m), len(shapes) + 1)
+        ws = [(jax.random.normal(kk, s) / math.sqrt(k)).astype(jnp.bfloat16) for kk, s in zip(ks[1:], shapes)]
+        sets.append((jax.random.normal(ks[0], (m, k), jnp.bfloat16), ws, jnp.concatenate(ws, axis=0)))
+    variants = {
+        "separate dots": (jax.jit(lambda x, ws: [layers.linear(x, w) for w in ws]), lambda s: (s[0], s[1])),
+        "concatenated in the trace": (jax.jit(lambda x, ws: layers.linear(x, jnp.concatenate(ws, axis=0))),
+                                      lambda s: (s[0], s[1])),
+        "one weight": (jax.jit(layers.linear), lambda s: (s[0], s[2])),
+    }
+    res = {"M": m, "family": family, "w_bytes": w_bytes}
+    for name, (fn, args) in variants.items():
+        res[name] = _time(fn, [args(s) for s in sets], reps)[0]
     del sets
     return res
 
@@ -476,6 +516,16 @@ def render(results):
                 f"| {r['M']} | {r['N']} | {r['K']} | {r['what']} | {_fmt_us(r['t_xla'])} | "
                 f"{tb(r['t_xla'])} | {r['padded_to']} | {_fmt_us(r['t_padded'])} | {tb(r['t_padded'])} | "
                 f"{r['t_xla'] / r['t_padded']:.2f}x |")
+    if results.get("merged"):
+        lines += ["", "### merged projections (XLA): µs (TB/s of weight bytes)", "",
+                  "| M | family | separate dots | concatenated in the trace | one weight |", "|---|---|---|---|---|"]
+        for r in results["merged"]:
+            if "error" in r:
+                lines.append(f"| {r['M']} | {r['family']} | {r['error'][:100]} |")
+                continue
+            cell = lambda t: f"{_fmt_us(t)} ({r['w_bytes'] / t / 1e12:.2f})"
+            lines.append(f"| {r['M']} | {r['family']} | {cell(r['separate dots'])} | "
+                         f"{cell(r['concatenated in the trace'])} | {cell(r['one weight'])} |")
     if results.get("gdn"):
         lines += ["", "### fused Gated DeltaNet decode step (nk=16, nv=32, D=128; TB/s = state bytes / time)",
                   "", "| B | rel err y | rel err state | ours µs | ours TB/s | XLA µs | XLA TB/s | ours / XLA (speed) |",
@@ -577,6 +627,14 @@ def main(_):
             results.setdefault("gemv", []).append(r)
             print(json.dumps(r, default=str), flush=True)
             save()
+    if FLAGS.only == "merged":
+        for m in (1, 2, 8) if not FLAGS.small else (2,):
+            for family in MERGED_FAMILIES:
+                r = _safe(bench_merged, m, family, reps)
+                r.update(M=m, family=family)
+                results.setdefault("merged", []).append(r)
+                print(json.dumps(r, default=str), flush=True)
+                save()
     if FLAGS.only in ("all", "gdn") and not FLAGS.small:
         for b in (1, 8):
             logging.info("fused Gated DeltaNet step B=%d", b)
@@ -588,7 +646,7 @@ def main(_):
     if FLAGS.only == "chain":
         results["chain"] = _safe(bench_chain, 48, reps)
         save()
-    if FLAGS.only in ("pa", "gemv", "gdn", "chain"):
+    if FLAGS.only in ("pa", "gemv", "merged", "gdn", "chain"):
         fc_shapes = []
     if FLAGS.small and FLAGS.only in ("all", "fc"):
         fc_shapes = [(8, 256), (200, 256)]
