@@ -127,21 +127,6 @@ def test_dense_columns_merges_projections_of_one_input(monkeypatch):
         layers.dense_columns(x, ws)
 
 
-def test_mlp_merges_gate_and_up(monkeypatch):
-    """With merging on, the SwiGLU is two GEMMs (gate + up, then down) and equals the unmerged one."""
-    ks = jax.random.split(jax.random.key(7), 4)
-    p = {name: {"weight": jax.random.normal(k, shape) / 6}
-         for name, k, shape in (("gate_proj", ks[0], (40, 32)), ("up_proj", ks[1], (40, 32)),
-                                ("down_proj", ks[2], (32, 40)))}
-    x = jax.random.normal(ks[3], (2, 1, 32))
-    dots = lambda: str(jax.make_jaxpr(lambda a: layers.mlp(p, a))(x)).count("dot_general")
-    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "0")
-    want, unmerged_dots = layers.mlp(p, x), dots()
-    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "1")
-    assert (unmerged_dots, dots()) == (3, 2)
-    np.testing.assert_allclose(layers.mlp(p, x), want, rtol=1e-5, atol=1e-5)
-
-
 def test_a_one_row_step_pads_its_stream_once(tiny, monkeypatch):
     """With padding on, decode has one pad (the stream's), not one per large GEMM."""
     cfg, params = tiny

@@ -255,14 +255,8 @@ def causal_attention(q, k, v, gate) -> jax.Array:
 
 # ------------------------------------------------------------------ FFNs
 def mlp(p, x: jax.Array) -> jax.Array:
-    """SwiGLU; ``gate_proj`` and ``up_proj`` as one GEMM where `dense_columns` merges them.
-
-    XLA's own dot merger also joins the two dots, but its GEMM streams the pair 17-33% slower
-    than one over the weights concatenated in the trace (results/kernels_h200.md, run 17).
-    """
-    lead = x.shape[:-1]
-    gate, up = (c.view(lead) for c in dense_columns(x, [p["gate_proj"]["weight"], p["up_proj"]["weight"]]))
-    return dense(jax.nn.silu(gate) * up, p["down_proj"]["weight"])
+    return dense(jax.nn.silu(dense(x, p["gate_proj"]["weight"])) * dense(x, p["up_proj"]["weight"]),
+                 p["down_proj"]["weight"])
 
 
 def moe(p, x: jax.Array, cfg: ModelConfig) -> jax.Array:
