@@ -49,7 +49,7 @@ flags.DEFINE_bool("quick", False, "Correctness plus the goal shapes only.")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_kernels"), "Where results go.")
 flags.DEFINE_integer("reps", 30, "Timed calls per variant.")
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens.")
-flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "merged", "gdn", "chain"],
+flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "merged", "ffn_chain", "gdn", "chain"],
                   "Which kernels to check and time (gemv: XLA's small-row GEMMs, as is vs padded).")
 flags.DEFINE_list("gemv_rows", ["1"], "Small-row GEMMs: the row counts M to time.")
 flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.")
@@ -267,6 +267,58 @@ def bench_merged(m, family, reps):
         res[name] = _time(fn, [args(s) for s in sets], reps)[0]
     del sets
     return res
+
+
+def _per_kernel_us(fn, arg_sets, reps):
+    """CUPTI per-kernel times of ``fn`` over rotating arguments: {kernel name: (launches per call, median µs each)}."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    jax.block_until_ready(fn(*arg_sets[0]))
+    samples: dict[str, list[float]] = {}
+    counts: dict[str, int] = {}
+    for i in range(reps):
+        _, timings = profiler.measure(fn, aggregate=False)(*arg_sets[i % len(arg_sets)])
+        seen: dict[str, int] = {}
+        for name, ms in timings:
+            samples.setdefault(name, []).append(ms * 1e3)
+            seen[name] = seen.get(name, 0) + 1
+        counts.update(seen)
+    return {n: (counts[n], statistics.median(v)) for n, v in samples.items()}
+
+
+def bench_ffn_chain(reps, num_layers=16, m=2, hidden=2048, inter=5632):
+    """The 1.38B decode step's FFNs alone, back to back, against one FFN alone.
+
+    Inside the decode step XLA's few-row GEMMs take 20-40% longer per call than the same
+    GEMM timed alone (results/decode_h200.md, session 9). Here each layer is the step's
+    norm, gate+up GEMM, SiLU product, down GEMM and residual add on its own weights; the
+    per-kernel CUPTI times say whether a chain of them alone shows the gap, and under which
+    of XLA's command-buffer settings.
+    """
+    from mtp.pallas.backend import decode_loop_compiler_options
+
+    ks = jax.random.split(jax.random.key(5), 3 * num_layers + 1)
+    bf = lambda k, shape, scale: (scale * jax.random.normal(k, shape)).astype(jnp.bfloat16)
+    ws = [(bf(ks[3 * i], (hidden,), 0.1), bf(ks[3 * i + 1], (2 * inter, hidden), hidden ** -0.5),
+           bf(ks[3 * i + 2], (hidden, inter), inter ** -0.5)) for i in range(num_layers)]
+    x = bf(ks[-1], (m, hidden), 1.0)
+
+    def chain(x, ws):
+        for norm_w, w_gate_up, w_down in ws:
+            gate_up = layers.linear(layers.rms_norm(x, norm_w, 1e-6), w_gate_up)
+            x = x + layers.linear(jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down)
+        return x
+
+    loop_options = {k: v.replace(",WHILE,CONDITIONAL", "") for k, v in decode_loop_compiler_options().items()}
+    settings = {"XLA defaults": {}, "the decode loop's (concurrent)": loop_options,
+                "no command buffers": {"xla_gpu_enable_command_buffer": ""}}
+    out = {"M": m, "layers": num_layers, "w_bytes_per_layer": 3 * inter * hidden * 2}
+    for name, opts in settings.items():
+        # One layer at a time rotates through the layers' weights (together 16x the L2).
+        for what, arg_sets in (("one layer", [(x, ws[i:i + 1]) for i in range(num_layers)]), ("chain", [(x, ws)])):
+            fn = jax.jit(chain, compiler_options=opts)
+            out[f"{name}: {what}"] = _safe(_per_kernel_us, fn, arg_sets, max(reps, num_layers))
+    return out
 
 
 # ------------------------------------------------------------------ fused Gated DeltaNet step
@@ -526,6 +578,18 @@ def render(results):
             cell = lambda t: f"{_fmt_us(t)} ({r['w_bytes'] / t / 1e12:.2f})"
             lines.append(f"| {r['M']} | {r['family']} | {cell(r['separate dots'])} | "
                          f"{cell(r['concatenated in the trace'])} | {cell(r['one weight'])} |")
+    if isinstance(results.get("ffn_chain"), dict) and "error" not in results["ffn_chain"]:
+        r = results["ffn_chain"]
+        lines += ["", f"### the decode step's FFNs alone (M = {r['M']}): per-kernel µs, one layer vs "
+                  f"{r['layers']} layers back to back", "", "| XLA setting | what | kernel: launches x median µs |",
+                  "|---|---|---|"]
+        for key, kernels in r.items():
+            if not isinstance(kernels, dict):
+                continue
+            cells = "; ".join(f"{n[:40]}: {c} x {us:.1f}" for n, (c, us) in
+                              sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1])) \
+                if "error" not in kernels else kernels["error"][:100]
+            lines.append(f"| {key.split(': ')[0]} | {key.split(': ')[1]} | {cells} |")
     if results.get("gdn"):
         lines += ["", "### fused Gated DeltaNet decode step (nk=16, nv=32, D=128; TB/s = state bytes / time)",
                   "", "| B | rel err y | rel err state | ours µs | ours TB/s | XLA µs | XLA TB/s | ours / XLA (speed) |",
@@ -635,6 +699,10 @@ def main(_):
                 results.setdefault("merged", []).append(r)
                 print(json.dumps(r, default=str), flush=True)
                 save()
+    if FLAGS.only == "ffn_chain":
+        results["ffn_chain"] = r = _safe(bench_ffn_chain, reps)
+        print(json.dumps(r, default=str), flush=True)
+        save()
     if FLAGS.only in ("all", "gdn") and not FLAGS.small:
         for b in (1, 8):
             logging.info("fused Gated DeltaNet step B=%d", b)
@@ -646,7 +714,7 @@ def main(_):
     if FLAGS.only == "chain":
         results["chain"] = _safe(bench_chain, 48, reps)
         save()
-    if FLAGS.only in ("pa", "gemv", "merged", "gdn", "chain"):
+    if FLAGS.only in ("pa", "gemv", "merged", "ffn_chain", "gdn", "chain"):
         fc_shapes = []
     if FLAGS.small and FLAGS.only in ("all", "fc"):
         fc_shapes = [(8, 256), (200, 256)]
