@@ -507,22 +507,29 @@ def _fmt_us(t):
     return f"{t * 1e6:.1f}" if isinstance(t, float) else "fail"
 
 
+def _table(title, columns, rows, keys, cells):
+    """A markdown section: ``title``, a table of ``columns``, one row per result.
+
+    ``keys(r)``: the leading cells that name a result (kept for a failed one, followed by
+    its error); ``cells(r)``: the rest of a good row.
+    """
+    lines = ["", f"### {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        tail = [r["error"][:100]] if "error" in r else cells(r)
+        lines.append("| " + " | ".join(str(c) for c in [*keys(r), *tail]) + " |")
+    return lines
+
+
 def render(results):
-    lines = [f"Device: {results['device']}; timing: {results.get('timing')}; "
-             f"date: {results['date']}", ""]
-    lines += ["### fc GEMM (fused norm + concat + dot)", "",
-              "| M | H | rel err | ours µs | ours TFLOP/s | XLA dot µs | XLA norm+concat+dot µs "
-              "| ours / XLA dot (speed) | ours / unfused (speed) |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in results["fc"]:
-        if "error" in r:
-            lines.append(f"| {r.get('M')} | {r.get('H')} | {r['error'][:80]} |")
-            continue
-        lines.append(
-            f"| {r['M']} | {r['H']} | {r['rel_err']:.1e} | {_fmt_us(r['t_ours'])} | "
-            f"{r['flops'] / r['t_ours'] / 1e12:.1f} | {_fmt_us(r['t_xla_dot'])} | "
-            f"{_fmt_us(r['t_xla_unfused'])} | {r['t_xla_dot'] / r['t_ours']:.2f}x | "
-            f"{r['t_xla_unfused'] / r['t_ours']:.2f}x |")
+    lines = [f"Device: {results['device']}; timing: {results.get('timing')}; date: {results['date']}"]
+    lines += _table(
+        "fc GEMM (fused norm + concat + dot)",
+        ["M", "H", "rel err", "ours µs", "ours TFLOP/s", "XLA dot µs", "XLA norm+concat+dot µs",
+         "ours / XLA dot (speed)", "ours / unfused (speed)"], results["fc"],
+        lambda r: [r.get("M"), r.get("H")],
+        lambda r: [f"{r['rel_err']:.1e}", _fmt_us(r["t_ours"]), f"{r['flops'] / r['t_ours'] / 1e12:.1f}",
+                   _fmt_us(r["t_xla_dot"]), _fmt_us(r["t_xla_unfused"]), f"{r['t_xla_dot'] / r['t_ours']:.2f}x",
+                   f"{r['t_xla_unfused'] / r['t_ours']:.2f}x"])
     var_lines = []
     for r in results["fc"]:
         for k, v in r.items():
@@ -537,47 +544,37 @@ def render(results):
                 var_lines.append(f"* M={r['M']}, H={r['H']}, {what}: {_fmt_us(r[k])} µs")
     if var_lines:
         lines += ["", "fc variants and parts (default plan in the table above):", ""] + var_lines
-    lines += ["", "### paged attention (TB/s = K+V bytes read / time)", "",
-              "| B | ctx | Q | Hq,Hkv,D | rel err | ours µs | ours TB/s | XLA ref TB/s | "
-              "JAX Pallas TB/s | ours / JAX | ours / XLA |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results["pa"]:
-        if "error" in r:
-            lines.append(f"| {r.get('B')} | {r.get('ctx')} | {r.get('Q')} | | {r['error'][:80]} |")
-            continue
+    def pa_cells(r):
         tb = lambda t: f"{r['kv_bytes'] / t / 1e12:.2f}" if isinstance(t, float) else "fail"
         jp = r.get("jax_pallas", {})
         tj = jp.get("t") if isinstance(jp, dict) else None
         tx = r["t_xla_ref"]
-        lines.append(
-            f"| {r['B']} | {r['ctx']} | {r['Q']} | {r['Hq']},{r['Hkv']},{r['D']} | "
-            f"{r['rel_err']:.1e} | {_fmt_us(r['t_ours'])} | {tb(r['t_ours'])} | {tb(tx)} | "
-            f"{tb(tj) if tj else '-'} | {f'{tj / r['t_ours']:.2f}x' if tj else '-'} | "
-            f"{f'{tx / r['t_ours']:.2f}x' if isinstance(tx, float) else '-'} |")
+        return [f"{r['Hq']},{r['Hkv']},{r['D']}", f"{r['rel_err']:.1e}", _fmt_us(r["t_ours"]), tb(r["t_ours"]),
+                tb(tx), tb(tj) if tj else "-", f"{tj / r['t_ours']:.2f}x" if tj else "-",
+                f"{tx / r['t_ours']:.2f}x" if isinstance(tx, float) else "-"]
+
+    lines += _table("paged attention (TB/s = K+V bytes read / time)",
+                    ["B", "ctx", "Q", "Hq,Hkv,D", "rel err", "ours µs", "ours TB/s", "XLA ref TB/s",
+                     "JAX Pallas TB/s", "ours / JAX", "ours / XLA"], results["pa"],
+                    lambda r: [r.get("B"), r.get("ctx"), r.get("Q")], pa_cells)
     if results.get("gemv"):
-        lines += ["", "### small-row GEMMs, [M, K] @ [N, K].T: XLA as is vs rows zero-padded "
-                  "(TB/s = weight bytes / time)", "",
-                  "| M | N | K | what | as is µs | as is TB/s | padded to | padded µs | padded TB/s "
-                  "| padded / as is (speed) |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in results["gemv"]:
-            if "error" in r:
-                lines.append(f"| {r['M']} | {r['N']} | {r['K']} | {r['what']} | {r['error'][:80]} |")
-                continue
+        def gemv_cells(r):
             tb = lambda t: f"{r['w_bytes'] / t / 1e12:.2f}"
-            lines.append(
-                f"| {r['M']} | {r['N']} | {r['K']} | {r['what']} | {_fmt_us(r['t_xla'])} | "
-                f"{tb(r['t_xla'])} | {r['padded_to']} | {_fmt_us(r['t_padded'])} | {tb(r['t_padded'])} | "
-                f"{r['t_xla'] / r['t_padded']:.2f}x |")
+            return [_fmt_us(r["t_xla"]), tb(r["t_xla"]), r["padded_to"], _fmt_us(r["t_padded"]), tb(r["t_padded"]),
+                    f"{r['t_xla'] / r['t_padded']:.2f}x"]
+
+        lines += _table("small-row GEMMs, [M, K] @ [N, K].T: XLA as is vs rows zero-padded (TB/s = weight "
+                        "bytes / time)", ["M", "N", "K", "what", "as is µs", "as is TB/s", "padded to", "padded µs",
+                                          "padded TB/s", "padded / as is (speed)"], results["gemv"],
+                        lambda r: [r["M"], r["N"], r["K"], r["what"]], gemv_cells)
     if results.get("merged"):
-        lines += ["", "### merged projections (XLA): µs (TB/s of weight bytes)", "",
-                  "| M | family | separate dots | concatenated in the trace | one weight |", "|---|---|---|---|---|"]
-        for r in results["merged"]:
-            if "error" in r:
-                lines.append(f"| {r['M']} | {r['family']} | {r['error'][:100]} |")
-                continue
+        def merged_cells(r):
             cell = lambda t: f"{_fmt_us(t)} ({r['w_bytes'] / t / 1e12:.2f})"
-            lines.append(f"| {r['M']} | {r['family']} | {cell(r['separate dots'])} | "
-                         f"{cell(r['concatenated in the trace'])} | {cell(r['one weight'])} |")
+            return [cell(r[k]) for k in ("separate dots", "concatenated in the trace", "one weight")]
+
+        lines += _table("merged projections (XLA): µs (TB/s of weight bytes)",
+                        ["M", "family", "separate dots", "concatenated in the trace", "one weight"],
+                        results["merged"], lambda r: [r["M"], r["family"]], merged_cells)
     if isinstance(results.get("ffn_chain"), dict) and "error" not in results["ffn_chain"]:
         r = results["ffn_chain"]
         lines += ["", f"### the decode step's FFNs alone (M = {r['M']}): per-kernel µs, one layer vs "
