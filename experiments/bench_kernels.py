@@ -44,6 +44,8 @@ from mtp.pallas import gdn_step as gdnmod
 from mtp.pallas import paged_attention as pamod
 from mtp.pallas.backend import num_sms
 
+from experiments.gemm_probe import ffn_program, per_kernel_us
+
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Correctness plus the goal shapes only.")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_kernels"), "Where results go.")
@@ -269,55 +271,26 @@ def bench_merged(m, family, reps):
     return res
 
 
-def _per_kernel_us(fn, arg_sets, reps):
-    """CUPTI per-kernel times of ``fn`` over rotating arguments: {kernel name: (launches per call, median µs each)}."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    jax.block_until_ready(fn(*arg_sets[0]))
-    samples: dict[str, list[float]] = {}
-    counts: dict[str, int] = {}
-    for i in range(reps):
-        _, timings = profiler.measure(fn, aggregate=False)(*arg_sets[i % len(arg_sets)])
-        seen: dict[str, int] = {}
-        for name, ms in timings:
-            samples.setdefault(name, []).append(ms * 1e3)
-            seen[name] = seen.get(name, 0) + 1
-        counts.update(seen)
-    return {n: (counts[n], statistics.median(v)) for n, v in samples.items()}
-
-
-def bench_ffn_chain(reps, num_layers=16, m=2, hidden=2048, inter=5632):
-    """The 1.38B decode step's FFNs alone, back to back, against one FFN alone.
+def bench_ffn_chain(reps, num_layers=16, m=2):
+    """The decode step's FFNs alone (``ffn_program``), back to back, against one FFN alone.
 
     Inside the decode step XLA's few-row GEMMs take 20-40% longer per call than the same
-    GEMM timed alone (results/decode_h200.md, session 9). Here each layer is the step's
-    norm, gate+up GEMM, SiLU product, down GEMM and residual add on its own weights; the
-    per-kernel CUPTI times say whether a chain of them alone shows the gap, and under which
-    of XLA's command-buffer settings.
+    GEMM timed alone (results/decode_h200.md, session 9). The per-kernel CUPTI times say
+    whether a chain of FFNs alone shows the gap, and under which of XLA's command-buffer
+    settings.
     """
     from mtp.pallas.backend import decode_loop_compiler_options
 
-    ks = jax.random.split(jax.random.key(5), 3 * num_layers + 1)
-    bf = lambda k, shape, scale: (scale * jax.random.normal(k, shape)).astype(jnp.bfloat16)
-    ws = [(bf(ks[3 * i], (hidden,), 0.1), bf(ks[3 * i + 1], (2 * inter, hidden), hidden ** -0.5),
-           bf(ks[3 * i + 2], (hidden, inter), inter ** -0.5)) for i in range(num_layers)]
-    x = bf(ks[-1], (m, hidden), 1.0)
-
-    def chain(x, ws):
-        for norm_w, w_gate_up, w_down in ws:
-            gate_up = layers.linear(layers.rms_norm(x, norm_w, 1e-6), w_gate_up)
-            x = x + layers.linear(jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down)
-        return x
-
+    chain, x, ws = ffn_program(num_layers, m)
     loop_options = {k: v.replace(",WHILE,CONDITIONAL", "") for k, v in decode_loop_compiler_options().items()}
     settings = {"XLA defaults": {}, "the decode loop's (concurrent)": loop_options,
                 "no command buffers": {"xla_gpu_enable_command_buffer": ""}}
-    out = {"M": m, "layers": num_layers, "w_bytes_per_layer": 3 * inter * hidden * 2}
+    out = {"M": m, "layers": num_layers, "w_bytes_per_layer": 3 * x.shape[1] * ws[0][2].shape[1] * 2}
     for name, opts in settings.items():
         # One layer at a time rotates through the layers' weights (together 16x the L2).
         for what, arg_sets in (("one layer", [(x, ws[i:i + 1]) for i in range(num_layers)]), ("chain", [(x, ws)])):
             fn = jax.jit(chain, compiler_options=opts)
-            out[f"{name}: {what}"] = _safe(_per_kernel_us, fn, arg_sets, max(reps, num_layers))
+            out[f"{name}: {what}"] = _safe(per_kernel_us, fn, arg_sets, max(reps, num_layers))
     return out
 
 
