@@ -14,9 +14,13 @@ call and by CUPTI per kernel; the difference per op is what the graph adds aroun
 ``--only gdn`` checks and times the fused Gated DeltaNet decode step against XLA running
 the model's own functions. Besides the kernels, ``--only gemv`` times XLA's own small-row GEMMs on the decode
 model's projection shapes, as is and with the rows zero-padded: the measurement
-behind ``mtp.model.layers.dense``'s one-row padding.
+behind ``mtp.model.layers.dense``'s one-row padding. ``--only merged`` times one input against
+the projections the step merges (separate dots, concatenated in the trace, one weight), and
+``--only ffn_chain`` the step's FFN alone (`experiments.gemm_probe`), per kernel: what the
+decode step's GEMMs cost outside the step (results/kernels_h200.md, runs 17-18).
 
-  PYTHONPATH=. python3 experiments/bench_kernels.py --out_dir $OUT [--quick] [--only fc|pa|gemv|gdn]
+  PYTHONPATH=. python3 experiments/bench_kernels.py --out_dir $OUT [--quick]
+      [--only fc|pa|gemv|merged|ffn_chain|gdn|chain]
 
 Writes ``kernels.json`` and ``kernels.md`` under ``--out_dir``.
 """
@@ -52,7 +56,7 @@ flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_kernels"), "Whe
 flags.DEFINE_integer("reps", 30, "Timed calls per variant.")
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens.")
 flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "merged", "ffn_chain", "gdn", "chain"],
-                  "Which kernels to check and time (gemv: XLA's small-row GEMMs, as is vs padded).")
+                  "Which kernels to check and time (gemv, merged, ffn_chain: XLA's few-row GEMMs; see above).")
 flags.DEFINE_list("gemv_rows", ["1"], "Small-row GEMMs: the row counts M to time.")
 flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.")
 flags.DEFINE_integer("gemv_rotate_mb", None, "Small-row GEMMs: rotate the weights through copies of this "
