@@ -17,10 +17,12 @@ model's projection shapes, as is and with the rows zero-padded: the measurement
 behind ``mtp.model.layers.dense``'s one-row padding. ``--only merged`` times one input against
 the projections the step merges (separate dots, concatenated in the trace, one weight), and
 ``--only ffn_chain`` the step's FFN alone (`experiments.gemm_probe`), per kernel: what the
-decode step's GEMMs cost outside the step (results/kernels_h200.md, runs 17-18).
+decode step's GEMMs cost outside the step (results/kernels_h200.md, runs 17-18);
+``--only gemm_context`` the FFN's gate + up GEMM alone, after its norm, before its SiLU
+product and in the FFN layer (which neighbour makes it slower than alone).
 
   PYTHONPATH=. python3 experiments/bench_kernels.py --out_dir $OUT [--quick]
-      [--only fc|pa|gemv|merged|ffn_chain|gdn|chain]
+      [--only fc|pa|gemv|merged|ffn_chain|gemm_context|gdn|chain]
 
 Writes ``kernels.json`` and ``kernels.md`` under ``--out_dir``.
 """
@@ -48,14 +50,15 @@ from mtp.pallas import gdn_step as gdnmod
 from mtp.pallas import paged_attention as pamod
 from mtp.pallas.backend import num_sms
 
-from experiments.gemm_probe import ffn_program, per_kernel_us
+from experiments.gemm_probe import ffn_program, gate_up_contexts, per_kernel_us
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Correctness plus the goal shapes only.")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_kernels"), "Where results go.")
 flags.DEFINE_integer("reps", 30, "Timed calls per variant.")
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens.")
-flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "merged", "ffn_chain", "gdn", "chain"],
+flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "merged", "ffn_chain", "gemm_context", "gdn",
+                                   "chain"],
                   "Which kernels to check and time (gemv, merged, ffn_chain: XLA's few-row GEMMs; see above).")
 flags.DEFINE_list("gemv_rows", ["1"], "Small-row GEMMs: the row counts M to time.")
 flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.")
@@ -564,6 +567,13 @@ def render(results):
                               sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1])) \
                 if "error" not in kernels else kernels["error"][:100]
             lines.append(f"| {key.split(': ')[0]} | {key.split(': ')[1]} | {cells} |")
+    if results.get("gemm_context"):
+        lines += _table("the FFN's gate + up GEMM in four programs (`gemm_probe.gate_up_contexts`): per kernel, "
+                        "launches x median µs", ["program", "kernels"],
+                        [dict(v, program=k) if "error" in v else {"program": k, "kernels": v}
+                         for k, v in results["gemm_context"].items()],
+                        lambda r: [r["program"]],
+                        lambda r: ["; ".join(f"{n[:40]}: {c} x {us:.1f}" for n, (c, us) in r["kernels"].items())])
     if results.get("gdn"):
         lines += ["", "### fused Gated DeltaNet decode step (nk=16, nv=32, D=128; TB/s = state bytes / time)",
                   "", "| B | rel err y | rel err state | ours µs | ours TB/s | XLA µs | XLA TB/s | ours / XLA (speed) |",
@@ -677,6 +687,11 @@ def main(_):
         results["ffn_chain"] = r = _safe(bench_ffn_chain, reps)
         print(json.dumps(r, default=str), flush=True)
         save()
+    if FLAGS.only == "gemm_context":
+        results["gemm_context"] = r = {name: _safe(per_kernel_us, fn, arg_sets, max(reps, len(arg_sets)))
+                                       for name, (fn, arg_sets) in gate_up_contexts().items()}
+        print(json.dumps(r, default=str), flush=True)
+        save()
     if FLAGS.only in ("all", "gdn") and not FLAGS.small:
         for b in (1, 8):
             logging.info("fused Gated DeltaNet step B=%d", b)
@@ -688,7 +703,7 @@ def main(_):
     if FLAGS.only == "chain":
         results["chain"] = _safe(bench_chain, 48, reps)
         save()
-    if FLAGS.only in ("pa", "gemv", "merged", "ffn_chain", "gdn", "chain"):
+    if FLAGS.only in ("pa", "gemv", "merged", "ffn_chain", "gemm_context", "gdn", "chain"):
         fc_shapes = []
     if FLAGS.small and FLAGS.only in ("all", "fc"):
         fc_shapes = [(8, 256), (200, 256)]

@@ -49,3 +49,23 @@ def ffn_program(num_layers=16, m=2, hidden=2048, inter=5632):
         return x
 
     return chain, bf(ks[-1], (m, hidden), 1.0), ws
+
+
+def gate_up_contexts(num_layers=16, m=2, hidden=2048, inter=5632):
+    """The FFN's gate + up GEMM in four programs: ``{name: (fn, arg_sets)}``.
+
+    The same ``[m, hidden] x [2 inter, hidden]`` product alone (a parameter in, the program's
+    output out), after the norm that feeds it in the model, before the SiLU product that
+    reads it, and in the whole FFN layer; each rotates through ``num_layers`` weights. Run 18
+    (results/kernels_h200.md) found the GEMM 13.2 µs in the FFN and 11.1 µs alone: per-kernel
+    times of these programs say which neighbour costs the difference.
+    """
+    chain, x, ws = ffn_program(num_layers, m, hidden, inter)
+    gate_up = lambda h, w: layers.linear(h, w)
+    programs = {
+        "alone": lambda x, w: gate_up(x, w[1]),
+        "after its norm": lambda x, w: gate_up(layers.rms_norm(x, w[0], 1e-6), w[1]),
+        "before its SiLU product": lambda x, w: (lambda y: jax.nn.silu(y[:, :inter]) * y[:, inter:])(gate_up(x, w[1])),
+        "in the FFN layer": lambda x, w: chain(x, [w]),
+    }
+    return {name: (jax.jit(fn), [(x, w) for w in ws]) for name, fn in programs.items()}
