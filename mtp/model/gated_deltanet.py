@@ -33,7 +33,8 @@ import numpy as np
 
 from mtp.config import ModelConfig
 from mtp.model.layers import dense, dense_columns, gated_rms_norm, l2norm
-from mtp.pallas import gdn_step as fused_step  # a module: it imports mtp.model.layers too
+from mtp.pallas import conv_step  # modules: they import mtp.model.layers too
+from mtp.pallas import gdn_step as fused_step
 
 CHUNK = 64
 UNROLL_STEPS = 8  # verify widths up to this many steps run as straight-line code
@@ -231,9 +232,16 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
     lead = valid.shape
     mixed, qkvz, ba = project(p, x, cfg, lead)
     mixed = jnp.where(valid[..., None], mixed, 0)
-    conv_out = conv_windows(p, cfg, conv_state, mixed)
     counts = jnp.sum(valid, axis=1).astype(jnp.int32)
     steps = None
+    if per_step and lead[1] == 1:  # decode: the conv and its state's shift as one op
+        conv_out, conv_after = conv_step.conv_step(qkvz.rows, valid[:, 0], conv_state, p["conv1d"]["weight"],
+                                                   heads=fused_step.HeadShape.of(cfg), impl=impl)
+        conv_out, conv_steps = conv_out[:, None], conv_after[:, None]
+    else:
+        conv_out = conv_windows(p, cfg, conv_state, mixed)
+        conv_steps = None if not per_step else jnp.stack(
+            [conv_state_after(conv_state, mixed, i + 1) for i in range(lead[1])], axis=1)
     if per_step:
         y, rec_steps = fused_step.gdn_steps(conv_out, qkvz.rows, ba.rows, valid, rec_state, p["A_log"],
                                             p["dt_bias"], p["norm"]["weight"],
@@ -241,7 +249,6 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
                                             ba_col=ba.start, impl=impl)
         out = out_project(p, y)
         new_rec = rec_steps[:, -1]  # a masked token keeps the state: the last step's is the final one
-        conv_steps = jnp.stack([conv_state_after(conv_state, mixed, i + 1) for i in range(lead[1])], axis=1)
         steps = (conv_steps, rec_steps)
     else:
         z, b, a = gates(qkvz.view(lead), ba.view(lead), cfg)

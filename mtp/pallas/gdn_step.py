@@ -26,6 +26,7 @@ Mosaic GPU register layouts are built around wgmma tiles.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -61,12 +62,11 @@ def gdn_steps_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *
     """
     from mtp.model import gated_deltanet as gdn  # imports this module: so here, not at the top
 
-    nv = state.shape[1]
-    dk, dv = state.shape[-2:]
+    cfg_like = _heads(num_k_heads, state)
+    nv = cfg_like.linear_num_value_heads
     bsz, t = mixed.shape[:2]
     rows = lambda x, lo, n: x[:bsz * t, lo:lo + n].reshape(bsz, t, n)
-    cfg_like = _HeadShape(num_k_heads, nv, dk, dv)
-    z, b, a = gdn.gates(rows(qkvz, 0, _qkvz_width(num_k_heads, state)), rows(ba, ba_col, 2 * nv), cfg_like)
+    z, b, a = gdn.gates(rows(qkvz, 0, cfg_like.qkvz_width), rows(ba, ba_col, 2 * nv), cfg_like)
     q, k, v, beta, g = gdn.split_heads(mixed, b, a, {"A_log": a_log, "dt_bias": dt_bias}, cfg_like)
     k, beta, g = gdn.mask_updates(k, beta, g, valid)
     core, _, states = gdn.recurrent_delta_rule(q, k, v, beta, g, state)
@@ -81,18 +81,40 @@ def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *,
     return y[:, 0], states[:, 0]
 
 
-def _qkvz_width(num_k_heads, state) -> int:
-    """The channels of ``in_proj_qkvz``'s output: q and k per key head, v and z per value head."""
-    _, nv, dk, dv = state.shape
-    return 2 * num_k_heads * dk + 2 * nv * dv
+@dataclasses.dataclass(frozen=True)
+class HeadShape:
+    """A Gated DeltaNet layer's head counts and dims, under `ModelConfig`'s field names.
+
+    What the model's own functions (``gated_deltanet.gates``, ``split_heads``,
+    ``conv_windows``) read of a config, so that a kernel's reference can call them with
+    the shapes of its inputs (a tensor-parallel shard has fewer heads than the config).
+    Hashable: a jit static.
+    """
+
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+
+    @classmethod
+    def of(cls, cfg) -> "HeadShape":
+        return cls(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                   cfg.linear_value_head_dim)
+
+    @property
+    def conv_dim(self) -> int:
+        """The conv's channels: q and k of every key head, v of every value head."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def qkvz_width(self) -> int:
+        """``in_proj_qkvz``'s output channels: the conv's, and z of every value head."""
+        return self.conv_dim + self.linear_num_value_heads * self.linear_value_head_dim
 
 
-class _HeadShape:
-    """The config fields ``gated_deltanet.gates`` and ``split_heads`` read."""
-
-    def __init__(self, nk, nv, dk, dv):
-        self.linear_num_key_heads, self.linear_num_value_heads = nk, nv
-        self.linear_key_head_dim, self.linear_value_head_dim = dk, dv
+def _heads(num_k_heads, state) -> HeadShape:
+    """The layer's heads from a recurrent state ``[B, nv, Dk, Dv]`` and its key-head count."""
+    return HeadShape(num_k_heads, *state.shape[1:])
 
 
 def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, ba_col=0) -> str | None:
@@ -110,7 +132,7 @@ def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, ba_col=0) -> str | N
     tokens = math.prod(mixed.shape[:-1])
     if tokens // mixed.shape[0] > MAX_STEPS:
         return f"{tokens // mixed.shape[0]} steps per sequence; the kernel unrolls at most {MAX_STEPS}"
-    for name, x, want in (("qkvz", qkvz, _qkvz_width(nk, state)), ("ba", ba, ba_col + 2 * nv)):
+    for name, x, want in (("qkvz", qkvz, _heads(nk, state).qkvz_width), ("ba", ba, ba_col + 2 * nv)):
         if x.shape[-1] < want:
             return f"{name} has {x.shape[-1]} channels, fewer than {want} (nk={nk}, nv={nv}, D={dk})"
         if x.shape[0] < tokens:
@@ -229,7 +251,7 @@ def gdn_steps(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_he
     mesh = tensor_parallel_mesh()
     tp = mesh.shape[TENSOR_AXIS] if mesh is not None else 1
     # A split of the channel axes falls on key-head groups only for the projections alone.
-    merged = ba_col or qkvz.shape[-1] != _qkvz_width(num_k_heads, state)
+    merged = ba_col or qkvz.shape[-1] != _heads(num_k_heads, state).qkvz_width
     if (mode == "reference" or kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, ba_col)
             or num_k_heads % tp or (tp > 1 and merged)):
         return gdn_steps_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,

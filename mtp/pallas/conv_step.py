@@ -1,0 +1,121 @@
+"""The Gated DeltaNet conv of one decode token, and its state's shift, as one kernel.
+
+A decode step runs a layer's depthwise conv over ``[conv state (K - 1 inputs), the new
+input]`` and shifts the new input into the state. XLA makes that two kernels per layer (the
+conv with its SiLU, and the shifted state), and because the shifted state reads the loop
+carry at other positions than it writes, a device memcpy of it into the carry on top: 36
+launches per step of the 1.38B model at batch 1 (results/decode_h200.md, session 7's
+count). Here one program per ``(sequence, key head, q/k/v block)`` reads its channels of
+the ``in_proj_qkvz`` output in place, its state rows and its conv taps, writes the conv
+output, and writes the shifted state over the old one (aliased: each program reads its
+block before writing it), so nothing is copied.
+
+Built in session 9 without a GPU to time it: counted, not yet measured in the step, so
+``auto`` keeps the reference (``backend.UNMEASURED``) until a side-by-side run says it pays;
+``MTP_KERNELS=conv_step=pallas`` takes it. Session 7 measured a related form (the shift
+inside the fused delta-rule kernel, serial over 32 programs) 1% slower at batch 1.
+
+Pallas' Triton lowering, like `mtp.pallas.gdn_step`: a Triton custom call runs inside XLA's
+CUDA graphs, which a Mosaic GPU one cannot in jax 0.11.2.
+
+``conv_step_reference`` is the definition: the model's own ``conv_windows`` and
+``conv_state_after``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from mtp.pallas.backend import resolve_impl, tensor_parallel_mesh, triton_compiler_params, triton_interpret_scope
+from mtp.pallas.gdn_step import HeadShape
+
+
+def conv_step_reference(qkvz, valid, conv_state, conv_w, *, heads: HeadShape):
+    """One token's conv output ``[B, C]`` and the state after it ``[B, K - 1, C]``, as the model computes them.
+
+    qkvz: ``[R >= B, >= nk (2 Dk + 2 r Dv)]``, the ``in_proj_qkvz`` output in its first
+    columns (the GEMM's whole output, padding rows and a merged ``in_proj_ba`` included:
+    `layers.dense_rows`, `layers.dense_columns`); valid: ``[B]`` (a masked token's input is
+    zero, as in ``gdn_layer``); conv_state: ``[B, K - 1, C]`` in the grouped channel order;
+    conv_w: the checkpoint's ``conv1d`` weight ``[C, 1, K]``.
+    """
+    from mtp.model import gated_deltanet as gdn  # imports this package: so here, not at the top
+
+    bsz = valid.shape[0]
+    groups, qkv_width = gdn._qkvz_groups(qkvz[:bsz, :heads.qkvz_width], heads)
+    mixed = jnp.where(valid[:, None, None], groups[:, None, :, :qkv_width].reshape(bsz, 1, -1), 0)
+    out = gdn.conv_windows({"conv1d": {"weight": conv_w}}, heads, conv_state, mixed)
+    return out[:, 0], gdn.conv_state_after(conv_state, mixed, 1)
+
+
+def kernel_unsupported(qkvz, valid, conv_state, conv_w, heads: HeadShape) -> str | None:
+    """Why the kernel cannot take these inputs (the caller then runs the reference), or None."""
+    d = heads.linear_key_head_dim
+    if d != heads.linear_value_head_dim or d & (d - 1) or d < 8:
+        return f"key and value head dims {d}, {heads.linear_value_head_dim} are not one power of two >= 8"
+    if conv_state.shape[-1] != heads.conv_dim or conv_w.shape != (heads.conv_dim, 1, conv_state.shape[1] + 1):
+        return f"conv state {conv_state.shape} and weight {conv_w.shape} do not match {heads.conv_dim} channels"
+    if qkvz.shape[-1] < heads.qkvz_width or qkvz.shape[0] < valid.shape[0]:
+        return f"qkvz {qkvz.shape} holds fewer than {valid.shape[0]} rows of {heads.qkvz_width} channels"
+    return None
+
+
+def _kernel(x_ref, valid_ref, state_ref, w_ref, out_ref, new_state_ref):
+    f32 = jnp.float32
+    keep = state_ref.shape[1]
+    dtype = out_ref.dtype
+    x = jnp.where(valid_ref[0, 0] != 0, x_ref[0, :], jnp.zeros_like(x_ref[0, :])).astype(dtype)
+    full = [state_ref[0, i, :].astype(dtype) for i in range(keep)] + [x]  # the state first: the long loads
+    acc = 0
+    for i, tap in enumerate(full):  # the model's order of the sum (`conv_windows`)
+        acc = acc + tap.astype(f32) * w_ref[:, 0, i].astype(f32)
+    out_ref[0, :] = jax.nn.silu(acc).astype(dtype)
+    for i in range(keep):
+        new_state_ref[0, i, :] = full[i + 1].astype(new_state_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "interpret"))
+def _conv_step_pallas(qkvz, valid, conv_state, conv_w, *, heads: HeadShape, interpret=False):
+    bsz, keep, _ = conv_state.shape
+    nk, d = heads.linear_num_key_heads, heads.linear_key_head_dim
+    r = heads.linear_num_value_heads // nk
+    blocks = 2 + r  # q, k and r v blocks of D channels per key head
+    grouped = lambda h, j: h * blocks + j  # the block's index in the grouped channel order
+    # The checkpoint's conv weight is [q of all heads | k | v]: block j of key head h sits at
+    # q: h, k: nk + h, v: 2 nk + h r + (j - 2).
+    checkpoint = lambda h, j: jnp.where(j == 0, h, jnp.where(j == 1, nk + h, 2 * nk + h * r + j - 2))
+    state_block = pl.BlockSpec((1, keep, d), lambda b, h, j: (b, 0, grouped(h, j)))
+    out, new_state = pl.pallas_call(
+        _kernel,
+        grid=(bsz, nk, blocks),
+        in_specs=[pl.BlockSpec((1, d), lambda b, h, j: (b, h * (2 + 2 * r) + j)),  # in place in qkvz
+                  pl.BlockSpec((1, 1), lambda b, h, j: (b, 0)),
+                  state_block,
+                  pl.BlockSpec((d, 1, keep + 1), lambda b, h, j: (checkpoint(h, j), 0, 0))],
+        out_specs=[pl.BlockSpec((1, d), lambda b, h, j: (b, grouped(h, j))), state_block],
+        out_shape=[jax.ShapeDtypeStruct((bsz, heads.conv_dim), qkvz.dtype),
+                   jax.ShapeDtypeStruct(conv_state.shape, qkvz.dtype)],
+        # The shifted state overwrites the old one where the dtypes allow: no copy into a loop carry.
+        input_output_aliases={2: 1} if conv_state.dtype == qkvz.dtype else {},
+        interpret=interpret,
+        **triton_compiler_params(interpret, num_warps=1),
+    )(qkvz, valid.astype(jnp.int32)[:, None], conv_state, conv_w)
+    return out, new_state
+
+
+def conv_step(qkvz, valid, conv_state, conv_w, *, heads: HeadShape, impl="auto"):
+    """``conv_step_reference``'s signature and results; ``impl`` picks the path (``backend``).
+
+    Inputs the kernel cannot take (``kernel_unsupported``) and traces under a
+    tensor-parallel mesh go to the reference. No autodiff rule: training never decodes.
+    """
+    mode = resolve_impl(impl, op="conv_step")
+    if (mode == "reference" or kernel_unsupported(qkvz, valid, conv_state, conv_w, heads)
+            or tensor_parallel_mesh() is not None):
+        return conv_step_reference(qkvz, valid, conv_state, conv_w, heads=heads)
+    with triton_interpret_scope(mode) as interpret:
+        return _conv_step_pallas(qkvz, valid, conv_state, conv_w, heads=heads, interpret=interpret)

@@ -1,0 +1,90 @@
+"""The decode token's conv and state shift (`mtp.pallas.conv_step`): the kernel (interpret mode) against the model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp.model import target
+from mtp.pallas import conv_step as cs
+from mtp.pallas.gdn_step import HeadShape
+from tests.conftest import paged_cache, random_params, tiny_config
+
+
+def _case(seed, bsz, heads, dtype, extra_rows=0, extra_cols=0):
+    """qkvz as a GEMM's whole output (padding rows, a merged projection's columns), a masked row 1."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    qkvz = jax.random.normal(ks[0], (bsz + extra_rows, heads.qkvz_width + extra_cols)).astype(dtype)
+    valid = jnp.arange(bsz) != 1
+    state = jax.random.normal(ks[1], (bsz, 3, heads.conv_dim)).astype(dtype)
+    w = (0.5 * jax.random.normal(ks[2], (heads.conv_dim, 1, 4))).astype(dtype)
+    return qkvz, valid, state, w
+
+
+@pytest.mark.parametrize("bsz,heads,dtype,extra_rows,extra_cols", [
+    (1, HeadShape(2, 4, 16, 16), jnp.bfloat16, 1, 0),   # the padded batch-1 stream
+    (3, HeadShape(2, 4, 16, 16), jnp.bfloat16, 0, 8),   # qkvz merged with in_proj_ba
+    (2, HeadShape(1, 3, 8, 8), jnp.float32, 2, 4),
+])
+def test_kernel_matches_reference(bsz, heads, dtype, extra_rows, extra_cols):
+    args = _case(bsz, bsz, heads, dtype, extra_rows, extra_cols)
+    assert cs.kernel_unsupported(*args, heads) is None
+    out, state = cs.conv_step(*args, heads=heads, impl="interpret")
+    out_ref, state_ref = cs.conv_step_reference(*args, heads=heads)
+    assert out.shape == (bsz, heads.conv_dim) and state.shape == args[2].shape and out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_ref, np.float32), atol=1e-6, rtol=1e-6)
+    np.testing.assert_array_equal(state, state_ref)
+    np.testing.assert_array_equal(state[:, :2], args[2][:, 1:])  # the old inputs move up one
+    if bsz > 1:
+        assert not np.asarray(state[1, 2]).any()                # a masked token shifts in zeros
+
+
+def test_unsupported_inputs_are_named():
+    heads = HeadShape(2, 4, 16, 16)
+    qkvz, valid, state, w = _case(0, 2, heads, jnp.float32)
+    assert "power of two" in cs.kernel_unsupported(qkvz, valid, state, w, HeadShape(2, 4, 12, 12))
+    assert "do not match" in cs.kernel_unsupported(qkvz, valid, state[..., :-16], w, heads)
+    assert "fewer than 2 rows" in cs.kernel_unsupported(qkvz[:1], valid, state, w, heads)
+    assert "channels" in cs.kernel_unsupported(qkvz[:, :-1], valid, state, w, heads)
+
+
+def test_auto_keeps_the_reference_until_measured(monkeypatch):
+    """Counted but not yet timed on a GPU: ``auto`` stays on the reference there; naming the op takes the kernel."""
+    from mtp.pallas import backend
+
+    calls = []
+    monkeypatch.setattr(cs, "_conv_step_pallas", lambda *a, **k: calls.append(1) or ("kernel", None))
+    monkeypatch.setattr(backend, "on_gpu", lambda: True)
+    heads = HeadShape(2, 4, 16, 16)
+    args = _case(0, 2, heads, jnp.float32)
+    assert isinstance(cs.conv_step(*args, heads=heads)[0], jax.Array) and not calls
+    monkeypatch.setenv("MTP_KERNELS", "conv_step=pallas")
+    assert cs.conv_step(*args, heads=heads)[0] == "kernel" and len(calls) == 1
+
+
+@pytest.mark.parametrize("gemm_layout", ["plain", "padded_merged"], indirect=True)
+def test_model_decode_with_the_kernel_equals_the_reference(gemm_layout, monkeypatch):
+    """Decode through the kernel alone (the other ops on their references) equals decode without it."""
+    cfg = tiny_config("tiny_dense")
+    params = random_params(cfg, seed=4)
+    b, blocks = 2, 6
+    toks = jax.random.randint(jax.random.key(2), (b, 12), 0, cfg.vocab_size)
+    lens = jnp.asarray([7, 4], jnp.int32)
+    calls = []
+    kernel = cs._conv_step_pallas
+    monkeypatch.setattr(cs, "_conv_step_pallas", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    logits, convs = {}, {}
+    for choice in ("reference", "interpret"):
+        monkeypatch.setenv("MTP_KERNELS", f"reference,conv_step={choice}")
+        jax.clear_caches()  # the switch is read when a function is traced
+        cache = paged_cache(cfg, b, blocks)
+        cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(b, jnp.int32), lens)
+        out = []
+        for step in range(3):
+            cache, o = target.decode(cfg, params, cache, toks[np.arange(b), lens + step][:, None])
+            out.append(o.logits)
+        logits[choice], convs[choice] = np.stack(out), cache.linear.conv
+    assert calls, "the kernel never ran"
+    np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=2e-5, rtol=1e-5)
+    for got, want in zip(convs["interpret"], convs["reference"]):  # later layers' inputs carry the rounding
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
