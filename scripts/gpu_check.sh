@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One call's worth of GPU checks: the kernels compile and pass the model's tests, then the
-# decode step (1.38B model: kernels as `auto` picks them vs the fused GDN step forced on),
-# the decode loops with and without their CUDA-graph options, and tensor parallelism when
-# the machine has two GPUs. Each part writes under $OUT/<part>/; a summary table ends the
-# output. For the lent H200 (nothing installed, run from the repository root):
+# decode step (1.38B model) with each kernel that `auto` does not take yet (`backend.UNMEASURED`)
+# off and on, interleaved twice, the decode loops with and without their CUDA-graph options, and
+# tensor parallelism when the machine has two GPUs. Each part writes under $OUT/<part>/; a
+# summary table ends the output. For the lent H200 (nothing installed, run from the repository root):
 #
 #     PYTHONPATH=. bash scripts/gpu_check.sh            # about 8 minutes on one H200
 #     SMALL=1 OUT=/tmp/gpu_check bash scripts/gpu_check.sh   # tiny shapes: checks the script on a CPU
@@ -11,8 +11,9 @@ set -uo pipefail
 OUT=${OUT:?set OUT to an output directory}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
-small=(); reps=7; kernel=pallas; tests=(tests/test_kernels_in_model.py tests/test_pallas_gdn_step.py tests/test_pallas_fc_gemm.py)
-if [[ -n "${SMALL:-}" ]]; then small=(--small); reps=2; kernel=interpret; tests=(tests/test_pallas_gdn_step.py); fi
+small=(); reps=7; kernel=pallas; batches=1,8
+tests=(tests/test_kernels_in_model.py tests/test_pallas_gdn_step.py tests/test_pallas_conv_step.py tests/test_pallas_fc_gemm.py)
+if [[ -n "${SMALL:-}" ]]; then small=(--small); reps=2; kernel=interpret; batches=1; tests=(tests/test_pallas_conv_step.py); fi
 ngpu=$($PY -c "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))")
 mkdir -p "$OUT"
 summary=()
@@ -32,10 +33,15 @@ EOF
 }
 
 run tests $PY -m pytest -q -p no:cacheprovider "${tests[@]}"
-for gdn in reference $kernel; do
-  run "decode_gdn_$gdn" env MTP_KERNELS="gdn_step=$gdn" $PY experiments/bench_decode.py "${small[@]}" \
-      --parts A --batches 1 --decode_only --reps $reps --out_dir "$OUT/decode_gdn_$gdn"
-  summary+=("  $(decode_row "$OUT/decode_gdn_$gdn" 2>/dev/null)")
+for op in $($PY -c "from mtp.pallas.backend import UNMEASURED; print(*UNMEASURED)"); do
+  for round in 1 2; do
+    for choice in reference $kernel; do
+      name="decode_${op}_${choice}_$round"
+      run "$name" env MTP_KERNELS="$op=$choice" $PY experiments/bench_decode.py "${small[@]}" \
+          --parts A --batches $batches --decode_only --reps $reps --out_dir "$OUT/$name"
+      summary+=("  $op=$choice ($round): $(decode_row "$OUT/$name" 2>/dev/null)")
+    done
+  done
 done
 for graph in 1 0; do
   run "loop_graph_$graph" env MTP_DECODE_LOOP_GRAPH=$graph $PY experiments/bench_decode.py "${small[@]}" \
