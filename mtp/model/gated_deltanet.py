@@ -235,6 +235,7 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
     counts = jnp.sum(valid, axis=1).astype(jnp.int32)
     steps = None
     if per_step and lead[1] == 1:  # decode: the conv and its state's shift as one op
+        assert qkvz.start == 0, "conv_step reads in_proj_qkvz from the GEMM output's first columns"
         conv_out, conv_after = conv_step.conv_step(qkvz.rows, valid[:, 0], conv_state, p["conv1d"]["weight"],
                                                    heads=fused_step.HeadShape.of(cfg), impl=impl)
         conv_out, conv_steps = conv_out[:, None], conv_after[:, None]
