@@ -12,8 +12,9 @@ block before writing it), so nothing is copied.
 
 Built in session 9 without a GPU to time it: counted, not yet measured in the step, so
 ``auto`` keeps the reference (``backend.UNMEASURED``) until a side-by-side run says it pays;
-``MTP_KERNELS=conv_step=pallas`` takes it. Session 7 measured a related form (the shift
-inside the fused delta-rule kernel, serial over 32 programs) 1% slower at batch 1.
+``MTP_KERNELS=conv_step=pallas`` takes it. Session 7 measured a related form, the shift
+inside the fused delta-rule kernel with the conv left to XLA: it also removed the memcpys, and
+measured 1.0% faster at batch 1 but 3.2% slower at batch 8 (results/decode_h200.md, session 7).
 
 Pallas' Triton lowering, like `mtp.pallas.gdn_step`: a Triton custom call runs inside XLA's
 CUDA graphs, which a Mosaic GPU one cannot in jax 0.11.2.
