@@ -19,10 +19,15 @@ DeltaNet step (``MTP_KERNELS=gdn_step=reference``; the default until session 6),
 without a device, so GEMM tile choices (and where they add split-K reductions) may differ
 from the GPU's; and Mosaic GPU kernels are lowered here but assembled only on the device.
 
+``--program greedy_loop|speculative_loop`` compiles instead the decode loops of `mtp.speculative`
+on the shipped default model, as `mtp.generation.generate` calls them, and counts one iteration
+of their while body.
+
 Needs the CUDA plugin (`scripts/setup_aot.sh` makes `.venv-aot`; BUILD.md):
 
     PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py [--batches 1,8] [--tokens 4]
         [--loop] [--list] [--by_source] [--dump DIR]
+    PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py --program speculative_loop --spec_k 3
     MTP_KERNELS=reference PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py
 
 (``--batches``, ``--context`` and ``--steps_per_call`` are bench_decode's own flags.)
@@ -63,6 +68,10 @@ runtime_version { major: 13 }
 device_description_str: "NVIDIA H200"
 """
 
+flags.DEFINE_enum("program", "step", ["step", "greedy_loop", "speculative_loop"],
+                  "step: part A's step on the 1.38B model; greedy_loop / speculative_loop: the decode loops "
+                  "of `mtp.speculative` on the shipped default model (their while body: one iteration).")
+flags.DEFINE_integer("spec_k", 3, "speculative_loop: the verify width K (K - 1 drafts per iteration).")
 flags.DEFINE_integer("tokens", 1, "Tokens per step: 1 is decode, K a verify of K tokens.")
 flags.DEFINE_bool("loop", False, "Also compile part A's timed fori_loop and count its body (its "
                   "cache is donated, as in the decode loops: the single step's copies of the "
@@ -183,11 +192,69 @@ def compile_only_device(target_config: str):
     return device
 
 
+def loop_call(program: str, batch: int, device):
+    """``(jitted loop, args)`` of a decode loop as `mtp.generation.generate` calls it, on the default model.
+
+    ``generate`` runs on the CPU up to the loop call, which is caught; its arguments become
+    ``ShapeDtypeStruct`` s on ``device`` (static ones, the config and ``SpecConfig``, stay).
+    """
+    import jax
+
+    from mtp import generation
+    from mtp.checkpoint import load_pretrained
+    from mtp.speculative import SpecConfig
+
+    class Caught(Exception):
+        pass
+
+    seen = {}
+
+    def catch(*args):
+        seen["args"] = args
+        raise Caught
+
+    spec = SpecConfig(verify_width=FLAGS.spec_k, max_new_tokens=128)
+    loop = getattr(generation, program)
+    setattr(generation, program, catch)
+    try:
+        with jax.default_device(jax.devices("cpu")[0]):
+            cfg, params = load_pretrained("assets/default_model")
+            generation.generate(cfg, params, [[1, 2, 3, 4, 5]] * batch, spec,
+                                speculative=program == "speculative_loop")
+    except Caught:
+        pass
+    finally:
+        setattr(generation, program, loop)
+    on = jax.sharding.SingleDeviceSharding(device)
+    shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on) if isinstance(a, jax.Array) else a
+    return loop, [jax.tree.map(shape, a) for a in seen["args"]]
+
+
+def count_loop(device):
+    """Prints the launches of one iteration of ``--program``'s while loop, per batch."""
+    import jax
+
+    for batch in (int(b) for b in FLAGS.batches):
+        loop, args = loop_call(FLAGS.program, batch, device)
+        where = os.path.join(FLAGS.dump or tempfile.mkdtemp(prefix="count_kernels_"), f"{FLAGS.program}_b{batch}")
+        t0 = time.time()
+        with jax.default_device(device):
+            loop.lower(*args).compile(compiler_options={"xla_dump_to": where})
+        seq = sorted(glob.glob(os.path.join(where, "*.thunk_sequence.txt")))[-1]
+        s = summarize(read_thunks(open(seq).read(), True))
+        what = f"K = {FLAGS.spec_k}" if FLAGS.program == "speculative_loop" else "plain"
+        print(f"\n{FLAGS.program} ({what}), batch {batch}, one iteration: {s['launches']} kernel launches "
+              f"({s['custom_calls']} custom calls; +{s['memory_ops']} memory copies); compiled in {time.time() - t0:.1f} s")
+        print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
+
+
 def main(argv):
     del argv
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
     target_config = open(FLAGS.target_config).read() if FLAGS.target_config else H200_TARGET
     device = compile_only_device(target_config)
+    if FLAGS.program != "step":
+        return count_loop(device)
 
     import jax
     import jax.numpy as jnp
