@@ -157,8 +157,11 @@ def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_toke
     def body(s: LoopState) -> LoopState:
         rng, key = jax.random.split(s.rng)
         rows = jnp.repeat(s.last_token[:, None], spec.plain_width, axis=1)  # row 0 is the real one
-        cache, vout = target.verify(cfg, params, s.cache, rows, impl=spec.impl)
-        cache = target.commit(cache, vout, jnp.where(s.done, 0, 1))
+        # One token: finished slots run as padding and keep their states, so the commit needs
+        # no select against the old ones (which copied every Gated DeltaNet state each step).
+        masked = spec.plain_width == 1
+        cache, vout = target.verify(cfg, params, s.cache, rows, ~s.done if masked else None, impl=spec.impl)
+        cache = target.commit(cache, vout, jnp.where(s.done, 0, 1), masked_verify=masked)
         nxt = pick_token(vout.logits[:, 0], spec.temperature, key)
         out, num_out, done, _ = _emit(s, nxt[:, None], jnp.ones_like(nxt), spec.eos_id)
         return s.replace(cache=cache, last_token=nxt, out=out, num_out=num_out, done=done, rng=rng)

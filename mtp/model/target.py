@@ -213,24 +213,35 @@ def prefill(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Ar
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
-def verify(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array, *,
-           impl: str = "auto") -> tuple[TargetCache, VerifyOutput]:
+def verify(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array,
+           active: jax.Array | None = None, *, impl: str = "auto") -> tuple[TargetCache, VerifyOutput]:
     """Run ``Q`` new tokens per slot after its ``lengths[b]`` cached positions.
 
     Writes their K/V but does not advance ``lengths`` or the Gated DeltaNet
     state: the caller decides how many positions to keep (`commit`), choosing
-    among the per-position states returned here.
+    among the per-position states returned here. ``active [B]`` (default: all):
+    an inactive slot's tokens run as padding, which writes no K/V and, for one
+    token, returns the slot's Gated DeltaNet state unchanged (`commit`'s ``masked_verify``).
     """
     b, q = tokens.shape
-    valid = jnp.ones((b, q), bool)
+    valid = jnp.ones((b, q), bool) if active is None else jnp.broadcast_to(active[:, None], (b, q))
     x, kv, _, steps = _run_cached(cfg, params, cache, tokens, cache.lengths, valid, valid,
                                   cache.lengths + q, True, impl, cache.linear)
     out = _final(cfg, params, x, (b, q), None)
     return cache.replace(kv=kv), VerifyOutput(**out, conv_steps=steps[0], rec_steps=steps[1])
 
 
-def commit(cache: TargetCache, out: VerifyOutput, num_keep: jax.Array) -> TargetCache:
-    """Keep the first ``num_keep[b]`` verified positions of each slot (0 keeps none)."""
+def commit(cache: TargetCache, out: VerifyOutput, num_keep: jax.Array, masked_verify: bool = False) -> TargetCache:
+    """Keep the first ``num_keep[b]`` verified positions of each slot (0 keeps none).
+
+    ``masked_verify``: one token was verified with the slots that keep none inactive
+    (`verify`'s ``active``), so their states came back unchanged and need no select against
+    the old ones. The select reads the old state, which in a decode loop made XLA copy every
+    Gated DeltaNet layer's conv and recurrent state each step (`experiments/count_kernels.py
+    --program greedy_loop`).
+    """
+    if masked_verify and out.rec_steps and out.rec_steps[0].shape[1] != 1:
+        raise ValueError(f"masked_verify keeps one verified position; this verify ran {out.rec_steps[0].shape[1]}")
     idx = jnp.maximum(num_keep - 1, 0)
 
     def at(steps):
@@ -244,7 +255,7 @@ def commit(cache: TargetCache, out: VerifyOutput, num_keep: jax.Array) -> Target
     chosen = LinearState(conv=tuple(at(s) for s in out.conv_steps),
                          recurrent=tuple(at(s) for s in out.rec_steps))
     return cache.replace(
-        linear=chosen.select_slots(num_keep > 0, cache.linear),
+        linear=chosen if masked_verify else chosen.select_slots(num_keep > 0, cache.linear),
         lengths=(cache.lengths + num_keep).astype(jnp.int32),
     )
 

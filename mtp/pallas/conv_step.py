@@ -42,7 +42,9 @@ def conv_step_reference(qkvz, valid, conv_state, conv_w, *, heads: HeadShape):
     columns (the GEMM's whole output, padding rows and a merged ``in_proj_ba`` included:
     `layers.dense_rows`, `layers.dense_columns`); valid: ``[B]`` (a masked token's input is
     zero, as in ``gdn_layer``); conv_state: ``[B, K - 1, C]`` in the grouped channel order;
-    conv_w: the checkpoint's ``conv1d`` weight ``[C, 1, K]``.
+    conv_w: the checkpoint's ``conv1d`` weight ``[C, 1, K]``. A masked token leaves the state as
+    it was, as it leaves the recurrent state (``gated_deltanet.mask_updates``): a loop can then
+    keep a finished row's state without selecting between old and new (`target.commit`).
     """
     from mtp.model import gated_deltanet as gdn  # imports this package: so here, not at the top
 
@@ -50,7 +52,8 @@ def conv_step_reference(qkvz, valid, conv_state, conv_w, *, heads: HeadShape):
     groups, qkv_width = gdn._qkvz_groups(qkvz[:bsz, :heads.qkvz_width], heads)
     mixed = jnp.where(valid[:, None, None], groups[:, None, :, :qkv_width].reshape(bsz, 1, -1), 0)
     out = gdn.conv_windows({"conv1d": {"weight": conv_w}}, heads, conv_state, mixed)
-    return out[:, 0], gdn.conv_state_after(conv_state, mixed, 1)
+    shifted = gdn.conv_state_after(conv_state, mixed, 1)
+    return out[:, 0], jnp.where(valid[:, None, None], shifted, conv_state.astype(shifted.dtype))
 
 
 def kernel_unsupported(qkvz, valid, conv_state, conv_w, heads: HeadShape) -> str | None:
@@ -69,14 +72,15 @@ def _kernel(x_ref, valid_ref, state_ref, w_ref, out_ref, new_state_ref):
     f32 = jnp.float32
     keep = state_ref.shape[1]
     dtype = out_ref.dtype
-    x = jnp.where(valid_ref[0, 0] != 0, x_ref[0, :], jnp.zeros_like(x_ref[0, :])).astype(dtype)
+    live = valid_ref[0, 0] != 0
+    x = jnp.where(live, x_ref[0, :], jnp.zeros_like(x_ref[0, :])).astype(dtype)
     full = [state_ref[0, i, :].astype(dtype) for i in range(keep)] + [x]  # the state first: the long loads
     acc = 0
     for i, tap in enumerate(full):  # the model's order of the sum (`conv_windows`)
         acc = acc + tap.astype(f32) * w_ref[:, 0, i].astype(f32)
     out_ref[0, :] = jax.nn.silu(acc).astype(dtype)
-    for i in range(keep):
-        new_state_ref[0, i, :] = full[i + 1].astype(new_state_ref.dtype)
+    for i in range(keep):  # a masked token leaves the state as it was
+        new_state_ref[0, i, :] = jnp.where(live, full[i + 1], full[i]).astype(new_state_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "interpret"))
