@@ -244,7 +244,8 @@ def count_loop(device):
         s = summarize(read_thunks(open(seq).read(), True))
         what = f"K = {FLAGS.spec_k}" if FLAGS.program == "speculative_loop" else "plain"
         print(f"\n{FLAGS.program} ({what}), batch {batch}, one iteration: {s['launches']} kernel launches "
-              f"({s['custom_calls']} custom calls; +{s['memory_ops']} memory copies); compiled in {time.time() - t0:.1f} s")
+              f"({s['custom_calls']} custom calls; +{s['memory_ops']} memory copies); "
+              f"compiled in {time.time() - t0:.1f} s")
         print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
 
 

@@ -104,7 +104,8 @@ class HeadShape:
     @property
     def conv_dim(self) -> int:
         """The conv's channels: q and k of every key head, v of every value head."""
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
 
     @property
     def qkvz_width(self) -> int:
