@@ -19,7 +19,7 @@ DeltaNet step (``MTP_KERNELS=gdn_step=reference``; the default until session 6),
 without a device, so GEMM tile choices (and where they add split-K reductions) may differ
 from the GPU's; and Mosaic GPU kernels are lowered here but assembled only on the device.
 
-``--program greedy_loop|speculative_loop`` compiles instead the decode loops of `mtp.speculative`
+``--count greedy_loop|speculative_loop`` compiles instead the decode loops of `mtp.speculative`
 on the shipped default model, as `mtp.generation.generate` calls them, and counts one iteration
 of their while body.
 
@@ -27,7 +27,7 @@ Needs the CUDA plugin (`scripts/setup_aot.sh` makes `.venv-aot`; BUILD.md):
 
     PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py [--batches 1,8] [--tokens 4]
         [--loop] [--list] [--by_source] [--dump DIR]
-    PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py --program speculative_loop --spec_k 3
+    PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py --count speculative_loop --spec_k 3
     MTP_KERNELS=reference PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py
 
 (``--batches``, ``--context`` and ``--steps_per_call`` are bench_decode's own flags.)
@@ -68,10 +68,10 @@ runtime_version { major: 13 }
 device_description_str: "NVIDIA H200"
 """
 
-flags.DEFINE_enum("program", "step", ["step", "greedy_loop", "speculative_loop"],
+flags.DEFINE_enum("count", "step", ["step", "greedy_loop", "speculative_loop"],
                   "step: part A's step on the 1.38B model; greedy_loop / speculative_loop: the decode loops "
                   "of `mtp.speculative` on the shipped default model (their while body: one iteration).")
-flags.DEFINE_integer("spec_k", 3, "speculative_loop: the verify width K (K - 1 drafts per iteration).")
+flags.DEFINE_integer("spec_k", 3, "--count speculative_loop: the verify width K (K - 1 drafts per iteration).")
 flags.DEFINE_integer("tokens", 1, "Tokens per step: 1 is decode, K a verify of K tokens.")
 flags.DEFINE_bool("loop", False, "Also compile part A's timed fori_loop and count its body (its "
                   "cache is donated, as in the decode loops: the single step's copies of the "
@@ -231,19 +231,19 @@ def loop_call(program: str, batch: int, device):
 
 
 def count_loop(device):
-    """Prints the launches of one iteration of ``--program``'s while loop, per batch."""
+    """Prints the launches of one iteration of ``--count``'s while loop, per batch."""
     import jax
 
     for batch in (int(b) for b in FLAGS.batches):
-        loop, args = loop_call(FLAGS.program, batch, device)
-        where = os.path.join(FLAGS.dump or tempfile.mkdtemp(prefix="count_kernels_"), f"{FLAGS.program}_b{batch}")
+        loop, args = loop_call(FLAGS.count, batch, device)
+        where = os.path.join(FLAGS.dump or tempfile.mkdtemp(prefix="count_kernels_"), f"{FLAGS.count}_b{batch}")
         t0 = time.time()
         with jax.default_device(device):
             loop.lower(*args).compile(compiler_options={"xla_dump_to": where})
         seq = sorted(glob.glob(os.path.join(where, "*.thunk_sequence.txt")))[-1]
         s = summarize(read_thunks(open(seq).read(), True))
-        what = f"K = {FLAGS.spec_k}" if FLAGS.program == "speculative_loop" else "plain"
-        print(f"\n{FLAGS.program} ({what}), batch {batch}, one iteration: {s['launches']} kernel launches "
+        what = f"K = {FLAGS.spec_k}" if FLAGS.count == "speculative_loop" else "plain"
+        print(f"\n{FLAGS.count} ({what}), batch {batch}, one iteration: {s['launches']} kernel launches "
               f"({s['custom_calls']} custom calls; +{s['memory_ops']} memory copies); "
               f"compiled in {time.time() - t0:.1f} s")
         print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
@@ -254,7 +254,7 @@ def main(argv):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
     target_config = open(FLAGS.target_config).read() if FLAGS.target_config else H200_TARGET
     device = compile_only_device(target_config)
-    if FLAGS.program != "step":
+    if FLAGS.count != "step":
         return count_loop(device)
 
     import jax

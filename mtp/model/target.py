@@ -238,7 +238,7 @@ def commit(cache: TargetCache, out: VerifyOutput, num_keep: jax.Array, masked_ve
     (`verify`'s ``active``), so their states came back unchanged and need no select against
     the old ones. The select reads the old state, which in a decode loop made XLA copy every
     Gated DeltaNet layer's conv and recurrent state each step (`experiments/count_kernels.py
-    --program greedy_loop`).
+    --count greedy_loop`).
     """
     if masked_verify and out.rec_steps and out.rec_steps[0].shape[1] != 1:
         raise ValueError(f"masked_verify keeps one verified position; this verify ran {out.rec_steps[0].shape[1]}")
