@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp.model import gated_deltanet as gdn
 from mtp.model import target
 from mtp.pallas import conv_step as cs
 from mtp.pallas.gdn_step import HeadShape
@@ -12,13 +13,16 @@ from tests.conftest import paged_cache, random_params, tiny_config
 
 
 def _case(seed, bsz, heads, dtype, extra_rows=0, extra_cols=0):
-    """qkvz as a GEMM's whole output (padding rows, a merged projection's columns), a masked row 1."""
+    """qkvz as a GEMM's whole output (padding rows, a merged projection's columns), a masked row 1,
+    and the conv input the model slices from it (`gated_deltanet.project`)."""
     ks = jax.random.split(jax.random.key(seed), 3)
     qkvz = jax.random.normal(ks[0], (bsz + extra_rows, heads.qkvz_width + extra_cols)).astype(dtype)
     valid = jnp.arange(bsz) != 1
+    groups, qkv_width = gdn._qkvz_groups(qkvz[:bsz, :heads.qkvz_width], heads)
+    mixed = jnp.where(valid[:, None], groups[..., :qkv_width].reshape(bsz, -1), 0)
     state = jax.random.normal(ks[1], (bsz, 3, heads.conv_dim)).astype(dtype)
     w = (0.5 * jax.random.normal(ks[2], (heads.conv_dim, 1, 4))).astype(dtype)
-    return qkvz, valid, state, w
+    return mixed, qkvz, valid, state, w
 
 
 @pytest.mark.parametrize("bsz,heads,dtype,extra_rows,extra_cols", [
@@ -28,20 +32,20 @@ def _case(seed, bsz, heads, dtype, extra_rows=0, extra_cols=0):
 ])
 def test_kernel_matches_reference(bsz, heads, dtype, extra_rows, extra_cols):
     args = _case(bsz, bsz, heads, dtype, extra_rows, extra_cols)
-    assert cs.kernel_unsupported(*args, heads) is None
+    assert cs.kernel_unsupported(*args[1:], heads) is None
     out, state = cs.conv_step(*args, heads=heads, impl="interpret")
     out_ref, state_ref = cs.conv_step_reference(*args, heads=heads)
-    assert out.shape == (bsz, heads.conv_dim) and state.shape == args[2].shape and out.dtype == dtype
+    assert out.shape == (bsz, heads.conv_dim) and state.shape == args[3].shape and out.dtype == dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_ref, np.float32), atol=1e-6, rtol=1e-6)
     np.testing.assert_array_equal(state, state_ref)
-    live = np.asarray(args[1])
-    np.testing.assert_array_equal(state[live, :2], args[2][live, 1:])  # the old inputs move up one
-    np.testing.assert_array_equal(state[~live], args[2][~live])         # a masked token leaves the state
+    live = np.asarray(args[2])
+    np.testing.assert_array_equal(state[live, :2], args[3][live, 1:])  # the old inputs move up one
+    np.testing.assert_array_equal(state[~live], args[3][~live])         # a masked token leaves the state
 
 
 def test_unsupported_inputs_are_named():
     heads = HeadShape(2, 4, 16, 16)
-    qkvz, valid, state, w = _case(0, 2, heads, jnp.float32)
+    _, qkvz, valid, state, w = _case(0, 2, heads, jnp.float32)
     assert "power of two" in cs.kernel_unsupported(qkvz, valid, state, w, HeadShape(2, 4, 12, 12))
     assert "do not match" in cs.kernel_unsupported(qkvz, valid, state[..., :-16], w, heads)
     assert "fewer than 2 rows" in cs.kernel_unsupported(qkvz[:1], valid, state, w, heads)

@@ -236,8 +236,9 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
     steps = None
     if per_step and lead[1] == 1:  # decode: the conv and its state's shift as one op
         assert qkvz.start == 0, "conv_step reads in_proj_qkvz from the GEMM output's first columns"
-        conv_out, conv_after = conv_step.conv_step(qkvz.rows, valid[:, 0], conv_state, p["conv1d"]["weight"],
-                                                   heads=fused_step.HeadShape.of(cfg), impl=impl)
+        conv_out, conv_after = conv_step.conv_step(mixed[:, 0], qkvz.rows, valid[:, 0], conv_state,
+                                                   p["conv1d"]["weight"], heads=fused_step.HeadShape.of(cfg),
+                                                   impl=impl)
         conv_out, conv_steps = conv_out[:, None], conv_after[:, None]
     else:
         conv_out = conv_windows(p, cfg, conv_state, mixed)

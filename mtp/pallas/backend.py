@@ -156,7 +156,7 @@ def triton_interpret_scope(mode: str):
     GPU's interpreter around a whole model (``interpret_forced``), and it takes every
     ``pallas_call`` traced inside; it runs only kernels whose BlockSpecs have trivial
     windows, which the per-program blocks of the Triton kernels (`mtp.pallas.gdn_step`,
-    `mtp.pallas.add_rms_norm`) are not. Inside this scope such a kernel, called with
+    `mtp.pallas.add_rms_norm`, `mtp.pallas.conv_step`) are not. Inside this scope such a kernel, called with
     ``interpret=True``, gets Pallas' generic interpreter instead.
     """
     if not (mode == "interpret" or interpret_forced()):

@@ -35,24 +35,23 @@ from mtp.pallas.backend import resolve_impl, tensor_parallel_mesh, triton_compil
 from mtp.pallas.gdn_step import HeadShape
 
 
-def conv_step_reference(qkvz, valid, conv_state, conv_w, *, heads: HeadShape):
+def conv_step_reference(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadShape):
     """One token's conv output ``[B, C]`` and the state after it ``[B, K - 1, C]``, as the model computes them.
 
-    qkvz: ``[R >= B, >= nk (2 Dk + 2 r Dv)]``, the ``in_proj_qkvz`` output in its first
-    columns (the GEMM's whole output, padding rows and a merged ``in_proj_ba`` included:
-    `layers.dense_rows`, `layers.dense_columns`); valid: ``[B]`` (a masked token's input is
-    zero, as in ``gdn_layer``); conv_state: ``[B, K - 1, C]`` in the grouped channel order;
+    mixed: ``[B, C]``, the conv input (`gated_deltanet.project`'s, zero for a masked token);
+    qkvz: ``[R >= B, >= nk (2 Dk + 2 r Dv)]``, the ``in_proj_qkvz`` output it was sliced from,
+    in its first columns (the GEMM's whole output, padding rows and a merged ``in_proj_ba``
+    included: `layers.dense_rows`, `layers.dense_columns`), which the kernel reads in place
+    instead; valid: ``[B]``; conv_state: ``[B, K - 1, C]`` in the grouped channel order;
     conv_w: the checkpoint's ``conv1d`` weight ``[C, 1, K]``. A masked token leaves the state as
     it was, as it leaves the recurrent state (``gated_deltanet.mask_updates``): a loop can then
     keep a finished row's state without selecting between old and new (`target.commit`).
     """
     from mtp.model import gated_deltanet as gdn  # imports this package: so here, not at the top
 
-    bsz = valid.shape[0]
-    groups, qkv_width = gdn._qkvz_groups(qkvz[:bsz, :heads.qkvz_width], heads)
-    mixed = jnp.where(valid[:, None, None], groups[:, None, :, :qkv_width].reshape(bsz, 1, -1), 0)
-    out = gdn.conv_windows({"conv1d": {"weight": conv_w}}, heads, conv_state, mixed)
-    shifted = gdn.conv_state_after(conv_state, mixed, 1)
+    del qkvz
+    out = gdn.conv_windows({"conv1d": {"weight": conv_w}}, heads, conv_state, mixed[:, None])
+    shifted = gdn.conv_state_after(conv_state, mixed[:, None], 1)
     return out[:, 0], jnp.where(valid[:, None, None], shifted, conv_state.astype(shifted.dtype))
 
 
@@ -112,7 +111,7 @@ def _conv_step_pallas(qkvz, valid, conv_state, conv_w, *, heads: HeadShape, inte
     return out, new_state
 
 
-def conv_step(qkvz, valid, conv_state, conv_w, *, heads: HeadShape, impl="auto"):
+def conv_step(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadShape, impl="auto"):
     """``conv_step_reference``'s signature and results; ``impl`` picks the path (``backend``).
 
     Inputs the kernel cannot take (``kernel_unsupported``) and traces under a
@@ -121,6 +120,6 @@ def conv_step(qkvz, valid, conv_state, conv_w, *, heads: HeadShape, impl="auto")
     mode = resolve_impl(impl, op="conv_step")
     if (mode == "reference" or kernel_unsupported(qkvz, valid, conv_state, conv_w, heads)
             or tensor_parallel_mesh() is not None):
-        return conv_step_reference(qkvz, valid, conv_state, conv_w, heads=heads)
+        return conv_step_reference(mixed, qkvz, valid, conv_state, conv_w, heads=heads)
     with triton_interpret_scope(mode) as interpret:
         return _conv_step_pallas(qkvz, valid, conv_state, conv_w, heads=heads, interpret=interpret)
