@@ -1,7 +1,7 @@
 """The decode step's FFN alone, and per-kernel CUPTI times: shared by the GEMM experiments.
 
-`experiments/bench_kernels.py --only ffn_chain` and `experiments/pin_gemm_configs.py` time
-the same program; no flags here, so both scripts can import it.
+`experiments/bench_kernels.py --only ffn_chain|gemm_context` and `experiments/pin_gemm_configs.py`
+time the same programs; no flags here, so both scripts can import it.
 """
 
 from __future__ import annotations
@@ -45,10 +45,16 @@ def ffn_program(num_layers=16, m=2, hidden=2048, inter=5632):
     def chain(x, ws):
         for norm_w, w_gate_up, w_down in ws:
             gate_up = layers.linear(layers.rms_norm(x, norm_w, 1e-6), w_gate_up)
-            x = x + layers.linear(jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down)
+            x = x + layers.linear(_silu_product(gate_up), w_down)
         return x
 
     return chain, bf(ks[-1], (m, hidden), 1.0), ws
+
+
+def _silu_product(gate_up):
+    """``silu(gate) * up`` of the concatenated ``[.., 2 I]`` gate + up output."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.silu(gate) * up
 
 
 def gate_up_contexts(num_layers=16, m=2, hidden=2048, inter=5632):
@@ -61,11 +67,10 @@ def gate_up_contexts(num_layers=16, m=2, hidden=2048, inter=5632):
     times of these programs say which neighbour costs the difference.
     """
     chain, x, ws = ffn_program(num_layers, m, hidden, inter)
-    gate_up = lambda h, w: layers.linear(h, w)
     programs = {
-        "alone": lambda x, w: gate_up(x, w[1]),
-        "after its norm": lambda x, w: gate_up(layers.rms_norm(x, w[0], 1e-6), w[1]),
-        "before its SiLU product": lambda x, w: (lambda y: jax.nn.silu(y[:, :inter]) * y[:, inter:])(gate_up(x, w[1])),
+        "alone": lambda x, w: layers.linear(x, w[1]),
+        "after its norm": lambda x, w: layers.linear(layers.rms_norm(x, w[0], 1e-6), w[1]),
+        "before its SiLU product": lambda x, w: _silu_product(layers.linear(x, w[1])),
         "in the FFN layer": lambda x, w: chain(x, [w]),
     }
     return {name: (jax.jit(fn), [(x, w) for w in ws]) for name, fn in programs.items()}

@@ -111,7 +111,6 @@ def pin(results_text: str, choices: dict[str, str], version: str) -> str:
     missing = set(choices) - {field(e, "hlo_fingerprint") for e in entries}
     if missing:
         raise ValueError(f"fingerprints not in the autotune results: {sorted(missing)}")
-    rest = results_text
     out = []
     for entry in entries:
         fp = field(entry, "hlo_fingerprint")
@@ -120,7 +119,7 @@ def pin(results_text: str, choices: dict[str, str], version: str) -> str:
             entry = entry.replace("optimal_config {" + old + "}", "optimal_config {" + choices[fp] + "}", 1)
             entry = re.sub(r'optimal_backend_version: "[^"]*"', f'optimal_backend_version: "{version}"', entry)
         out.append("entries {" + entry + "}\n")
-    head = rest[:rest.index("entries {")] if "entries {" in rest else ""
+    head = results_text[:results_text.index("entries {")] if "entries {" in results_text else ""
     return head + "".join(out)
 
 
