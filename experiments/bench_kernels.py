@@ -78,6 +78,11 @@ ROTATE_BYTES = 4 * L2_BYTES
 _CUPTI = {"ok": None}
 
 
+def _copies(set_bytes, least=2, most=16, total=ROTATE_BYTES):
+    """How many copies of an input set to rotate through so that together they span ``total`` bytes."""
+    return max(least, min(most, math.ceil(total / set_bytes)))
+
+
 def _time(fn, arg_sets, reps):
     """Median device time (s) of fn over rotating argument sets; (time, method)."""
     for a in arg_sets[:2]:
@@ -137,7 +142,7 @@ def bench_fc(m, h, reps, variants=None):
     ks = jax.random.split(key, 6)
     w_bytes = 2 * h * h * 2
     set_bytes = 2 * w_bytes + 2 * m * h * 2  # raw and folded weight
-    n_sets = max(1, min(8, math.ceil(ROTATE_BYTES / set_bytes)))
+    n_sets = _copies(set_bytes, least=1, most=8)
     sets = []
     for s in range(n_sets):
         kk = jax.random.split(ks[s % 6], 5)
@@ -227,9 +232,9 @@ def bench_gemv(m, n, k, reps):
     """
     w_bytes = n * k * 2
     if FLAGS.gemv_rotate_mb:
-        n_sets = max(2, min(256, math.ceil(FLAGS.gemv_rotate_mb * 2**20 / w_bytes)))
+        n_sets = _copies(w_bytes, most=256, total=FLAGS.gemv_rotate_mb * 2**20)
     else:
-        n_sets = max(2, min(16, math.ceil(ROTATE_BYTES / w_bytes)))
+        n_sets = _copies(w_bytes)
     ks = jax.random.split(jax.random.key(n + k + m), 2 * n_sets)
     sets = [(jax.random.normal(ks[2 * i], (m, k), jnp.bfloat16),
              (jax.random.normal(ks[2 * i + 1], (n, k)) / math.sqrt(k)).astype(jnp.bfloat16))
@@ -259,7 +264,7 @@ def bench_merged(m, family, reps):
     shapes = MERGED_FAMILIES[family]
     k = shapes[0][1]
     w_bytes = sum(n * kk * 2 for n, kk in shapes)
-    n_sets = max(2, min(16, math.ceil(ROTATE_BYTES / w_bytes)))
+    n_sets = _copies(w_bytes)
     sets = []
     for i in range(n_sets):
         ks = jax.random.split(jax.random.key(1000 * i + m), len(shapes) + 1)
@@ -316,7 +321,7 @@ def bench_gdn(b, nk, nv, d, reps):
     TB/s counts the f32 state read and written (the step's dominant bytes).
     """
     state_bytes = 2 * b * nv * d * d * 4
-    n_sets = max(2, min(16, math.ceil(ROTATE_BYTES / state_bytes)))
+    n_sets = _copies(state_bytes)
     sets = []
     for i in range(n_sets):
         ks = jax.random.split(jax.random.key(100 * b + i), 8)
@@ -347,7 +352,7 @@ def _pa_sets(b, ctx, nq, hq, hkv, d, page):
     pages_per_seq = ctx // page
     need = b * pages_per_seq
     page_bytes = 2 * page * hkv * d * 2  # K and V
-    n_sets = max(1, min(16, math.ceil(ROTATE_BYTES / (need * page_bytes))))
+    n_sets = _copies(need * page_bytes, least=1)
     num_pages = need * n_sets
     key = jax.random.key(b * 1000 + ctx + nq)
     ks = jax.random.split(key, 4 + n_sets)
