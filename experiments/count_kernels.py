@@ -247,6 +247,13 @@ def count_loop(device):
               f"({s['custom_calls']} custom calls; +{s['memory_ops']} memory copies); "
               f"compiled in {time.time() - t0:.1f} s")
         print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
+        print_copies(open(sorted(glob.glob(os.path.join(where, "*after_optimizations.txt")))[-1]).read(), True)
+
+
+def print_copies(hlo_text: str, while_body: bool):
+    copies = hlo_copies(hlo_text, while_body)
+    print("  memory copies: " + (", ".join(f"{n} x {shape} of {src}" for (shape, src), n
+                                           in copies.most_common()) or "none"))
 
 
 def main(argv):
@@ -296,9 +303,7 @@ def main(argv):
                   f"(outside them: {s['outside_graphs'] or 'nothing'}); compiled in {time.time() - t0:.1f} s")
             print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
             hlo = sorted(glob.glob(os.path.join(where, "*after_optimizations.txt")))[-1]
-            copies = hlo_copies(open(hlo).read(), loop)
-            print("  memory copies: " + (", ".join(f"{n} x {shape} of {src}" for (shape, src), n
-                                                   in copies.most_common()) or "none"))
+            print_copies(open(hlo).read(), loop)
             if FLAGS.by_source:
                 print("  by source: " + "; ".join(
                     f"{n} x {src}" for src, n in by_source(thunks, compiled.as_text()).most_common()))

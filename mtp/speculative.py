@@ -157,11 +157,10 @@ def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_toke
     def body(s: LoopState) -> LoopState:
         rng, key = jax.random.split(s.rng)
         rows = jnp.repeat(s.last_token[:, None], spec.plain_width, axis=1)  # row 0 is the real one
-        # One token: finished slots run as padding and keep their states, so the commit needs
-        # no select against the old ones (which copied every Gated DeltaNet state each step).
-        masked = spec.plain_width == 1
-        cache, vout = target.verify(cfg, params, s.cache, rows, ~s.done if masked else None, impl=spec.impl)
-        cache = target.commit(cache, vout, jnp.where(s.done, 0, 1), masked_verify=masked)
+        # Finished slots run as padding and keep their states, so the commit needs no select
+        # against the old ones (which copied every Gated DeltaNet state each step).
+        cache, vout = target.verify(cfg, params, s.cache, rows, ~s.done, impl=spec.impl)
+        cache = target.commit(cache, vout, jnp.where(s.done, 0, 1), masked_verify=True)
         nxt = pick_token(vout.logits[:, 0], spec.temperature, key)
         out, num_out, done, _ = _emit(s, nxt[:, None], jnp.ones_like(nxt), spec.eos_id)
         return s.replace(cache=cache, last_token=nxt, out=out, num_out=num_out, done=done, rng=rng)
@@ -264,7 +263,7 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
         prev_last_key = s.dcache.last_pair_key
         dcache, drafts, num_drafted, q = _propose(cfg, params, spec, s, active, draft_vocab, kp)
         verify_tokens = jnp.concatenate([s.last_token[:, None], drafts], axis=1)
-        cache, vout = target.verify(cfg, params, s.cache, verify_tokens, impl=spec.impl)
+        cache, vout = target.verify(cfg, params, s.cache, verify_tokens, active, impl=spec.impl)
         if spec.temperature == 0:
             accepted, bonus = _accept_greedy(vout.logits, drafts, num_drafted)
         else:
@@ -276,8 +275,9 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
         out, num_out, done, taken = _emit(s, emitted, accepted + 1, spec.eos_id)
         # The cache keeps exactly the verified tokens that were emitted (the last one
         # excepted, as always): a turn cut short by its budget or EOS leaves no
-        # accepted-but-unemitted token behind for a snapshot or the prefix cache.
-        cache = target.commit(cache, vout, taken)
+        # accepted-but-unemitted token behind for a snapshot or the prefix cache. An active
+        # slot emits at least one token, so the slots that keep none are the inactive ones.
+        cache = target.commit(cache, vout, taken, masked_verify=True)
 
         # Drafter rows: this step wrote keys p0 .. p0+D-1 (rows for undrafted D-Cut
         # positions included); keep the prefix the rule allows.

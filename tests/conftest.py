@@ -25,8 +25,9 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None):
     return P.perturb_norms(p, jax.random.key(seed + 1))
 
 
-def paged_cache(cfg: ModelConfig, batch: int, blocks: int, page: int = 4):
-    """An empty f32 target cache whose rows own ``blocks`` pages each (page 4: rows cross pages)."""
+def paged_cache(cfg: ModelConfig, batch: int, blocks: int, page: int = 4, cls=None):
+    """An empty f32 cache (``cls``: the target's by default) whose rows own ``blocks`` pages
+    each (page 4: rows cross pages)."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -35,7 +36,7 @@ def paged_cache(cfg: ModelConfig, batch: int, blocks: int, page: int = 4):
 
     pool = PageAllocator(batch * blocks + 1, page)
     tables = np.stack([block_table_row(pool.allocate(blocks), blocks) for _ in range(batch)])
-    return TargetCache.create(cfg, batch, pool.num_pages, page, blocks, jnp.float32).replace(
+    return (cls or TargetCache).create(cfg, batch, pool.num_pages, page, blocks, jnp.float32).replace(
         block_tables=jnp.asarray(tables))
 
 

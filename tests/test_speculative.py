@@ -199,41 +199,54 @@ def test_plain_loop_at_verify_width_decodes_the_same_tokens(greedy_reference):
     assert wide.tokens == base
 
 
-def test_a_finished_slot_keeps_its_state_in_the_plain_loop(greedy_reference):
-    """The plain loop runs finished slots as padding and commits without a select against the old
+@pytest.mark.parametrize("loop", ["plain", "plain_wide", "speculative"])
+def test_a_finished_slot_keeps_its_state(greedy_reference, loop):
+    """The loops run finished slots as padding and commit without a select against the old
     state: a slot that stops early ends with the cache of a run that stopped with it."""
     from mtp.generation import first_from_prefill
-    from mtp.speculative import greedy_loop
+    from mtp.speculative import greedy_loop, speculative_loop
     from tests.conftest import paged_cache
 
     cfg, params = greedy_reference["tiny_dense"][:2]
     prompts = jnp.asarray(_prompts(cfg, 3, lengths=(6, 6)))
-    spec = SpecConfig(max_new_tokens=8)
+    spec = SpecConfig(max_new_tokens=8, verify_width=3, plain_width=3 if loop == "plain_wide" else 1)
     ends = {}
     for budget in ([7, 2], [2, 2]):
-        cache = paged_cache(cfg, 2, 6)
+        cache = paged_cache(cfg, 2, 8)
         cache, out = target.prefill(cfg, params, cache, prompts, jnp.zeros(2, jnp.int32), jnp.full(2, 6, jnp.int32),
                                     all_logits=False)
-        first, _ = first_from_prefill(out, jnp.full(2, 6, jnp.int32), cfg.mtp_hidden_source, 0.0, jax.random.key(0))
-        cache, toks, n = greedy_loop(cfg, params, cache, first, jnp.asarray(budget, jnp.int32), spec)
-        ends[budget[0]] = (cache, np.asarray(toks), np.asarray(n))
+        first, hidden = first_from_prefill(out, jnp.full(2, 6, jnp.int32), cfg.mtp_hidden_source, 0.0,
+                                           jax.random.key(0))
+        budget = jnp.asarray(budget, jnp.int32)
+        if loop == "speculative":
+            dcache = paged_cache(cfg, 2, 8, cls=DrafterCache)
+            cache, _, toks, n, _ = speculative_loop(cfg, params, cache, dcache, first, hidden, budget, spec)
+        else:
+            cache, toks, n = greedy_loop(cfg, params, cache, first, budget, spec)
+        ends[int(budget[0])] = (cache, np.asarray(toks), np.asarray(n))
     (long, toks_l, n_l), (short, toks_s, n_s) = ends[7], ends[2]
     assert list(n_l) == [7, 2] and list(n_s) == [2, 2]
     np.testing.assert_array_equal(toks_l[1, :2], toks_s[1, :2])
     assert int(long.lengths[1]) == int(short.lengths[1])
     for a, b in zip(jax.tree.leaves(long.linear), jax.tree.leaves(short.linear)):
-        np.testing.assert_array_equal(a[1], b[1])  # slot 1 sat idle for 5 steps of the long run
+        np.testing.assert_array_equal(a[1], b[1])  # slot 1 sat idle for the rest of the long run
 
 
-def test_commit_of_a_masked_verify_takes_one_position():
+def test_an_inactive_slot_keeps_its_state_at_every_verified_position():
+    """`commit(masked_verify=True)` may take any position of an inactive slot: each is its old state."""
     cfg = tiny_config("tiny_dense")
     params = random_params(cfg, seed=2)
     from tests.conftest import paged_cache
 
-    cache = paged_cache(cfg, 1, 4)
-    cache, vout = target.verify(cfg, params, cache, jnp.ones((1, 2), jnp.int32))
-    with pytest.raises(ValueError, match="masked_verify keeps one verified position; this verify ran 2"):
-        target.commit(cache, vout, jnp.ones(1, jnp.int32), masked_verify=True)
+    tokens = jnp.asarray(_prompts(cfg, 4, lengths=(5, 5)))
+    cache, _ = target.prefill(cfg, params, paged_cache(cfg, 2, 4), tokens, jnp.zeros(2, jnp.int32),
+                              jnp.full(2, 5, jnp.int32), all_logits=False)
+    old = jax.tree.map(np.asarray, cache.linear)  # verify donates the cache
+    _, vout = target.verify(cfg, params, cache, tokens[:, :3], jnp.array([True, False]))
+    for steps, before in zip(vout.conv_steps + vout.rec_steps, old.conv + old.recurrent):
+        for i in range(3):
+            np.testing.assert_array_equal(steps[1, i], before[1])
+            assert not np.allclose(steps[0, i], before[0])  # the active slot moved on
 
 
 def test_reduced_draft_vocabulary_is_lossless_and_maps_back(greedy_reference):

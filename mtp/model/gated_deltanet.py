@@ -220,6 +220,20 @@ def conv_state_after(conv_state: jax.Array, mixed: jax.Array, counts: jax.Array 
     return jax.vmap(lambda f, c: jax.lax.dynamic_slice_in_dim(f, c, keep, axis=0))(full, counts)
 
 
+def conv_states_per_step(conv_state: jax.Array, mixed: jax.Array, valid: jax.Array) -> jax.Array:
+    """The conv state after each of ``mixed``'s ``T`` positions, ``[B, T, K-1, C]``.
+
+    A masked position keeps the state before it, as the recurrent state does (`mask_updates`),
+    so every position of an inactive slot returns its old state: a commit can take any position
+    without a select against the old state (`mtp.model.target.commit`'s ``masked_verify``).
+    """
+    before, steps = conv_state.astype(mixed.dtype), []
+    for i in range(mixed.shape[1]):
+        before = jnp.where(valid[:, i, None, None], conv_state_after(conv_state, mixed, i + 1), before)
+        steps.append(before)
+    return jnp.stack(steps, axis=1)
+
+
 def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bool,
               impl: str = "reference"):
     """One Gated DeltaNet layer over ``x [B, T, H]`` (or the padded stream's rows, `layers.stream_rows`).
@@ -242,8 +256,7 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
         conv_out, conv_steps = conv_out[:, None], conv_after[:, None]
     else:
         conv_out = conv_windows(p, cfg, conv_state, mixed)
-        conv_steps = None if not per_step else jnp.stack(
-            [conv_state_after(conv_state, mixed, i + 1) for i in range(lead[1])], axis=1)
+        conv_steps = None if not per_step else conv_states_per_step(conv_state, mixed, valid)
     if per_step:
         y, rec_steps = fused_step.gdn_steps(conv_out, qkvz.rows, ba.rows, valid, rec_state, p["A_log"],
                                             p["dt_bias"], p["norm"]["weight"],

@@ -220,8 +220,8 @@ def verify(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Arr
     Writes their K/V but does not advance ``lengths`` or the Gated DeltaNet
     state: the caller decides how many positions to keep (`commit`), choosing
     among the per-position states returned here. ``active [B]`` (default: all):
-    an inactive slot's tokens run as padding, which writes no K/V and, for one
-    token, returns the slot's Gated DeltaNet state unchanged (`commit`'s ``masked_verify``).
+    an inactive slot's tokens run as padding, which writes no K/V and returns the slot's
+    Gated DeltaNet state unchanged at every position (`commit`'s ``masked_verify``).
     """
     b, q = tokens.shape
     valid = jnp.ones((b, q), bool) if active is None else jnp.broadcast_to(active[:, None], (b, q))
@@ -234,14 +234,11 @@ def verify(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Arr
 def commit(cache: TargetCache, out: VerifyOutput, num_keep: jax.Array, masked_verify: bool = False) -> TargetCache:
     """Keep the first ``num_keep[b]`` verified positions of each slot (0 keeps none).
 
-    ``masked_verify``: one token was verified with the slots that keep none inactive
-    (`verify`'s ``active``), so their states came back unchanged and need no select against
-    the old ones. The select reads the old state, which in a decode loop made XLA copy every
-    Gated DeltaNet layer's conv and recurrent state each step (`experiments/count_kernels.py
-    --count greedy_loop`).
+    ``masked_verify``: the slots that keep none were verified inactive (`verify`'s ``active``),
+    so every position returned their old states and no select against those is needed. The
+    select reads the old state, which in a decode loop made XLA copy every Gated DeltaNet
+    layer's conv and recurrent state each step (`experiments/count_kernels.py --count`).
     """
-    if masked_verify and out.rec_steps and out.rec_steps[0].shape[1] != 1:
-        raise ValueError(f"masked_verify keeps one verified position; this verify ran {out.rec_steps[0].shape[1]}")
     idx = jnp.maximum(num_keep - 1, 0)
 
     def at(steps):
