@@ -10,17 +10,16 @@ the ``in_proj_qkvz`` output in place, its state rows and its conv taps, writes t
 output, and writes the shifted state over the old one (aliased: each program reads its
 block before writing it), so nothing is copied.
 
-Built in session 9 without a GPU to time it: counted, not yet measured in the step, so
-``auto`` keeps the reference (``backend.UNMEASURED``) until a side-by-side run says it pays;
-``MTP_KERNELS=conv_step=pallas`` takes it. Session 7 measured a related form, the shift
-inside the fused delta-rule kernel with the conv left to XLA: it also removed the memcpys, and
-measured 1.0% faster at batch 1 but 3.2% slower at batch 8 (results/decode_h200.md, session 7).
+On the H200 (session 10, results/decode_h200.md) it makes the 1.38B decode step 1.02x faster at
+batch 1 and 1.05x at batch 8 (interleaved twice against the reference), so ``auto`` takes it on
+a GPU. Session 7 had measured a related form, the shift inside the fused delta-rule kernel with
+the conv left to XLA: 1.0% faster at batch 1 but 3.2% slower at batch 8.
 
 Pallas' Triton lowering, like `mtp.pallas.gdn_step`: a Triton custom call runs inside XLA's
 CUDA graphs, which a Mosaic GPU one cannot in jax 0.11.2.
 
 ``conv_step_reference`` is the definition: the model's own ``conv_windows`` and
-``conv_state_after``.
+``conv_states_per_step``.
 """
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ def conv_step_reference(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadSh
 
     del qkvz
     out = gdn.conv_windows({"conv1d": {"weight": conv_w}}, heads, conv_state, mixed[:, None])
-    shifted = gdn.conv_state_after(conv_state, mixed[:, None], 1)
-    return out[:, 0], jnp.where(valid[:, None, None], shifted, conv_state.astype(shifted.dtype))
+    return out[:, 0], gdn.conv_states_per_step(conv_state, mixed[:, None], valid[:, None])[:, 0]
 
 
 def kernel_unsupported(qkvz, valid, conv_state, conv_w, heads: HeadShape) -> str | None:
