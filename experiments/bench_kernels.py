@@ -1,11 +1,11 @@
 """Checks and times the project's Pallas kernels on a GPU against XLA and JAX's own kernel.
 
 Each kernel is first compared with its pure-JAX reference on the GPU (relative
-error), then timed. Timing is device time from CUPTI (``mosaic.gpu.profiler``:
-the sum of the kernels one call launches), median over many calls, rotating
-among input sets whose total exceeds the 50 MB L2 so that no call reads a warm
-cache; if CUPTI is unavailable, the mean of a back-to-back loop of calls is used
-and the table says so.
+error), then timed. Timing is device time from CUPTI (the sum of the kernels one
+call launches), median over many calls, each after a read that evicts the 50 MB L2
+(`experiments.cupti`: since session 10; earlier runs timed inputs under 50 MB warm);
+if CUPTI is unavailable, the mean of a back-to-back loop of calls is used, rotating
+among input sets whose total exceeds the L2, and the table says so.
 
 ``--only chain`` asks what a Pallas kernel costs inside XLA's CUDA graphs: chains of tiny
 ops (XLA fusions, Mosaic GPU kernels, Triton kernels, and mixes) timed by wall clock per
@@ -19,7 +19,8 @@ the projections the step merges (separate dots, concatenated in the trace, one w
 ``--only ffn_chain`` the step's FFN alone (`experiments.gemm_probe`), per kernel: what the
 decode step's GEMMs cost outside the step (results/kernels_h200.md, runs 17-18);
 ``--only gemm_context`` the FFN's gate + up GEMM alone, after its norm, before its SiLU
-product and in the FFN layer (which neighbour makes it slower than alone).
+product, with the down GEMM after or beside it, and in the FFN layer (which neighbour makes it
+slower than alone).
 
   PYTHONPATH=. python3 experiments/bench_kernels.py --out_dir $OUT [--quick]
       [--only fc|pa|gemv|merged|ffn_chain|gemm_context|gdn|chain]
@@ -50,6 +51,7 @@ from mtp.pallas import gdn_step as gdnmod
 from mtp.pallas import paged_attention as pamod
 from mtp.pallas.backend import num_sms
 
+from experiments import cupti
 from experiments.gemm_probe import ffn_program, gate_up_contexts, per_kernel_us
 
 FLAGS = flags.FLAGS
@@ -66,6 +68,7 @@ flags.DEFINE_integer("gemv_rotate_mb", None, "Small-row GEMMs: rotate the weight
                      "many MB in all, at most 256 copies (default: 4x L2, at most 16); a decode step of the 1.38B "
                      "model streams ~2800 MB between two reads of one weight.")
 flags.DEFINE_integer("fc_max_m", None, "fc GEMM: only the rows with M up to this (default: all).")
+flags.DEFINE_list("fc_shapes", None, "fc GEMM: only these M:H rows, e.g. 32:4096,2048:4096 (default: all).")
 flags.DEFINE_list("pa_batches", None, "Paged attention: only these batch sizes (default: all).")
 flags.DEFINE_string("pa_heads", None, "Paged attention: only this (Hq,Hkv,D), e.g. 16,2,256.")
 flags.DEFINE_list("gdn_warps", [], "Fused Gated DeltaNet step: also time the kernel at these num_warps "
@@ -89,12 +92,10 @@ def _time(fn, arg_sets, reps):
         jax.block_until_ready(fn(*a))
     if _CUPTI["ok"] is not False:
         try:
-            from jax.experimental.mosaic.gpu import profiler
-
             times = []
             for i in range(reps):
-                _, t = profiler.measure(fn)(*arg_sets[i % len(arg_sets)])
-                times.append(t * 1e-3)
+                timings = cupti.kernel_timings(fn, arg_sets[i % len(arg_sets)])
+                times.append(sum(ms for _, ms in timings) * 1e-3)
             _CUPTI["ok"] = True
             return statistics.median(times), "cupti"
         except Exception as e:  # noqa: BLE001 - any profiler failure means: fall back
@@ -573,7 +574,7 @@ def render(results):
                 if "error" not in kernels else kernels["error"][:100]
             lines.append(f"| {key.split(': ')[0]} | {key.split(': ')[1]} | {cells} |")
     if results.get("gemm_context"):
-        lines += _table("the FFN's gate + up GEMM in four programs (`gemm_probe.gate_up_contexts`): per kernel, "
+        lines += _table("the FFN's gate + up GEMM in its contexts (`gemm_probe.gate_up_contexts`): per kernel, "
                         "launches x median µs", ["program", "kernels"],
                         [dict(v, program=k) if "error" in v else {"program": k, "kernels": v}
                          for k, v in results["gemm_context"].items()],
@@ -656,6 +657,11 @@ def main(_):
         pa_shapes = []
     if FLAGS.fc_max_m is not None:
         fc_shapes = [(m, h) for m, h in fc_shapes if m <= FLAGS.fc_max_m]
+    if FLAGS.fc_shapes:
+        want = [tuple(int(v) for v in shape.split(":")) for shape in FLAGS.fc_shapes]
+        if any(len(w) != 2 for w in want):
+            raise app.UsageError(f"--fc_shapes={','.join(FLAGS.fc_shapes)}: each entry is M:H, e.g. 32:4096")
+        fc_shapes = want
     if FLAGS.pa_batches or FLAGS.pa_heads:  # a partial table: no sweeps
         heads = tuple(int(v) for v in FLAGS.pa_heads.split(",")) if FLAGS.pa_heads else None
         batches = {int(b) for b in FLAGS.pa_batches} if FLAGS.pa_batches else None

@@ -11,18 +11,18 @@ import statistics
 import jax
 import jax.numpy as jnp
 
+from experiments import cupti
 from mtp.model import layers
 
 
 def per_kernel_us(fn, arg_sets, reps):
-    """CUPTI per-kernel times of ``fn`` over rotating arguments: {kernel name: (launches per call, median µs each)}."""
-    from jax.experimental.mosaic.gpu import profiler
-
+    """CUPTI per-kernel times of ``fn`` over rotating arguments, each call with L2 cold
+    (`experiments.cupti`): {kernel name: (launches per call, median µs each)}."""
     jax.block_until_ready(fn(*arg_sets[0]))
     samples: dict[str, list[float]] = {}
     counts: dict[str, int] = {}
     for i in range(reps):
-        _, timings = profiler.measure(fn, aggregate=False)(*arg_sets[i % len(arg_sets)])
+        timings = cupti.kernel_timings(fn, arg_sets[i % len(arg_sets)])
         seen: dict[str, int] = {}
         for name, ms in timings:
             samples.setdefault(name, []).append(ms * 1e3)
@@ -58,19 +58,35 @@ def _silu_product(gate_up):
 
 
 def gate_up_contexts(num_layers=16, m=2, hidden=2048, inter=5632):
-    """The FFN's gate + up GEMM in four programs: ``{name: (fn, arg_sets)}``.
+    """The FFN's gate + up GEMM in several programs: ``{name: (fn, arg_sets)}``.
 
     The same ``[m, hidden] x [2 inter, hidden]`` product alone (a parameter in, the program's
     output out), after the norm that feeds it in the model, before the SiLU product that
-    reads it, and in the whole FFN layer; each rotates through ``num_layers`` weights. Run 18
-    (results/kernels_h200.md) found the GEMM 13.2 µs in the FFN and 11.1 µs alone: per-kernel
-    times of these programs say which neighbour costs the difference.
+    reads it, with the down GEMM after that (with and without the norm and the residual add),
+    beside a down GEMM or a reduction that does not depend on it, twice over two layers'
+    weights, and in the whole FFN layer; each rotates through ``num_layers`` weights. The
+    GEMM's fusion is the same HLO in every program, so one process autotunes it once and every
+    program runs the same config. Run 18 (results/kernels_h200.md) found the GEMM 13.2 µs in
+    the FFN and 11.1 µs alone: per-kernel times of these programs say which neighbour costs
+    the difference.
     """
     chain, x, ws = ffn_program(num_layers, m, hidden, inter)
+    reps = -(-inter // hidden)
+    down_input = lambda x: jnp.concatenate([x] * reps, axis=-1)[:, :inter]  # an [m, inter] not from gate + up
     programs = {
-        "alone": lambda x, w: layers.linear(x, w[1]),
-        "after its norm": lambda x, w: layers.linear(layers.rms_norm(x, w[0], 1e-6), w[1]),
-        "before its SiLU product": lambda x, w: _silu_product(layers.linear(x, w[1])),
-        "in the FFN layer": lambda x, w: chain(x, [w]),
+        "alone": lambda x, w, _: layers.linear(x, w[1]),
+        "after its norm": lambda x, w, _: layers.linear(layers.rms_norm(x, w[0], 1e-6), w[1]),
+        "before its SiLU product": lambda x, w, _: _silu_product(layers.linear(x, w[1])),
+        "beside an independent down GEMM": lambda x, w, _: (_silu_product(layers.linear(x, w[1])),
+                                                            layers.linear(down_input(x), w[2])),
+        "beside a reduction over the down weight": lambda x, w, _: (
+            layers.linear(x, w[1]), jnp.sum(w[2].astype(jnp.float32), axis=0)),
+        "twice, two layers' weights": lambda x, w, w_next: (  # other rows: XLA would merge two dots of one input
+            layers.linear(x, w[1]), layers.linear(x[::-1], w_next[1])),
+        "before SiLU product + down": lambda x, w, _: layers.linear(_silu_product(layers.linear(x, w[1])), w[2]),
+        "norm, SiLU product, down (no add)": lambda x, w, _: layers.linear(
+            _silu_product(layers.linear(layers.rms_norm(x, w[0], 1e-6), w[1])), w[2]),
+        "in the FFN layer": lambda x, w, _: chain(x, [w]),
     }
-    return {name: (jax.jit(fn), [(x, w) for w in ws]) for name, fn in programs.items()}
+    arg_sets = [(x, w, ws[(i + 1) % len(ws)]) for i, w in enumerate(ws)]
+    return {name: (jax.jit(fn), arg_sets) for name, fn in programs.items()}

@@ -1,0 +1,52 @@
+"""Per-kernel device times of one call (CUPTI), read with the GPU's L2 cache cold.
+
+JAX's ``mosaic.gpu.profiler.measure`` runs an untimed call with the same arguments right
+before the timed one, so whatever of the inputs fits in L2 (50 MB on an H200) is read from
+L2, not from memory, however many input sets a benchmark rotates through. Session 10 found
+what that does (results/kernels_h200.md, run 22): the decode step's gate + up GEMM, a 46 MB
+weight, timed 11.0 µs as a program of its own and 13.1 µs in any program that read a second
+weight, 16% faster than memory allows. Here the call before the timed one reads a buffer
+five times the L2 instead, so the timed call finds none of its inputs there, as a decode
+step finds its next weight.
+
+Every CUPTI timing of the experiments goes through `kernel_timings` (`bench_kernels.py`,
+`bench_decode.py`, `gemm_probe.per_kernel_us`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+L2_EVICT_BYTES = 256 << 20  # five times an H200's 50 MB L2
+
+
+@functools.cache
+def _evictor():
+    """A jitted read of an ``L2_EVICT_BYTES`` buffer: it leaves L2 holding clean lines of that buffer
+    (reads, so the timed call does not pay for writing anything back)."""
+    buf = jnp.ones((L2_EVICT_BYTES // 4,), jnp.float32)
+    read = jax.jit(jnp.sum)
+    return lambda: jax.block_until_ready(read(buf))
+
+
+def kernel_timings(fn, args) -> list[tuple[str, float]]:
+    """``[(kernel name, ms)]`` of one call ``fn(*args)``, after a read that evicts L2.
+
+    ``fn`` must be compiled for ``args``' shapes already (one call beforehand): a compile
+    inside the window would be timed too. Raises where CUPTI is unavailable (not a GPU).
+    """
+    from jax.experimental.mosaic.gpu import profiler
+
+    if profiler.mosaic_gpu_lib is None:
+        raise RuntimeError("CUPTI profiling needs jax's Mosaic GPU extension (a CUDA jaxlib)")
+    ext = profiler.mosaic_gpu_lib._mosaic_gpu_ext  # what profiler.measure itself drives
+    _evictor()()
+    ext._cupti_init()
+    try:
+        jax.block_until_ready(fn(*args))
+    finally:
+        timings = ext._cupti_get_timings(True)
+    return list(timings or [])
