@@ -3,11 +3,11 @@
 JAX's ``mosaic.gpu.profiler.measure`` runs an untimed call with the same arguments right
 before the timed one, so whatever of the inputs fits in L2 (50 MB on an H200) is read from
 L2, not from memory, however many input sets a benchmark rotates through. Session 10 found
-what that does (results/kernels_h200.md, run 22): the decode step's gate + up GEMM, a 46 MB
-weight, timed 11.0 µs as a program of its own and 13.1 µs in any program that read a second
-weight, 16% faster than memory allows. Here the call before the timed one reads a buffer
-five times the L2 instead, so the timed call finds none of its inputs there, as a decode
-step finds its next weight.
+what that does (results/kernels_h200.md, runs 20-23): the decode step's gate + up GEMM, a 46 MB
+weight, timed 11.0 µs as a program of its own but 13.1 µs in any program that also read a
+second weight, and 13.5-14.0 µs in every program with the L2 cold. Here the call before the
+timed one reads a buffer five times the L2 instead, so the timed call finds none of its
+inputs there, as a decode step finds its next weight.
 
 Every CUPTI timing of the experiments goes through `kernel_timings` (`bench_kernels.py`,
 `bench_decode.py`, `gemm_probe.per_kernel_us`).
