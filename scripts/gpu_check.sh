@@ -12,7 +12,8 @@ OUT=${OUT:?set OUT to an output directory}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 small=(); reps=7; kernel=pallas; batches=1,8
-tests=(tests/test_kernels_in_model.py tests/test_pallas_gdn_step.py tests/test_pallas_conv_step.py tests/test_pallas_fc_gemm.py)
+tests=(tests/test_kernels_in_model.py tests/test_pallas_gdn_step.py tests/test_pallas_conv_step.py tests/test_pallas_attn_prologue.py
+       tests/test_pallas_fc_gemm.py)
 if [[ -n "${SMALL:-}" ]]; then small=(--small); reps=2; kernel=interpret; batches=1; tests=(tests/test_pallas_conv_step.py); fi
 ngpu=$($PY -c "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))")
 mkdir -p "$OUT"

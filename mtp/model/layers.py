@@ -198,9 +198,19 @@ def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
 # ------------------------------------------------------------------ gated attention
 def attention_qkv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
     """Project to rotated ``q [.., T, Hq, D]``, ``k, v [.., T, Hkv, D]`` and the output gate."""
-    d, hq = cfg.head_dim, cfg.num_attention_heads
     lead = _lead(x, positions)
-    qg, k, v = _projections(p, x, lead, ("q_proj", "k_proj", "v_proj"))
+    return attention_qkv_of(p, attention_columns(p, x, lead), positions, lead, cfg)
+
+
+def attention_columns(p, x: jax.Array, lead: tuple[int, ...]) -> list[Columns]:
+    """The q (with its gate), k and v projections of ``x`` (merged into one GEMM where `dense_columns` can)."""
+    return dense_columns(x, [p[n]["weight"] for n in ("q_proj", "k_proj", "v_proj")], lead)
+
+
+def attention_qkv_of(p, columns: list[Columns], positions: jax.Array, lead: tuple[int, ...], cfg: ModelConfig):
+    """``attention_qkv`` from the projections' ``attention_columns``: the norms, the RoPE and the gate's split."""
+    d, hq = cfg.head_dim, cfg.num_attention_heads
+    qg, k, v = (c.view(lead) for c in columns)
     qg = qg.reshape(*lead, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:]
     q = rms_norm(q, p["q_norm"]["weight"], cfg.rms_norm_eps)

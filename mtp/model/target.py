@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mtp.cache.state import LinearState, TargetCache, write_pages
+from mtp.cache.state import LinearState, TargetCache
 from mtp.config import ModelConfig
 from mtp.model import gated_deltanet as gdn
 from mtp.model import layers
@@ -22,6 +22,7 @@ from mtp.model.layers import (attention_out, attention_qkv, causal_attention, ff
                               rms_norm, stream_rows)
 from mtp.model.params import Params
 from mtp.pallas.add_rms_norm import add_rms_norm
+from mtp.pallas.attn_prologue import attn_prologue
 from mtp.pallas.paged_attention import paged_attention
 
 
@@ -82,9 +83,10 @@ def paged_attention_mixer(cfg, p, rope_positions, slots, k_pages, v_pages, block
     result = {}
 
     def mixer(h):
-        q, k, v, gate = attention_qkv(p["self_attn"], h, rope_positions, cfg)
-        kp = write_pages(k_pages, k, block_tables, slots, write)
-        vp = write_pages(v_pages, v, block_tables, slots, write)
+        attn = p["self_attn"]
+        columns = layers.attention_columns(attn, h, rope_positions.shape)
+        q, gate, kp, vp = attn_prologue(columns, attn["q_norm"]["weight"], attn["k_norm"]["weight"], rope_positions,
+                                        slots, k_pages, v_pages, block_tables, write, cfg=cfg, impl=impl)
         result["kv"] = (kp, vp)
         o = paged_attention(q, kp, vp, block_tables, attn_lengths, gate=gate, impl=impl)
         return attention_out(p["self_attn"], o)

@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 
 CHOICES = ("auto", "reference", "pallas", "interpret")
-OPS = ("paged_attention", "fc_gemm", "gdn_step", "add_rms_norm", "conv_step")  # MTP_KERNELS' per-op names
+OPS = ("paged_attention", "fc_gemm", "gdn_step", "add_rms_norm", "conv_step", "attn_prologue")  # MTP_KERNELS' per-op names
 ENV_VAR = "MTP_KERNELS"
 # Kernels built and tested but not yet measured faster inside the model on a GPU: "auto"
 # keeps their references everywhere until a side-by-side run says otherwise
 # (``MTP_KERNELS=<op>=pallas`` takes the kernel).
-UNMEASURED: tuple[str, ...] = ()  # conv_step left it in session 10 (results/decode_h200.md)
+UNMEASURED = ("attn_prologue",)  # conv_step left it in session 10 (results/decode_h200.md)
 
 
 def _check(impl: str, where: str) -> str:
@@ -156,8 +156,9 @@ def triton_interpret_scope(mode: str):
     GPU's interpreter around a whole model (``interpret_forced``), and it takes every
     ``pallas_call`` traced inside; it runs only kernels whose BlockSpecs have trivial
     windows, which the per-program blocks of the Triton kernels (`mtp.pallas.gdn_step`,
-    `mtp.pallas.add_rms_norm`, `mtp.pallas.conv_step`) are not. Inside this scope such a kernel, called with
-    ``interpret=True``, gets Pallas' generic interpreter instead.
+    `mtp.pallas.add_rms_norm`, `mtp.pallas.conv_step`, `mtp.pallas.attn_prologue`) are not.
+    Inside this scope such a kernel, called with ``interpret=True``, gets Pallas' generic
+    interpreter instead.
     """
     if not (mode == "interpret" or interpret_forced()):
         yield False

@@ -1,0 +1,163 @@
+"""What a gated-attention layer does between its q/k/v GEMM and paged attention, as one kernel.
+
+For a few new tokens per sequence (decode, verify, a draft), the layer RMS-normalises q
+and k per head, rotates their first ``rotary_dim`` channels (RoPE), and writes k and v
+into the paged KV cache. XLA runs that as 7 kernels per attention layer around the GEMM
+(`experiments/count_kernels.py --list`: the key norm's reduction, the key's RoPE, a select,
+the query's norm and RoPE, a slice, two page writes): 28 launches per step of the 1.38B
+model, 14 of the default model, each a few µs inside a CUDA graph. Here one program per
+``(token, head)`` reads its head's columns of the GEMM output in place, normalises and
+rotates them, and stores q, or writes k and v into their page slot over the old cache
+(aliased), so nothing else runs and nothing is copied.
+
+Built in session 10 without a GPU to time it: counted and tested, not yet measured in the
+step, so ``auto`` keeps the reference (``backend.UNMEASURED``);
+``MTP_KERNELS=attn_prologue=pallas`` takes it. Pallas' Triton lowering, so that it runs
+inside XLA's CUDA graphs (as `mtp.pallas.conv_step`).
+
+``attn_prologue_reference`` is the definition: the model's own ``attention_qkv_of`` and
+``write_pages``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from mtp.config import ModelConfig
+from mtp.pallas.backend import resolve_impl, tensor_parallel_mesh, triton_compiler_params, triton_interpret_scope
+
+MAX_TOKENS = 8  # new tokens per sequence the kernel takes (decode, verify, drafts); prefill runs the reference
+
+
+def attn_prologue_reference(columns, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages,
+                            block_tables, write, *, cfg: ModelConfig):
+    """``(q [B, T, Hq, D], gate [B, T, Hq, D], k_pages, v_pages)`` as the model computes them.
+
+    columns: `layers.attention_columns` (q with its gate, k, v), of the tokens ``[B, T]`` of
+    ``rope_positions`` (RoPE's sequence positions); ``slots [B, T]``: where each token's K/V
+    land in its sequence's pages (``block_tables``); ``write [B, T]``: which tokens write.
+    """
+    from mtp.cache.state import write_pages  # imports mtp.pallas: so here, not at the top
+    from mtp.model import layers
+
+    norms = {"q_norm": {"weight": q_norm_w}, "k_norm": {"weight": k_norm_w}}
+    q, k, v, gate = layers.attention_qkv_of(norms, columns, rope_positions, rope_positions.shape, cfg)
+    return (q, gate, write_pages(k_pages, k, block_tables, slots, write),
+            write_pages(v_pages, v, block_tables, slots, write))
+
+
+def kernel_unsupported(columns, k_pages, rope_positions, cfg: ModelConfig) -> str | None:
+    """Why the kernel cannot take these inputs (the caller then runs the reference), or None."""
+    d, half = cfg.head_dim, cfg.rotary_dim // 2
+    if d & (d - 1) or half & (half - 1) or half < 2:
+        return f"head dim {d} and half rotary dim {half} are not powers of two >= 2"
+    if any(c.start % d or c.rows.dtype != k_pages.dtype for c in columns):
+        return f"projection columns not {d}-aligned or not in the cache's {k_pages.dtype}"
+    if k_pages.size >= 2**31:
+        return f"a page pool of {k_pages.size} elements: past int32 offsets"
+    tokens = math.prod(rope_positions.shape)
+    if rope_positions.shape[1] > MAX_TOKENS or any(c.rows.shape[0] < tokens for c in columns):
+        return f"{rope_positions.shape} tokens: the kernel takes up to {MAX_TOKENS} per sequence"
+    return None
+
+
+def _kernel(pos_ref, slot_ref, write_ref, table_ref, qg_ref, k_ref, v_ref, wq_ref, wk_ref, _k_in, _v_in,
+            q_ref, k_pages_ref, v_pages_ref, *, cfg: ModelConfig, starts):
+    f32 = jnp.float32
+    d, hq, half = cfg.head_dim, cfg.num_attention_heads, cfg.rotary_dim // 2
+    dtype = q_ref.dtype
+    h = pl.program_id(1)
+    # RoPE's angles, as `layers.rope`: f32 frequencies, cos and sin rounded to the model's dtype.
+    inv_freq = 1.0 / (cfg.rope_theta ** (jax.lax.broadcasted_iota(f32, (half,), 0) * 2.0 / cfg.rotary_dim))
+    angle = pos_ref[0, 0].astype(f32) * inv_freq
+    cos, sin = jnp.cos(angle).astype(dtype), jnp.sin(angle).astype(dtype)
+    keep = jax.lax.broadcasted_iota(jnp.int32, (d,), 0) >= cfg.rotary_dim
+
+    def normed_rotated(x_ref, col, w_ref, store):
+        """`layers.rms_norm` then `layers.rope` of the head at ``col``; ``store(sl, value, mask)``."""
+        x = x_ref[0, pl.ds(col, d)].astype(f32)
+        inv_rms = jax.lax.rsqrt(jnp.mean(x * x) + cfg.rms_norm_eps)
+        normed = lambda sl: ((x_ref[0, pl.ds(col + sl.start, sl.size)].astype(f32) * inv_rms)
+                             * (1.0 + w_ref[sl].astype(f32))).astype(dtype)
+        store(pl.ds(0, d), normed(pl.ds(0, d)), keep)  # the channels past the rotary ones, as normed
+        a, b = normed(pl.ds(0, half)), normed(pl.ds(half, half))
+        store(pl.ds(0, half), a * cos - b * sin, None)
+        store(pl.ds(half, half), b * cos + a * sin, None)
+
+    def into(ref, *index):
+        index = tuple(jnp.asarray(i, jnp.int32) for i in index)  # traced scalars, as the interpreter wants
+
+        def store(sl, value, mask):
+            plt.store(ref.at[(*index, sl)], value, mask=mask)
+        return store
+
+    @pl.when(h < hq)
+    def _query():
+        normed_rotated(qg_ref, starts[0] + h * 2 * d, wq_ref, into(q_ref, 0, h))
+
+    @pl.when(h >= hq)
+    def _key_value():
+        j = h - hq
+        page_size, max_blocks = k_pages_ref.shape[1], table_ref.shape[1]
+        slot = slot_ref[0, 0]
+        block = slot // page_size
+        ok = (write_ref[0, 0] != 0) & (slot >= 0) & (block < max_blocks)
+
+        @pl.when(ok)  # a token that writes nothing leaves the cache as it was
+        def _write():
+            page, row = table_ref[0, jnp.minimum(block, max_blocks - 1)], slot % page_size
+            normed_rotated(k_ref, starts[1] + j * d, wk_ref, into(k_pages_ref, page, row, j))
+            v_pages_ref[page, row, j, :] = v_ref[0, pl.ds(starts[2] + j * d, d)].astype(v_pages_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "starts", "interpret"))
+def _attn_prologue_pallas(rows, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages, block_tables, write,
+                          *, cfg: ModelConfig, starts, interpret=False):
+    b, t = rope_positions.shape
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    per_token = lambda a: a.reshape(b * t, 1).astype(jnp.int32)
+    token = pl.BlockSpec((1, 1), lambda r, h: (r, 0))
+    whole = lambda a: pl.BlockSpec(a.shape, lambda r, h: (0,) * a.ndim)
+    row = lambda a: pl.BlockSpec((1, a.shape[1]), lambda r, h: (r, 0))
+    q, k_pages, v_pages = pl.pallas_call(
+        functools.partial(_kernel, cfg=cfg, starts=starts),
+        grid=(b * t, hq + hkv),
+        in_specs=[token, token, token, pl.BlockSpec((1, block_tables.shape[1]), lambda r, h: (r // t, 0)),
+                  *(row(a) for a in rows), whole(q_norm_w), whole(k_norm_w), whole(k_pages), whole(v_pages)],
+        out_specs=[pl.BlockSpec((1, hq, d), lambda r, h: (r, 0, 0)), whole(k_pages), whole(v_pages)],
+        out_shape=[jax.ShapeDtypeStruct((b * t, hq, d), rows[0].dtype),
+                   jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        input_output_aliases={9: 1, 10: 2},  # the pages are written in place
+        interpret=interpret,
+        **triton_compiler_params(interpret, num_warps=1),
+    )(per_token(rope_positions), per_token(slots), per_token(write), block_tables.astype(jnp.int32), *rows,
+      q_norm_w, k_norm_w, k_pages, v_pages)
+    return q.reshape(b, t, hq, d), k_pages, v_pages
+
+
+def attn_prologue(columns, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages, block_tables, write,
+                  *, cfg: ModelConfig, impl="auto"):
+    """``attn_prologue_reference``'s signature and results; ``impl`` picks the path (``backend``).
+
+    Inputs the kernel cannot take (``kernel_unsupported``, a prefill among them) and traces
+    under a tensor-parallel mesh go to the reference. No autodiff rule: training has no cache.
+    """
+    mode = resolve_impl(impl, op="attn_prologue")
+    args = (columns, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages, block_tables, write)
+    if (mode == "reference" or kernel_unsupported(columns, k_pages, rope_positions, cfg)
+            or tensor_parallel_mesh() is not None):
+        return attn_prologue_reference(*args, cfg=cfg)
+    lead = rope_positions.shape
+    gate = columns[0].view(lead).reshape(*lead, cfg.num_attention_heads, 2 * cfg.head_dim)[..., cfg.head_dim:]
+    with triton_interpret_scope(mode) as interpret:
+        q, k_pages, v_pages = _attn_prologue_pallas(
+            tuple(c.rows for c in columns), q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages,
+            block_tables, write, cfg=cfg, starts=tuple(c.start for c in columns), interpret=interpret)
+    return q, gate, k_pages, v_pages

@@ -1,0 +1,124 @@
+"""The attention layer's norms, RoPE and page writes as one kernel (`mtp.pallas.attn_prologue`):
+the kernel (interpret mode) against the model's own functions."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp.cache.state import NULL_PAGE
+from mtp.model import target
+from mtp.model.layers import Columns
+from mtp.pallas import attn_prologue as ap
+from tests.conftest import paged_cache, random_params, tiny_config
+
+
+def _case(cfg, seed, b, t, dtype, merged, extra_rows=0, page=4, blocks=3):
+    """The q/k/v GEMM output (merged or three arrays, padding rows), ragged slots that cross pages
+    with one past the block table, a token that does not write, and random old pages."""
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    widths = (hq * 2 * d, hkv * d, hkv * d)
+    ks = jax.random.split(jax.random.key(seed), 8)
+    rows = b * t + extra_rows
+    if merged:
+        gemm = jax.random.normal(ks[0], (rows, sum(widths) + d)).astype(dtype)  # + a merged neighbour's columns
+        starts = np.cumsum((0,) + widths[:-1])
+        columns = [Columns(gemm, int(s), w) for s, w in zip(starts, widths)]
+    else:
+        columns = [Columns(jax.random.normal(k, (rows, w)).astype(dtype), 0, w) for k, w in zip(ks[:3], widths)]
+    num_pages = b * blocks + 1
+    tables = (1 + jnp.arange(b * blocks, dtype=jnp.int32)).reshape(b, blocks)[:, ::-1]  # pages out of order
+    first = jax.random.randint(ks[3], (b, 1), 0, page * blocks - t)
+    slots = first + jnp.arange(t)[None, :]
+    slots = slots.at[-1, -1].set(page * blocks + 1)  # past the block table: writes nothing
+    positions = slots + 3  # RoPE's sequence positions need not be the cache slots (the drafter's are not)
+    write = jnp.ones((b, t), bool).at[0, 0].set(False)
+    shape = (num_pages, page, hkv, d)
+    k_pages = jax.random.normal(ks[4], shape).astype(dtype)
+    v_pages = jax.random.normal(ks[5], shape).astype(dtype)
+    q_norm = (0.3 * jax.random.normal(ks[6], (d,))).astype(dtype)
+    k_norm = (0.3 * jax.random.normal(ks[7], (d,))).astype(dtype)
+    return columns, q_norm, k_norm, positions, slots, k_pages, v_pages, tables, write
+
+
+@pytest.mark.parametrize("name,b,t,dtype,merged,extra_rows", [
+    ("tiny_dense", 1, 1, jnp.bfloat16, True, 1),    # the padded batch-1 decode stream, merged projections
+    ("tiny_dense", 3, 4, jnp.bfloat16, False, 0),   # a verify of 4, three separate GEMMs
+    ("tiny_moe", 2, 3, jnp.float32, True, 2),
+])
+def test_kernel_matches_reference(name, b, t, dtype, merged, extra_rows):
+    cfg = tiny_config(name)
+    args = _case(cfg, b * 10 + t, b, t, dtype, merged, extra_rows)
+    assert ap.kernel_unsupported(args[0], args[5], args[3], cfg) is None
+    got = ap.attn_prologue(*args, cfg=cfg, impl="interpret")
+    want = ap.attn_prologue_reference(*args, cfg=cfg)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == jnp.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), **tol)  # q
+    np.testing.assert_array_equal(got[1], want[1])  # the gate, a view of the GEMM output
+    for g, w in zip(got[2:], want[2:]):  # the reference sends what it does not write to NULL_PAGE
+        np.testing.assert_allclose(np.asarray(g[NULL_PAGE + 1:], np.float32), np.asarray(w[NULL_PAGE + 1:], np.float32),
+                                   **tol)
+    slots, page_slots = np.asarray(args[4]), args[5].shape[1] * args[7].shape[1]
+    writes = np.asarray(args[8]) & (slots < page_slots)  # but the one masked and the one past the table
+    changed = np.any(np.asarray(got[2], np.float32) != np.asarray(args[5], np.float32), axis=(2, 3))
+    assert changed.sum() == writes.sum() and writes.sum() >= b * t - 2
+
+
+def test_unsupported_inputs_are_named():
+    cfg = tiny_config("tiny_dense")
+    columns, _, _, positions, _, k_pages, *_ = _case(cfg, 0, 2, 2, jnp.float32, True)
+    odd = dataclasses.replace(cfg, head_dim=12)
+    assert "powers of two" in ap.kernel_unsupported(columns, k_pages, positions, odd)
+    shifted = [Columns(c.rows, c.start + 1, c.width) for c in columns]
+    assert "aligned" in ap.kernel_unsupported(shifted, k_pages, positions, cfg)
+    assert "up to 8" in ap.kernel_unsupported(columns, k_pages, jnp.zeros((2, 9), jnp.int32), cfg)
+    huge = jax.ShapeDtypeStruct((2**22, 64, 2, 8), k_pages.dtype)  # 2**31 elements, never allocated
+    assert "int32" in ap.kernel_unsupported(columns, huge, positions, cfg)
+
+
+def test_auto_keeps_the_reference_until_measured(monkeypatch):
+    """Counted but not yet timed on a GPU: ``auto`` stays on the reference there; naming the op takes it."""
+    from mtp.pallas import backend
+
+    calls = []
+    monkeypatch.setattr(ap, "_attn_prologue_pallas", lambda *a, **k: calls.append(1) or ("q", None, None))
+    monkeypatch.setattr(backend, "on_gpu", lambda: True)
+    cfg = tiny_config("tiny_dense")
+    args = _case(cfg, 0, 2, 1, jnp.float32, True)
+    assert isinstance(ap.attn_prologue(*args, cfg=cfg)[0], jax.Array) and not calls
+    monkeypatch.setenv("MTP_KERNELS", "attn_prologue=pallas")
+    assert ap.attn_prologue(*args, cfg=cfg)[0] == "q" and len(calls) == 1
+
+
+@pytest.mark.parametrize("gemm_layout", ["plain", "padded_merged"], indirect=True)
+def test_model_decode_and_verify_with_the_kernel_equal_the_reference(gemm_layout, monkeypatch):
+    """Decode and a verify of 3 through the kernel alone (the other ops on their references) equal the same without it."""
+    cfg = tiny_config("tiny_dense")
+    params = random_params(cfg, seed=4)
+    b, blocks = 2, 6
+    toks = jax.random.randint(jax.random.key(2), (b, 16), 0, cfg.vocab_size)
+    lens = jnp.asarray([7, 4], jnp.int32)
+    calls = []
+    kernel = ap._attn_prologue_pallas
+    monkeypatch.setattr(ap, "_attn_prologue_pallas", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    logits, pages = {}, {}
+    for choice in ("reference", "interpret"):
+        monkeypatch.setenv("MTP_KERNELS", f"reference,attn_prologue={choice}")
+        jax.clear_caches()  # the switch is read when a function is traced
+        cache = paged_cache(cfg, b, blocks)
+        cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(b, jnp.int32), lens)
+        out = []
+        for step in range(2):
+            cache, o = target.decode(cfg, params, cache, toks[np.arange(b), lens + step][:, None])
+            out.append(o.logits)
+        at = lens[:, None] + 2 + jnp.arange(3)[None, :]
+        cache, o = target.verify(cfg, params, cache, jnp.take_along_axis(toks, at, axis=1))
+        out.append(o.logits)
+        logits[choice] = np.concatenate([np.asarray(x).reshape(-1) for x in out])
+        pages[choice] = [np.asarray(p[NULL_PAGE + 1:]) for p in cache.kv.k + cache.kv.v]
+    assert calls, "the kernel never ran"
+    np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=2e-5, rtol=1e-5)
+    for got, want in zip(pages["interpret"], pages["reference"]):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
