@@ -67,3 +67,40 @@ def gemm_layout(request, monkeypatch):
     jax.clear_caches()
     yield request.param
     jax.clear_caches()
+
+
+def decode_through_kernel(monkeypatch, module, kernel: str, op: str, decode_steps: int = 3, verify: int = 0):
+    """Prefill, ``decode_steps`` decode steps and a verify of ``verify`` tokens (0: none) on
+    tiny_dense, once with ``op`` on its reference and once through ``module.<kernel>`` in
+    interpret mode, every other op on its reference. Returns ``{choice: (logits, cache)}``,
+    the logits of every step flattened, after checking that the kernel ran."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mtp.model import target
+
+    cfg = tiny_config("tiny_dense")
+    params = random_params(cfg, seed=4)
+    b, blocks = 2, 6
+    toks = jax.random.randint(jax.random.key(2), (b, 16), 0, cfg.vocab_size)
+    lens = jnp.asarray([7, 4], jnp.int32)
+    calls = []
+    run = getattr(module, kernel)
+    monkeypatch.setattr(module, kernel, lambda *a, **k: calls.append(1) or run(*a, **k))
+    results = {}
+    for choice in ("reference", "interpret"):
+        monkeypatch.setenv("MTP_KERNELS", f"reference,{op}={choice}")
+        jax.clear_caches()  # the switch is read when a function is traced
+        cache = paged_cache(cfg, b, blocks)
+        cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(b, jnp.int32), lens)
+        out = []
+        for step in range(decode_steps):
+            cache, o = target.decode(cfg, params, cache, toks[np.arange(b), lens + step][:, None])
+            out.append(o.logits)
+        if verify:
+            at = lens[:, None] + decode_steps + jnp.arange(verify)[None, :]
+            cache, o = target.verify(cfg, params, cache, jnp.take_along_axis(toks, at, axis=1))
+            out.append(o.logits)
+        results[choice] = (np.concatenate([np.asarray(x).reshape(-1) for x in out]), cache)
+    assert calls, "the kernel never ran"
+    return results

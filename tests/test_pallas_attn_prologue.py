@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 from mtp.cache.state import NULL_PAGE
-from mtp.model import target
 from mtp.model.layers import Columns
 from mtp.pallas import attn_prologue as ap
-from tests.conftest import paged_cache, random_params, tiny_config
+from tests.conftest import decode_through_kernel, tiny_config
 
 
 def _case(cfg, seed, b, t, dtype, merged, extra_rows=0, page=4, blocks=3):
@@ -95,30 +94,8 @@ def test_auto_keeps_the_reference_until_measured(monkeypatch):
 @pytest.mark.parametrize("gemm_layout", ["plain", "padded_merged"], indirect=True)
 def test_model_decode_and_verify_with_the_kernel_equal_the_reference(gemm_layout, monkeypatch):
     """Decode and a verify of 3 through the kernel alone (the other ops on their references) equal the same without it."""
-    cfg = tiny_config("tiny_dense")
-    params = random_params(cfg, seed=4)
-    b, blocks = 2, 6
-    toks = jax.random.randint(jax.random.key(2), (b, 16), 0, cfg.vocab_size)
-    lens = jnp.asarray([7, 4], jnp.int32)
-    calls = []
-    kernel = ap._attn_prologue_pallas
-    monkeypatch.setattr(ap, "_attn_prologue_pallas", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    logits, pages = {}, {}
-    for choice in ("reference", "interpret"):
-        monkeypatch.setenv("MTP_KERNELS", f"reference,attn_prologue={choice}")
-        jax.clear_caches()  # the switch is read when a function is traced
-        cache = paged_cache(cfg, b, blocks)
-        cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(b, jnp.int32), lens)
-        out = []
-        for step in range(2):
-            cache, o = target.decode(cfg, params, cache, toks[np.arange(b), lens + step][:, None])
-            out.append(o.logits)
-        at = lens[:, None] + 2 + jnp.arange(3)[None, :]
-        cache, o = target.verify(cfg, params, cache, jnp.take_along_axis(toks, at, axis=1))
-        out.append(o.logits)
-        logits[choice] = np.concatenate([np.asarray(x).reshape(-1) for x in out])
-        pages[choice] = [np.asarray(p[NULL_PAGE + 1:]) for p in cache.kv.k + cache.kv.v]
-    assert calls, "the kernel never ran"
-    np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=2e-5, rtol=1e-5)
-    for got, want in zip(pages["interpret"], pages["reference"]):
-        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    runs = decode_through_kernel(monkeypatch, ap, "_attn_prologue_pallas", "attn_prologue", decode_steps=2, verify=3)
+    (want, ref_cache), (got, cache) = runs["reference"], runs["interpret"]
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    for g, w in zip(cache.kv.k + cache.kv.v, ref_cache.kv.k + ref_cache.kv.v):
+        np.testing.assert_allclose(np.asarray(g[NULL_PAGE + 1:]), np.asarray(w[NULL_PAGE + 1:]), atol=2e-5, rtol=1e-5)

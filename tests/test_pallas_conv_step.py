@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 from mtp.model import gated_deltanet as gdn
-from mtp.model import target
 from mtp.pallas import conv_step as cs
 from mtp.pallas.gdn_step import HeadShape
-from tests.conftest import paged_cache, random_params, tiny_config
+from tests.conftest import decode_through_kernel
 
 
 def _case(seed, bsz, heads, dtype, extra_rows=0, extra_cols=0):
@@ -72,26 +71,8 @@ def test_auto_takes_the_kernel_on_a_gpu_unless_unmeasured(monkeypatch):
 @pytest.mark.parametrize("gemm_layout", ["plain", "padded_merged"], indirect=True)
 def test_model_decode_with_the_kernel_equals_the_reference(gemm_layout, monkeypatch):
     """Decode through the kernel alone (the other ops on their references) equals decode without it."""
-    cfg = tiny_config("tiny_dense")
-    params = random_params(cfg, seed=4)
-    b, blocks = 2, 6
-    toks = jax.random.randint(jax.random.key(2), (b, 12), 0, cfg.vocab_size)
-    lens = jnp.asarray([7, 4], jnp.int32)
-    calls = []
-    kernel = cs._conv_step_pallas
-    monkeypatch.setattr(cs, "_conv_step_pallas", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    logits, convs = {}, {}
-    for choice in ("reference", "interpret"):
-        monkeypatch.setenv("MTP_KERNELS", f"reference,conv_step={choice}")
-        jax.clear_caches()  # the switch is read when a function is traced
-        cache = paged_cache(cfg, b, blocks)
-        cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(b, jnp.int32), lens)
-        out = []
-        for step in range(3):
-            cache, o = target.decode(cfg, params, cache, toks[np.arange(b), lens + step][:, None])
-            out.append(o.logits)
-        logits[choice], convs[choice] = np.stack(out), cache.linear.conv
-    assert calls, "the kernel never ran"
-    np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=2e-5, rtol=1e-5)
-    for got, want in zip(convs["interpret"], convs["reference"]):  # later layers' inputs carry the rounding
-        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    runs = decode_through_kernel(monkeypatch, cs, "_conv_step_pallas", "conv_step")
+    (want, ref_cache), (got, cache) = runs["reference"], runs["interpret"]
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    for g, w in zip(cache.linear.conv, ref_cache.linear.conv):  # later layers' inputs carry the rounding
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5)
