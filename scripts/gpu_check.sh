@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One call's worth of GPU checks: the kernels compile and pass the model's tests, then the
-# decode step (1.38B model) with each kernel that `auto` does not take yet (`backend.UNMEASURED`)
-# off and on, interleaved twice, the decode loops with and without their CUDA-graph options, and
-# tensor parallelism when the machine has two GPUs. Each part writes under $OUT/<part>/; a
-# summary table ends the output. For the lent H200 (nothing installed, run from the repository root):
+# One call's worth of GPU checks: the kernels compile and pass the model's tests, then each kernel
+# that `auto` does not take yet (`backend.UNMEASURED`) off and on, interleaved twice: in the decode
+# step (1.38B model, part A) and in the real decode loops (the default model, part B: plain and
+# speculative K = 2, batch 1); and tensor parallelism when the machine has two GPUs. (The loops'
+# CUDA-graph options, measured in sessions 4-5: `MTP_DECODE_LOOP_GRAPH=0` turns them off.) Each part
+# writes under $OUT/<part>/; a summary table ends the output. For the lent H200 (nothing installed,
+# run from the repository root):
 #
-#     PYTHONPATH=. bash scripts/gpu_check.sh            # about 8 minutes on one H200
+#     PYTHONPATH=. bash scripts/gpu_check.sh            # about 9 minutes on one H200
 #     SMALL=1 OUT=/tmp/gpu_check bash scripts/gpu_check.sh   # tiny shapes: checks the script on a CPU
 set -uo pipefail
 OUT=${OUT:?set OUT to an output directory}
@@ -41,13 +43,13 @@ for op in $($PY -c "from mtp.pallas.backend import UNMEASURED; print(*UNMEASURED
       run "$name" env MTP_KERNELS="$op=$choice" $PY experiments/bench_decode.py "${small[@]}" \
           --parts A --batches $batches --decode_only --reps $reps --out_dir "$OUT/$name"
       summary+=("  $op=$choice ($round): $(decode_row "$OUT/$name" 2>/dev/null)")
+      name="loops_${op}_${choice}_$round"
+      run "$name" env MTP_KERNELS="$op=$choice" $PY experiments/bench_decode.py "${small[@]}" \
+          --parts B --batches 1 --spec_ks 2 --reps $reps --out_dir "$OUT/$name"
+      summary+=("  $op=$choice ($round), default model: $(grep '^| B' "$OUT/$name/results.md" 2>/dev/null \
+                | cut -d'|' -f3,5 | tr '\n' ';')")
     done
   done
-done
-for graph in 1 0; do
-  run "loop_graph_$graph" env MTP_DECODE_LOOP_GRAPH=$graph $PY experiments/bench_decode.py "${small[@]}" \
-      --parts B --batches 1 --spec_ks 2,3 --reps $reps --out_dir "$OUT/loop_graph_$graph"
-  summary+=("  $(grep '^| B' "$OUT/loop_graph_$graph/results.md" 2>/dev/null | cut -d'|' -f3,5 | tr '\n' ';')")
 done
 if (( ngpu >= 2 )); then
   for tp in 1 2; do
