@@ -241,13 +241,21 @@ def count_loop(device):
         with jax.default_device(device):
             loop.lower(*args).compile(compiler_options={"xla_dump_to": where})
         seq = sorted(glob.glob(os.path.join(where, "*.thunk_sequence.txt")))[-1]
-        s = summarize(read_thunks(open(seq).read(), True))
+        thunks = read_thunks(open(seq).read(), True)
+        s = summarize(thunks)
         what = f"K = {FLAGS.spec_k}" if FLAGS.count == "speculative_loop" else "plain"
         print(f"\n{FLAGS.count} ({what}), batch {batch}, one iteration: {s['launches']} kernel launches "
               f"({s['custom_calls']} custom calls; +{s['memory_ops']} memory copies); "
               f"compiled in {time.time() - t0:.1f} s")
         print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
         print_copies(open(sorted(glob.glob(os.path.join(where, "*after_optimizations.txt")))[-1]).read(), True)
+        if FLAGS.list:
+            print_launches(thunks)
+
+
+def print_launches(thunks):
+    for i, (kind, name, dims, _) in enumerate(thunks):
+        print(f"  {i:4d} {kind:14s} {name} {dims}")
 
 
 def print_copies(hlo_text: str, while_body: bool):
@@ -308,8 +316,7 @@ def main(argv):
                 print("  by source: " + "; ".join(
                     f"{n} x {src}" for src, n in by_source(thunks, compiled.as_text()).most_common()))
             if FLAGS.list:
-                for i, (kind, name, dims, _) in enumerate(thunks):
-                    print(f"  {i:4d} {kind:14s} {name} {dims}")
+                print_launches(thunks)
     if FLAGS.dump:
         print(f"\nXLA dumps: {dump_root}")
 
