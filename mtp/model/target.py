@@ -89,7 +89,7 @@ def paged_attention_mixer(cfg, p, rope_positions, slots, k_pages, v_pages, block
                                         slots, k_pages, v_pages, block_tables, write, cfg=cfg, impl=impl)
         result["kv"] = (kp, vp)
         o = paged_attention(q, kp, vp, block_tables, attn_lengths, gate=gate, impl=impl)
-        return attention_out(p["self_attn"], o)
+        return attention_out(attn, o)
 
     return mixer, result
 
