@@ -203,19 +203,24 @@ def attention_qkv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
 
 
 def attention_columns(p, x: jax.Array, lead: tuple[int, ...]) -> list[Columns]:
-    """The q (with its gate), k and v projections of ``x`` (merged into one GEMM where `dense_columns` can)."""
-    return dense_columns(x, [p[n]["weight"] for n in ("q_proj", "k_proj", "v_proj")], lead)
+    """The q (with its gate), k and v projections of ``x``, as `_columns`."""
+    return _columns(p, x, lead, ("q_proj", "k_proj", "v_proj"))
 
 
 def attention_qkv_of(p, columns: list[Columns], positions: jax.Array, lead: tuple[int, ...], cfg: ModelConfig):
     """``attention_qkv`` from the projections' ``attention_columns``: the norms, the RoPE and the gate's split."""
-    d, hq = cfg.head_dim, cfg.num_attention_heads
-    qg, k, v = (c.view(lead) for c in columns)
-    qg = qg.reshape(*lead, hq, 2 * d)
-    q, gate = qg[..., :d], qg[..., d:]
+    q, gate = query_and_gate(columns[0], lead, cfg)
+    k, v = (c.view(lead) for c in columns[1:])
     q = rms_norm(q, p["q_norm"]["weight"], cfg.rms_norm_eps)
     k, v = _key_values(p, k, v, lead, cfg)
     return rope(q, positions, cfg), rope(k, positions, cfg), v, gate
+
+
+def query_and_gate(q_columns: Columns, lead: tuple[int, ...], cfg: ModelConfig):
+    """``q_proj``'s output split per head into the query and the output gate, each ``[*lead, Hq, D]``."""
+    d = cfg.head_dim
+    qg = q_columns.view(lead).reshape(*lead, cfg.num_attention_heads, 2 * d)
+    return qg[..., :d], qg[..., d:]
 
 
 def _lead(x, positions):
@@ -224,8 +229,13 @@ def _lead(x, positions):
 
 
 def _projections(p, x, lead, names):
-    """The named projections of ``x``, each ``[*lead, out]`` (merged into one GEMM where `dense_columns` can)."""
-    return [c.view(lead) for c in dense_columns(x, [p[n]["weight"] for n in names], lead)]
+    """The named projections of ``x``, each ``[*lead, out]``."""
+    return [c.view(lead) for c in _columns(p, x, lead, names)]
+
+
+def _columns(p, x, lead, names) -> list[Columns]:
+    """The named projections of ``x`` as GEMM output columns (merged into one GEMM where `dense_columns` can)."""
+    return dense_columns(x, [p[n]["weight"] for n in names], lead)
 
 
 def _key_values(p, k, v, lead, cfg):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from mtp.model.layers import add_rows, rms_norm
-from mtp.pallas.backend import resolve_impl, tensor_parallel_mesh, triton_compiler_params, triton_interpret_scope
+from mtp.pallas.backend import run_triton_op, triton_compiler_params
 
 
 def add_rms_norm_reference(x, y, w, *, eps):
@@ -84,8 +84,6 @@ def add_rms_norm(x, y, w, *, eps, impl="auto"):
     go to the reference. The kernel has no autodiff rule: training passes
     ``impl="reference"``.
     """
-    mode = resolve_impl(impl, op="add_rms_norm")
-    if mode == "reference" or kernel_unsupported(x, y, w) or tensor_parallel_mesh() is not None:
-        return add_rms_norm_reference(x, y, w, eps=eps)
-    with triton_interpret_scope(mode) as interpret:
-        return _add_rms_norm_pallas(x, y, w, eps=eps, interpret=interpret)
+    return run_triton_op("add_rms_norm", impl, lambda: kernel_unsupported(x, y, w),
+                         lambda: add_rms_norm_reference(x, y, w, eps=eps),
+                         lambda interpret: _add_rms_norm_pallas(x, y, w, eps=eps, interpret=interpret))

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from mtp.config import ModelConfig
-from mtp.pallas.backend import resolve_impl, tensor_parallel_mesh, triton_compiler_params, triton_interpret_scope
+from mtp.pallas.backend import run_triton_op, triton_compiler_params
 
 MAX_TOKENS = 8  # new tokens per sequence the kernel takes (decode, verify, drafts); prefill runs the reference
 
@@ -150,15 +150,14 @@ def attn_prologue(columns, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v
     Inputs the kernel cannot take (``kernel_unsupported``, a prefill among them) and traces
     under a tensor-parallel mesh go to the reference. No autodiff rule: training has no cache.
     """
-    mode = resolve_impl(impl, op="attn_prologue")
-    args = (columns, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages, block_tables, write)
-    if (mode == "reference" or kernel_unsupported(columns, k_pages, rope_positions, cfg)
-            or tensor_parallel_mesh() is not None):
-        return attn_prologue_reference(*args, cfg=cfg)
-    lead = rope_positions.shape
-    gate = columns[0].view(lead).reshape(*lead, cfg.num_attention_heads, 2 * cfg.head_dim)[..., cfg.head_dim:]
-    with triton_interpret_scope(mode) as interpret:
-        q, k_pages, v_pages = _attn_prologue_pallas(
+    from mtp.model import layers  # imports mtp.pallas: so here, not at the top
+
+    def kernel(interpret):
+        q, kp, vp = _attn_prologue_pallas(
             tuple(c.rows for c in columns), q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages,
             block_tables, write, cfg=cfg, starts=tuple(c.start for c in columns), interpret=interpret)
-    return q, gate, k_pages, v_pages
+        return q, layers.query_and_gate(columns[0], rope_positions.shape, cfg)[1], kp, vp
+
+    args = (columns, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages, block_tables, write)
+    return run_triton_op("attn_prologue", impl, lambda: kernel_unsupported(columns, k_pages, rope_positions, cfg),
+                         lambda: attn_prologue_reference(*args, cfg=cfg), kernel)

@@ -172,6 +172,20 @@ def triton_interpret_scope(mode: str):
         jax_config.pallas_tpu_interpret_mode_context_manager.set_local(prev)
 
 
+def run_triton_op(op: str, impl: str, unsupported, reference, kernel):
+    """The dispatch of a Triton-lowered op: ``reference()``, or ``kernel(interpret)``.
+
+    The reference runs where ``impl`` resolves to it (`resolve_impl`), where
+    ``unsupported()`` names why the kernel cannot take the inputs, and under a
+    tensor-parallel mesh (the kernels see whole arrays, and XLA partitions the reference).
+    """
+    mode = resolve_impl(impl, op=op)
+    if mode == "reference" or unsupported() or tensor_parallel_mesh() is not None:
+        return reference()
+    with triton_interpret_scope(mode) as interpret:
+        return kernel(interpret)
+
+
 def triton_compiler_params(interpret: bool, num_warps: int) -> dict:
     """``pallas_call``'s keyword arguments for a Triton-lowered kernel (none when interpreted)."""
     if interpret:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from mtp.pallas.backend import resolve_impl, tensor_parallel_mesh, triton_compiler_params, triton_interpret_scope
+from mtp.pallas.backend import run_triton_op, triton_compiler_params
 from mtp.pallas.gdn_step import HeadShape
 
 
@@ -115,9 +115,7 @@ def conv_step(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadShape, impl=
     Inputs the kernel cannot take (``kernel_unsupported``) and traces under a
     tensor-parallel mesh go to the reference. No autodiff rule: training never decodes.
     """
-    mode = resolve_impl(impl, op="conv_step")
-    if (mode == "reference" or kernel_unsupported(qkvz, valid, conv_state, conv_w, heads)
-            or tensor_parallel_mesh() is not None):
-        return conv_step_reference(mixed, qkvz, valid, conv_state, conv_w, heads=heads)
-    with triton_interpret_scope(mode) as interpret:
-        return _conv_step_pallas(qkvz, valid, conv_state, conv_w, heads=heads, interpret=interpret)
+    return run_triton_op(
+        "conv_step", impl, lambda: kernel_unsupported(qkvz, valid, conv_state, conv_w, heads),
+        lambda: conv_step_reference(mixed, qkvz, valid, conv_state, conv_w, heads=heads),
+        lambda interpret: _conv_step_pallas(qkvz, valid, conv_state, conv_w, heads=heads, interpret=interpret))
