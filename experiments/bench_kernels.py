@@ -287,10 +287,10 @@ def bench_merged(m, family, reps):
 def bench_ffn_chain(reps, num_layers=16, m=2):
     """The decode step's FFNs alone (``ffn_program``), back to back, against one FFN alone.
 
-    Inside the decode step XLA's few-row GEMMs take 20-40% longer per call than the same
-    GEMM timed alone (results/decode_h200.md, session 9). The per-kernel CUPTI times say
-    whether a chain of FFNs alone shows the gap, and under which of XLA's command-buffer
-    settings.
+    Session 9 found XLA's few-row GEMMs 20-40% slower per call inside the decode step than
+    timed alone; session 10 traced that to the alone timings' warm L2 (results/kernels_h200.md,
+    runs 20-23). The per-kernel CUPTI times compare one FFN with a chain of them, under three
+    of XLA's command-buffer settings.
     """
     from mtp.pallas.backend import decode_loop_compiler_options
 
@@ -506,6 +506,17 @@ def _table(title, columns, rows, keys, cells):
     return lines
 
 
+def _kernel_rows(named):
+    """``{name: per_kernel_us result or error}`` as `_table` rows."""
+    return [dict(v, name=k) if "error" in v else {"name": k, "kernels": v} for k, v in named.items()]
+
+
+def _kernel_cells(kernels, by_time=False):
+    """``per_kernel_us``'s ``{kernel: (launches, µs)}`` as one cell, in run order or costliest first."""
+    items = sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1]) if by_time else kernels.items()
+    return "; ".join(f"{n[:40]}: {c} x {us:.1f}" for n, (c, us) in items)
+
+
 def render(results):
     lines = [f"Device: {results['device']}; timing: {results.get('timing')}; date: {results['date']}"]
     lines += _table(
@@ -563,23 +574,15 @@ def render(results):
                         results["merged"], lambda r: [r["M"], r["family"]], merged_cells)
     if isinstance(results.get("ffn_chain"), dict) and "error" not in results["ffn_chain"]:
         r = results["ffn_chain"]
-        lines += ["", f"### the decode step's FFNs alone (M = {r['M']}): per-kernel µs, one layer vs "
-                  f"{r['layers']} layers back to back", "", "| XLA setting | what | kernel: launches x median µs |",
-                  "|---|---|---|"]
-        for key, kernels in r.items():
-            if not isinstance(kernels, dict):
-                continue
-            cells = "; ".join(f"{n[:40]}: {c} x {us:.1f}" for n, (c, us) in
-                              sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1])) \
-                if "error" not in kernels else kernels["error"][:100]
-            lines.append(f"| {key.split(': ')[0]} | {key.split(': ')[1]} | {cells} |")
+        lines += _table(f"the decode step's FFNs alone (M = {r['M']}): per-kernel µs, one layer vs {r['layers']} "
+                        "layers back to back", ["XLA setting", "what", "kernel: launches x median µs"],
+                        _kernel_rows({k: v for k, v in r.items() if isinstance(v, dict)}),
+                        lambda row: row["name"].split(": "),
+                        lambda row: [_kernel_cells(row["kernels"], by_time=True)])
     if results.get("gemm_context"):
         lines += _table("the FFN's gate + up GEMM in its contexts (`gemm_probe.gate_up_contexts`): per kernel, "
-                        "launches x median µs", ["program", "kernels"],
-                        [dict(v, program=k) if "error" in v else {"program": k, "kernels": v}
-                         for k, v in results["gemm_context"].items()],
-                        lambda r: [r["program"]],
-                        lambda r: ["; ".join(f"{n[:40]}: {c} x {us:.1f}" for n, (c, us) in r["kernels"].items())])
+                        "launches x median µs", ["program", "kernels"], _kernel_rows(results["gemm_context"]),
+                        lambda row: [row["name"]], lambda row: [_kernel_cells(row["kernels"])])
     if results.get("gdn"):
         lines += ["", "### fused Gated DeltaNet decode step (nk=16, nv=32, D=128; TB/s = state bytes / time)",
                   "", "| B | rel err y | rel err state | ours µs | ours TB/s | XLA µs | XLA TB/s | ours / XLA (speed) |",

@@ -67,8 +67,9 @@ def gate_up_contexts(num_layers=16, m=2, hidden=2048, inter=5632):
     weights, and in the whole FFN layer; each rotates through ``num_layers`` weights. The
     GEMM's fusion is the same HLO in every program, so one process autotunes it once and every
     program runs the same config. Run 18 (results/kernels_h200.md) found the GEMM 13.2 µs in
-    the FFN and 11.1 µs alone: per-kernel times of these programs say which neighbour costs
-    the difference.
+    the FFN and 11.1 µs alone; these programs showed that any second weight read in the program
+    makes the difference, and with the L2 cold before each call (`experiments.cupti`) every
+    program takes 13.5-14.0 µs (runs 20-23).
     """
     chain, x, ws = ffn_program(num_layers, m, hidden, inter)
     reps = -(-inter // hidden)
