@@ -23,7 +23,7 @@ ENV_VAR = "MTP_KERNELS"
 # Kernels built and tested but not yet measured faster inside the model on a GPU: "auto"
 # keeps their references everywhere until a side-by-side run says otherwise
 # (``MTP_KERNELS=<op>=pallas`` takes the kernel).
-UNMEASURED = ("attn_prologue",)  # conv_step left it in session 10 (results/decode_h200.md)
+UNMEASURED = ()  # conv_step left it in session 10, attn_prologue in session 11 (results/decode_h200.md)
 
 
 def _check(impl: str, where: str) -> str:
