@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mtp.model import layers
-from mtp.pallas.add_rms_norm import add_rms_norm, add_rms_norm_reference, kernel_unsupported
+from mtp.pallas.add_rms_norm import add_rms_norm, add_rms_norm_reference, kernel_unsupported, row_pieces
 
 # The compiled Triton kernel on a GPU, the same kernel code in Pallas' interpreter elsewhere.
 IMPL = "pallas" if jax.default_backend() == "gpu" else "interpret"
@@ -25,6 +25,8 @@ def _case(seed, x_shape, y_shape, dtype):
     ((3, 4, 64), (3, 4, 64), jnp.float32, 1e-6),       # the stream as [B, T, H]
     ((2, 128), (1, 1, 128), jnp.float32, 1e-6),         # the padded one-row stream: row 1 is padding
     ((8, 128), (3, 1, 128), jnp.bfloat16, 1e-2),        # padding past a batch of 3, bf16
+    ((2, 384), (1, 1, 384), jnp.bfloat16, 1e-2),        # the default model's width: 256 + 128
+    ((3, 2, 112), (3, 2, 112), jnp.float32, 1e-6),      # 64 + 32 + 16
 ])
 def test_kernel_matches_reference(x_shape, y_shape, dtype, tol):
     x, y, w = _case(sum(x_shape), x_shape, y_shape, dtype)
@@ -41,6 +43,14 @@ def test_kernel_matches_reference(x_shape, y_shape, dtype, tol):
     assert np.abs(f(s).reshape(x2.shape)[:real] - x2[:real]).max() > 0.1     # real rows moved
 
 
+def test_row_pieces_cover_the_row():
+    for h in (16, 48, 384, 2048, 4096 + 1024 + 16):
+        pieces = row_pieces(h)
+        assert sum(size for _, size in pieces) == h
+        assert [off for off, _ in pieces] == [sum(size for _, size in pieces[:i]) for i in range(len(pieces))]
+        assert all(size & (size - 1) == 0 for _, size in pieces)
+
+
 def test_padding_rows_stay_zero_in_the_padded_stream():
     x = layers.stream_rows(jax.random.normal(jax.random.key(0), (1, 1, 64)), pad=True)
     y = jax.random.normal(jax.random.key(1), (1, 1, 64))
@@ -49,8 +59,8 @@ def test_padding_rows_stay_zero_in_the_padded_stream():
 
 
 def test_unsupported_inputs_take_the_reference():
-    x, y, w = _case(0, (2, 48), (2, 48), jnp.float32)
-    assert "power of two" in kernel_unsupported(x, y, w)
+    x, y, w = _case(0, (2, 120), (2, 120), jnp.float32)  # 120 is no multiple of 16
+    assert "power-of-two pieces" in kernel_unsupported(x, y, w)
     s, h = add_rms_norm(x, y, w, eps=1e-6, impl=IMPL)
     s_ref, h_ref = add_rms_norm_reference(x, y, w, eps=1e-6)
     np.testing.assert_array_equal(s, s_ref)
@@ -58,3 +68,20 @@ def test_unsupported_inputs_take_the_reference():
     x, y, w = _case(0, (2, 64), (3, 64), jnp.float32)
     assert "at most the stream's rows" in kernel_unsupported(x, y, w)
     assert "does not match" in kernel_unsupported(x, y, w[:32])
+
+
+def test_auto_takes_the_kernel_for_one_row_only(monkeypatch):
+    """On a GPU ``auto`` takes the kernel when ``y`` is one row (``kernel_pays``), also inside the
+    padded stream, and the reference above (XLA fuses its split-K GEMMs' reduction with the add and
+    the norm); ``MTP_KERNELS=add_rms_norm=pallas`` takes the kernel at any rows."""
+    from mtp.pallas import add_rms_norm as arn
+    from mtp.pallas import backend
+
+    calls = []
+    monkeypatch.setattr(arn, "_add_rms_norm_pallas", lambda x, y, *a, **k: calls.append(y.shape) or ("s", "h"))
+    monkeypatch.setattr(backend, "on_gpu", lambda: True)
+    run = lambda x_rows, y_rows: arn.add_rms_norm(*_case(0, (x_rows, 64), (y_rows, 1, 64), jnp.float32), eps=1e-6)
+    assert run(layers.PAD_ROWS, 1)[0] == "s" and calls == [(1, 1, 64)]
+    assert isinstance(run(2, 2)[0], jax.Array) and len(calls) == 1
+    monkeypatch.setenv("MTP_KERNELS", "add_rms_norm=pallas")
+    assert run(2, 2)[0] == "s" and len(calls) == 2

@@ -244,8 +244,10 @@ def test_quantize_head_folds_fc_weight_and_fc_input_uses_it():
 
 
 def test_plans():
-    assert fcmod._plan_small(4096, 132) == (128, 4, 6)
-    assert fcmod._plan_small(2048, 132)[1] == 8
+    assert fcmod._plan_small(1, 4096, 132) == fcmod._plan_small(32, 4096, 132) == (128, 4, 6)
+    assert fcmod._plan_small(8, 4096, 132) == (256, 8, 3)  # the measured bucket
+    assert fcmod._plan_small(8, 4096, 132, stages=4) == (128, 4, 4)  # an explicit plan is kept
+    assert fcmod._plan_small(8, 2048, 132)[1] == 8
     wm, tn, st, npg = fcmod._plan_large(12288, 4096, 132)
     assert (wm, tn) == (64, 128) and npg == 132
     assert fcmod._plan_large(12288, 4096, 132, acc="rescale")[:3] == (128, 128, 4)

@@ -6,6 +6,10 @@ output, and the sum is needed again for the next residual add. A decode step of 
 is mostly such small kernels (results/decode_h200.md), so here one program per row writes
 both: 16 launches fewer per step of the 1.38B model.
 
+A row whose width is not a power of two (the shipped default model's 384) is read as
+power-of-two pieces (256 + 128): Triton's tensors must have power-of-two sizes, and XLA
+runs such a norm as two kernels, a reduction and an elementwise pass.
+
 Pallas' Triton lowering, like `mtp.pallas.gdn_step` and for the same reasons: the op is a
 row reduction with no matmul, and a Triton custom call can run inside XLA's CUDA graphs,
 which a Mosaic GPU one cannot in jax 0.11.2 (results/decode_h200.md, session 7).
@@ -24,6 +28,8 @@ from jax.experimental import pallas as pl
 from mtp.model.layers import add_rows, rms_norm
 from mtp.pallas.backend import run_triton_op, triton_compiler_params
 
+MAX_PIECES = 4  # a row is read as at most this many power-of-two pieces
+
 
 def add_rms_norm_reference(x, y, w, *, eps):
     """``(s, rms_norm(s, w))`` with ``s = x + y``, ``x`` and ``s`` as ``x`` is.
@@ -36,11 +42,22 @@ def add_rms_norm_reference(x, y, w, *, eps):
     return s, rms_norm(s, w, eps)
 
 
+def row_pieces(h: int) -> list[tuple[int, int]]:
+    """``(offset, width)`` of the power-of-two pieces a row of ``h`` is read in, widest first."""
+    pieces, offset = [], 0
+    for bit in reversed(range(h.bit_length())):
+        if h >> bit & 1:
+            pieces.append((offset, 1 << bit))
+            offset += 1 << bit
+    return pieces
+
+
 def kernel_unsupported(x, y, w) -> str | None:
     """Why the kernel cannot take these inputs (the caller then runs the reference), or None."""
     h = x.shape[-1]
-    if h & (h - 1) or h < 16:
-        return f"hidden size {h} is not a power of two >= 16"
+    if h % 16 or len(row_pieces(h)) > MAX_PIECES:
+        return (f"hidden size {h} is not a multiple of 16 made of at most {MAX_PIECES} "
+                f"power-of-two pieces")
     if y.shape[-1] != h or w.shape != (h,):
         return f"y {y.shape} or w {w.shape} does not match the stream's hidden size {h}"
     if y.size > x.size or y.dtype != x.dtype:
@@ -48,12 +65,37 @@ def kernel_unsupported(x, y, w) -> str | None:
     return None
 
 
+def kernel_pays(y) -> bool:
+    """Where ``auto`` takes the kernel: ``y`` is one row (a decode step at batch 1).
+
+    XLA computes a one-row product as a row reduction, and the add and norm after it as
+    two kernels more. From two rows on it runs the product as a GEMM that splits K, and
+    fuses the partial sums with the add and the norm; the kernel, a custom call, would
+    leave that reduction a launch of its own. Counted for an H200
+    (`experiments/count_kernels.py`): the default model's plain loop at batch 1 takes 96 -> 80
+    launches with the kernel, while taking it for every stream of up to two rows would add 6
+    launches to the speculative loop's iteration (K = 2: its verify runs 2 rows) and 12 to
+    the plain loop's at batch 8.
+    """
+    return y.size == y.shape[-1]
+
+
 def _kernel(x_ref, y_ref, w_ref, s_ref, h_ref, *, real_rows, eps):
-    y = y_ref[...]
-    y = jnp.where(pl.program_id(0) < real_rows, y, jnp.zeros_like(y))
-    s = (x_ref[...].astype(jnp.float32) + y.astype(jnp.float32)).astype(s_ref.dtype)
-    s_ref[...] = s
-    h_ref[...] = rms_norm(s, w_ref[...], eps)  # the model's own norm, on a [1, H] row
+    width = x_ref.shape[-1]
+    pieces, sum_sq = [], jnp.zeros((1,), jnp.float32)
+    for offset, size in row_pieces(width):
+        cols = pl.ds(offset, size)
+        y = y_ref[:, cols]
+        y = jnp.where(pl.program_id(0) < real_rows, y, jnp.zeros_like(y))
+        s = (x_ref[:, cols].astype(jnp.float32) + y.astype(jnp.float32)).astype(s_ref.dtype)
+        s_ref[:, cols] = s
+        sf = s.astype(jnp.float32)
+        sum_sq = sum_sq + jnp.sum(sf * sf, axis=-1)
+        pieces.append((cols, sf))
+    # `layers.rms_norm`'s arithmetic, with the row's sum of squares taken over its pieces.
+    scale = jax.lax.rsqrt(sum_sq / width + eps)[:, None]
+    for cols, sf in pieces:
+        h_ref[:, cols] = (sf * scale * (1.0 + w_ref[cols].astype(jnp.float32))).astype(h_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
@@ -79,11 +121,12 @@ def _add_rms_norm_pallas(x, y, w, *, eps, interpret=False):
 def add_rms_norm(x, y, w, *, eps, impl="auto"):
     """``add_rms_norm_reference``'s signature and results; ``impl`` picks the path (``backend``).
 
-    Inputs the kernel cannot take (``kernel_unsupported``) and traces under a
-    tensor-parallel mesh (where the stream is replicated and XLA's fusions are as cheap)
-    go to the reference. The kernel has no autodiff rule: training passes
-    ``impl="reference"``.
+    Inputs the kernel cannot take (``kernel_unsupported``), streams where it does not pay
+    (``kernel_pays``, for ``impl="auto"``) and traces under a tensor-parallel mesh
+    (where the stream is replicated and XLA's fusions are as cheap) go to the reference.
+    The kernel has no autodiff rule: training passes ``impl="reference"``.
     """
     return run_triton_op("add_rms_norm", impl, lambda: kernel_unsupported(x, y, w),
                          lambda: add_rms_norm_reference(x, y, w, eps=eps),
-                         lambda interpret: _add_rms_norm_pallas(x, y, w, eps=eps, interpret=interpret))
+                         lambda interpret: _add_rms_norm_pallas(x, y, w, eps=eps, interpret=interpret),
+                         kernel_pays=lambda: kernel_pays(y))

@@ -172,15 +172,19 @@ def triton_interpret_scope(mode: str):
         jax_config.pallas_tpu_interpret_mode_context_manager.set_local(prev)
 
 
-def run_triton_op(op: str, impl: str, unsupported, reference, kernel):
+def run_triton_op(op: str, impl: str, unsupported, reference, kernel, kernel_pays=None):
     """The dispatch of a Triton-lowered op: ``reference()``, or ``kernel(interpret)``.
 
     The reference runs where ``impl`` resolves to it (`resolve_impl`), where
-    ``unsupported()`` names why the kernel cannot take the inputs, and under a
-    tensor-parallel mesh (the kernels see whole arrays, and XLA partitions the reference).
+    ``unsupported()`` names why the kernel cannot take the inputs, under a tensor-parallel
+    mesh (the kernels see whole arrays, and XLA partitions the reference), and where
+    ``kernel_pays()`` says False while the choice is ``auto`` all the way (``impl`` and
+    ``MTP_KERNELS``): an op's measured rule for inputs where XLA's own fusions do better.
     """
     mode = resolve_impl(impl, op=op)
-    if mode == "reference" or unsupported() or tensor_parallel_mesh() is not None:
+    declined = (kernel_pays is not None and impl == "auto" and env_choice(op) == "auto"
+                and not kernel_pays())
+    if mode == "reference" or declined or unsupported() or tensor_parallel_mesh() is not None:
         return reference()
     with triton_interpret_scope(mode) as interpret:
         return kernel(interpret)

@@ -174,7 +174,16 @@ MAX_CLUSTER = 8  # the portable thread-block cluster size: at most this many K s
 REDUCE_COLS = 32  # width of a partial's f32 slabs: one 128-byte swizzle tile (a cluster block reduces whole slabs)
 
 
-def _plan_small(h: int, num_sms: int, tile_n=None, k_splits=None, stages=None):
+def _plan_small(m: int, h: int, num_sms: int, tile_n=None, k_splits=None, stages=None):
+    """(tile_n, k_splits, stages) of the split-K stream for M rows.
+
+    By default ~one wave of 128-column tiles with 6 stages. One measured bucket differs:
+    at H >= 4096 and 1 < M <= 16, 256-column tiles over 8 splits with 3 stages
+    (results/kernels_h200.md, runs 24-25, L2 cold, M = 8: 1.00-1.02x XLA's norm + concat +
+    dot against 0.93-0.95x with the default plan; at M = 1 and 32 the default is faster).
+    """
+    if h >= 4096 and 1 < m <= 16 and (tile_n, k_splits, stages) == (None, None, None):
+        tile_n, k_splits, stages = 256, 8, 3
     tile_n = tile_n or 128
     while h % tile_n:
         tile_n //= 2
@@ -652,7 +661,7 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     if m <= small_m:
         if m > SMALL_M:
             raise ValueError(f"small_m={small_m} exceeds the {SMALL_M}-row split-K tile")
-        tn, ks, st = _plan_small(h, num_sms(), tile_n, k_splits, stages)
+        tn, ks, st = _plan_small(m, h, num_sms(), tile_n, k_splits, stages)
         return _splitk(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st, eps=eps,
                        reduce=reduce)
     wm, tn, st, npg = _plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc)
@@ -665,13 +674,15 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
 
 
 def _kernel_wins(m: int, h: int) -> bool:
-    """Where ``impl="auto"`` takes the kernel on a GPU (results/kernels_h200.md, runs 9-12).
+    """Where ``impl="auto"`` takes the kernel on a GPU (results/kernels_h200.md).
 
     Measured against XLA's norm + concat + dot: M = 2048 and 12288 at H = 2048 and 4096
-    1.06-1.15x (kernel); M = 1, 8, 32 at H = 2048 0.92-1.01x and at H = 4096 0.94-1.28x
-    over two runs (mixed, so the reference); M in (64, 2048) was not measured
-    (reference). The kernel needs M to be a multiple of 8 (the model's prefill chunks
-    are multiples of 64).
+    1.06-1.15x (kernel; runs 9-12, 23-24). At M <= 32 the op alone is 1.13-1.25x with the
+    L2 cold (runs 23-25) except M = 8, H = 4096 (0.99-1.02x), but in the 1.38B model's
+    propose step the kernel was not faster (session 11: 0.302 vs 0.297 ms per draft, one run
+    each; results/decode_h200.md), so small M keeps the reference; M in (32, 2048) was not
+    measured (reference). The kernel needs M to be a multiple of 8 (the model's prefill
+    chunks are multiples of 64).
     """
     del h
     return m >= 2048 and m % 8 == 0
