@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call's worth of GPU checks: the kernels compile and pass the model's tests, then each kernel
-# that `auto` does not take yet (`backend.UNMEASURED`) off and on, interleaved twice: in the decode
-# step (1.38B model, part A) and in the real decode loops (the default model, part B: plain and
-# speculative K = 2, batch 1); and tensor parallelism when the machine has two GPUs. (The loops'
+# that `auto` does not take yet (`backend.UNMEASURED`) off and on, interleaved twice
+# (`experiments/ab_decode.py`): in the decode step (1.38B model, part A) and in the real decode
+# loops (the default model, part B: plain and speculative K = 2, batch 1); and tensor parallelism
+# when the machine has two GPUs. (The loops'
 # CUDA-graph options, measured in sessions 4-5: `MTP_DECODE_LOOP_GRAPH=0` turns them off.) Each part
 # writes under $OUT/<part>/; a summary table ends the output. For the lent H200 (nothing installed,
 # run from the repository root):
@@ -35,21 +36,13 @@ print("; ".join(f"B={r['batch']} {r['ms']:.3f} ms ({r['ratio_to_floor']:.2f}x fl
 EOF
 }
 
-run tests $PY -m pytest -q -p no:cacheprovider "${tests[@]}"
+run tests $PY -m pytest -p no:cacheprovider "${tests[@]}"
 for op in $($PY -c "from mtp.pallas.backend import UNMEASURED; print(*UNMEASURED)"); do
-  for round in 1 2; do
-    for choice in reference $kernel; do
-      name="decode_${op}_${choice}_$round"
-      run "$name" env MTP_KERNELS="$op=$choice" $PY experiments/bench_decode.py "${small[@]}" \
-          --parts A --batches $batches --decode_only --reps $reps --out_dir "$OUT/$name"
-      summary+=("  $op=$choice ($round): $(decode_row "$OUT/$name" 2>/dev/null)")
-      name="loops_${op}_${choice}_$round"
-      run "$name" env MTP_KERNELS="$op=$choice" $PY experiments/bench_decode.py "${small[@]}" \
-          --parts B --batches 1 --spec_ks 2 --reps $reps --out_dir "$OUT/$name"
-      summary+=("  $op=$choice ($round), default model: $(grep '^| B' "$OUT/$name/results.md" 2>/dev/null \
-                | cut -d'|' -f3,5 | tr '\n' ';')")
-    done
-  done
+  run "ab_$op" $PY experiments/ab_decode.py --rounds 2 --out_dir "$OUT/ab_$op" \
+      --old_env "MTP_KERNELS=$op=reference" --new_env "MTP_KERNELS=$op=$kernel" \
+      --bench="${small[*]} --parts A --batches $batches --decode_only --reps $reps" \
+      --bench="${small[*]} --parts B --batches 1 --spec_ks 2 --reps $reps"
+  summary+=("$(cat "$OUT/ab_$op/ab.md" 2>/dev/null)")
 done
 if (( ngpu >= 2 )); then
   for tp in 1 2; do

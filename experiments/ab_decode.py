@@ -1,0 +1,165 @@
+r"""Two variants of the decode benchmark, interleaved in one run: how this project states a speed-up.
+
+The lent GPUs are shared and their speed drifts from one minute to the next, so a number
+from another run is no baseline. A variant is a source tree and an environment;
+``bench_decode.py`` runs for each variant in turn, ``old, new, old, new, ...``, and the table
+compares the means of the rounds. Two uses, on the GPU machine from the repository root:
+
+    # one kernel off and on, in this tree
+    PYTHONPATH=. python3 experiments/ab_decode.py \
+        --old_env MTP_KERNELS=attn_prologue=reference --new_env MTP_KERNELS=attn_prologue=pallas
+    # this tree against an older revision, unpacked first on the machine that has git:
+    #   mkdir -p runs/old && git archive REV mtp experiments configs | tar -x -C runs/old
+    PYTHONPATH=. python3 experiments/ab_decode.py --old_tree runs/old
+
+Each ``--bench`` value is one ``bench_decode.py`` invocation per variant and round (the
+default: part A's decode step at batch 1 and 8, then part B's loops at batch 1). A tree
+without ``assets/`` (an archive of code only) gets a link to this tree's. Writes
+``ab.json`` (every run's rows) and ``ab.md`` (the table) to ``--out_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shlex
+import statistics
+import subprocess
+import sys
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("old_tree", ".", "Source tree of the old variant (a directory with mtp/ and experiments/).")
+flags.DEFINE_string("new_tree", ".", "Source tree of the new variant.")
+flags.DEFINE_multi_string("old_env", [], "KEY=VALUE set for the old variant's runs (repeatable).")
+flags.DEFINE_multi_string("new_env", [], "KEY=VALUE set for the new variant's runs (repeatable).")
+flags.DEFINE_integer("rounds", 2, "Rounds; each runs every --bench for old, then new.", lower_bound=1)
+flags.DEFINE_multi_string("bench", ["--parts A --batches 1,8 --decode_only --reps 7",
+                                    "--parts B --batches 1 --spec_ks 2 --reps 7"],
+                          "bench_decode.py arguments of one invocation (repeatable).")
+flags.DEFINE_string("bench_script", "experiments/bench_decode.py", "The benchmark, relative to each tree.")
+flags.DEFINE_integer("timeout", 300, "Seconds per benchmark invocation.", lower_bound=1)
+flags.DEFINE_string("out_dir", os.environ.get("OUT", "runs/ab_decode"), "Where ab.json / ab.md go.")
+
+VARIANTS = ("old", "new")
+# (row field, whether larger is faster): part A rows carry ms per step, part B rows tokens/s.
+METRICS = (("ms", False), ("tokens_per_s", True))
+
+
+def parse_env(entries: list[str], flag: str) -> dict[str, str]:
+    env = {}
+    for entry in entries:
+        key, sep, value = entry.partition("=")
+        if not sep or not key:
+            raise app.UsageError(f"--{flag}={entry!r}: expected KEY=VALUE")
+        env[key] = value
+    return env
+
+
+def check_tree(tree: pathlib.Path, flag: str, bench_script: str) -> pathlib.Path:
+    tree = tree.resolve()
+    if not (tree / bench_script).is_file() or not (tree / "mtp").is_dir():
+        raise app.UsageError(f"--{flag}={tree}: no {bench_script} and mtp/ there; unpack a revision with "
+                             f"`git archive REV mtp experiments configs | tar -x -C {tree}`")
+    return tree
+
+
+def schedule(rounds: int, benches: list[str]) -> list[tuple[int, str, int]]:
+    """``(round, variant, bench index)`` in run order: within a round every bench of old, then of new."""
+    return [(r, v, i) for r in range(1, rounds + 1) for v in VARIANTS for i in range(len(benches))]
+
+
+def run_bench(tree: pathlib.Path, env: dict[str, str], args: str, out: pathlib.Path,
+              bench_script: str, timeout: int) -> list[dict]:
+    """One benchmark invocation in ``tree``; its rows ([] when it failed: the log says why)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, bench_script, *shlex.split(args), f"--out_dir={out}"]
+    full_env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1", **env}
+    with open(out / "log.txt", "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=tree, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0:
+        logging.error("%s in %s exited %s; see %s", args, tree, rc, out / "log.txt")
+    results = out / "results.json"  # written after every measurement: a cut run keeps its rows
+    return json.loads(results.read_text())["rows"] if results.exists() else []
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per measurement (part, what, batch): each variant's values over the rounds, and new/old speed.
+
+    ``runs``: ``{"variant", "round", "rows"}`` records. Speed is the ratio of the means,
+    oriented so that > 1 means new is faster; kernel counts and kernel time come along
+    where the rows carry them.
+    """
+    table: dict[tuple, dict] = {}
+    for run in runs:
+        for row in run["rows"]:
+            metric = next(((m, up) for m, up in METRICS if m in row), None)
+            if metric is None or "batch" not in row:
+                continue
+            key = (row["part"], row["what"], row["batch"])
+            entry = table.setdefault(key, {"part": key[0], "what": key[1], "batch": key[2],
+                                           "metric": metric[0], "higher_is_faster": metric[1],
+                                           **{v: [] for v in VARIANTS},
+                                           **{f"{v}_kernels": [] for v in VARIANTS},
+                                           **{f"{v}_kernel_ms": [] for v in VARIANTS}})
+            entry[run["variant"]].append(row[metric[0]])
+            if "kernels" in row:
+                entry[f"{run['variant']}_kernels"].append(row["kernels"])
+                entry[f"{run['variant']}_kernel_ms"].append(row["kernel_sum_ms"])
+    for entry in table.values():
+        if entry["old"] and entry["new"]:
+            old, new = statistics.mean(entry["old"]), statistics.mean(entry["new"])
+            entry["speed"] = new / old if entry["higher_is_faster"] else old / new
+    return list(table.values())
+
+
+def markdown(entries: list[dict], header: str) -> str:
+    fmt = lambda xs, unit: ", ".join(f"{x:,.4g}" for x in xs) + (f" {unit}" if xs else "—")
+    lines = [header, "", "| part | what | batch | old | new | new / old (speed) | kernels old / new | "
+             "kernel time old / new |", "|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        unit = "ms" if e["metric"] == "ms" else "tok/s"
+        speed = f"**{e['speed']:.3f}x**" if "speed" in e else "—"
+        kernels = " / ".join(str(sorted(set(e[f"{v}_kernels"]))) for v in VARIANTS) if e["old_kernels"] else "—"
+        ktime = " / ".join(fmt(e[f"{v}_kernel_ms"], "ms") for v in VARIANTS) if e["old_kernel_ms"] else "—"
+        lines.append(f"| {e['part']} | {e['what']} | {e['batch']} | {fmt(e['old'], unit)} | "
+                     f"{fmt(e['new'], unit)} | {speed} | {kernels} | {ktime} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    del argv
+    here = pathlib.Path.cwd()
+    trees = {"old": check_tree(pathlib.Path(FLAGS.old_tree), "old_tree", FLAGS.bench_script),
+             "new": check_tree(pathlib.Path(FLAGS.new_tree), "new_tree", FLAGS.bench_script)}
+    envs = {"old": parse_env(FLAGS.old_env, "old_env"), "new": parse_env(FLAGS.new_env, "new_env")}
+    if trees["old"] == trees["new"] and envs["old"] == envs["new"]:
+        raise app.UsageError("old and new are the same tree with the same environment: nothing to compare")
+    for tree in trees.values():
+        if not (tree / "assets").exists() and (here / "assets").is_dir():
+            (tree / "assets").symlink_to(here / "assets")  # part B loads the shipped model from ./assets
+    out = pathlib.Path(FLAGS.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for rnd, variant, i in schedule(FLAGS.rounds, FLAGS.bench):
+        logging.info("round %d, %s: %s", rnd, variant, FLAGS.bench[i])
+        rows = run_bench(trees[variant], envs[variant], FLAGS.bench[i], out / f"{variant}_{rnd}_{i}",
+                         FLAGS.bench_script, FLAGS.timeout)
+        runs.append({"variant": variant, "round": rnd, "bench": FLAGS.bench[i], "rows": rows})
+        entries = summarize(runs)
+        header = (f"old: {trees['old']} {envs['old'] or ''}; new: {trees['new']} {envs['new'] or ''}; "
+                  f"{FLAGS.rounds} rounds, interleaved")
+        (out / "ab.json").write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()},
+                                                 "envs": envs, "runs": runs, "table": entries}, indent=1))
+        (out / "ab.md").write_text(markdown(entries, header))
+    print((out / "ab.md").read_text())
+
+
+if __name__ == "__main__":
+    app.run(main)
