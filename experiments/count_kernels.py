@@ -239,7 +239,7 @@ def count_loop(device):
         where = os.path.join(FLAGS.dump or tempfile.mkdtemp(prefix="count_kernels_"), f"{FLAGS.count}_b{batch}")
         t0 = time.time()
         with jax.default_device(device):
-            loop.lower(*args).compile(compiler_options={"xla_dump_to": where})
+            compiled = loop.lower(*args).compile(compiler_options={"xla_dump_to": where})
         seq = sorted(glob.glob(os.path.join(where, "*.thunk_sequence.txt")))[-1]
         thunks = read_thunks(open(seq).read(), True)
         s = summarize(thunks)
@@ -249,6 +249,8 @@ def count_loop(device):
               f"compiled in {time.time() - t0:.1f} s")
         print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
         print_copies(open(sorted(glob.glob(os.path.join(where, "*after_optimizations.txt")))[-1]).read(), True)
+        if FLAGS.by_source:
+            print_sources(thunks, compiled.as_text())
         if FLAGS.list:
             print_launches(thunks)
 
@@ -256,6 +258,10 @@ def count_loop(device):
 def print_launches(thunks):
     for i, (kind, name, dims, _) in enumerate(thunks):
         print(f"  {i:4d} {kind:14s} {name} {dims}")
+
+
+def print_sources(thunks, compiled_text: str):
+    print("  by source: " + "; ".join(f"{n} x {src}" for src, n in by_source(thunks, compiled_text).most_common()))
 
 
 def print_copies(hlo_text: str, while_body: bool):
@@ -313,8 +319,7 @@ def main(argv):
             hlo = sorted(glob.glob(os.path.join(where, "*after_optimizations.txt")))[-1]
             print_copies(open(hlo).read(), loop)
             if FLAGS.by_source:
-                print("  by source: " + "; ".join(
-                    f"{n} x {src}" for src, n in by_source(thunks, compiled.as_text()).most_common()))
+                print_sources(thunks, compiled.as_text())
             if FLAGS.list:
                 print_launches(thunks)
     if FLAGS.dump:

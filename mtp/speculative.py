@@ -27,7 +27,7 @@ from flax import struct
 from mtp.cache.state import TargetCache
 from mtp.carry import mtp_rows_to_trim
 from mtp.config import ModelConfig
-from mtp.model import target
+from mtp.model import layers, target
 from mtp.model.params import Params
 from mtp.mtp_head import DrafterCache, append_rows, draft_step
 from mtp.pallas import backend
@@ -153,6 +153,7 @@ def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_toke
     rng = jax.random.key(0) if rng is None else rng
     state = _initial_state(cfg, cache, None, first_token, jnp.zeros((b, cfg.hidden_size), jnp.float32),
                            budget, spec, rng, b)
+    params = layers.with_merged_weights(params)  # once per call, not per step
 
     def body(s: LoopState) -> LoopState:
         rng, key = jax.random.split(s.rng)
@@ -255,6 +256,7 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
     d = spec.num_drafts
     rng = jax.random.key(0) if rng is None else rng
     state = _initial_state(cfg, cache, dcache, first_token, first_hidden, budget, spec, rng, b)
+    params = layers.with_merged_weights(params)  # once per call, not per step
 
     def body(s: LoopState) -> LoopState:
         rng, kp, ka = jax.random.split(s.rng, 3)

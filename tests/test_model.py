@@ -127,6 +127,31 @@ def test_dense_columns_merges_projections_of_one_input(monkeypatch):
         layers.dense_columns(x, ws)
 
 
+def test_merged_weights_are_made_once_and_used(monkeypatch):
+    """`with_merged_weights` adds each small group's concatenated weight beside its parts (not a
+    large group's, nor with merging off), and `module_columns` multiplies by it: with the parts
+    zeroed, the columns still equal the true products, and the trace has no concatenation."""
+    names = layers.MERGED_GROUPS["linear_attn"]
+    ws = [jax.random.normal(jax.random.key(i), (n, 32)) for i, n in ((1, 48), (2, 8))]
+    big = jnp.zeros((layers.PREMERGE_MAX_WEIGHT // 32 + 1, 32))
+    params = {"layers": {"0": {"linear_attn": {n: {"weight": w} for n, w in zip(names, ws)}},
+                         "1": {"linear_attn": {names[0]: {"weight": big}, names[1]: {"weight": ws[1]}}}}}
+    x = jax.random.normal(jax.random.key(0), (2, 32))
+    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "0")
+    assert layers.with_merged_weights(params) is params
+    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "1")
+    merged = layers.with_merged_weights(params)
+    key = layers.merged_key(names)
+    assert key not in merged["layers"]["1"]["linear_attn"]  # too large: its concatenation stays fused
+    module = merged["layers"]["0"]["linear_attn"]
+    np.testing.assert_array_equal(module[key]["weight"], jnp.concatenate(ws))
+    assert key not in params["layers"]["0"]["linear_attn"]  # the caller's params are left as they were
+    zeroed = {**module, **{n: {"weight": jnp.zeros_like(w)} for n, w in zip(names, ws)}}
+    for c, w in zip(layers.module_columns(zeroed, x, names), ws):
+        np.testing.assert_allclose(c.view((2,)), layers.dense(x, w), rtol=1e-5, atol=1e-5)
+    assert "concatenate" not in str(jax.make_jaxpr(lambda a: [c.rows for c in layers.module_columns(module, a, names)])(x))
+
+
 def test_a_one_row_step_pads_its_stream_once(tiny, monkeypatch):
     """With padding on, decode has one pad (the stream's), not one per large GEMM."""
     cfg, params = tiny

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp.config import ModelConfig
-from mtp.model.layers import dense, dense_columns, gated_rms_norm, l2norm
+from mtp.model.layers import MERGED_GROUPS, dense, gated_rms_norm, l2norm, module_columns
 from mtp.pallas import conv_step  # modules: they import mtp.model.layers too
 from mtp.pallas import gdn_step as fused_step
 
@@ -51,7 +51,7 @@ def project(p, x: jax.Array, cfg: ModelConfig, lead: tuple[int, ...]):
     kernel reads z, b and a in place, so that XLA never copies a slice of them.
     ``x`` is ``[*lead, H]`` or the padded stream's rows (`layers.stream_rows`).
     """
-    qkvz, ba = dense_columns(x, [p["in_proj_qkvz"]["weight"], p["in_proj_ba"]["weight"]], lead)
+    qkvz, ba = module_columns(p, x, MERGED_GROUPS["linear_attn"], lead)
     groups, qkv_width = _qkvz_groups(qkvz.view(lead), cfg)
     mixed = groups[..., :qkv_width].reshape(*lead, -1)
     return mixed, qkvz, ba

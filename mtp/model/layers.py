@@ -106,7 +106,8 @@ class Columns(NamedTuple):
 MERGE_MAX_ROWS = 64
 
 
-def dense_columns(x: jax.Array, ws, lead: tuple[int, ...] | None = None) -> list[Columns]:
+def dense_columns(x: jax.Array, ws, lead: tuple[int, ...] | None = None,
+                  merged: jax.Array | None = None) -> list[Columns]:
     """``dense`` of one input by several weights, as one GEMM where they merge.
 
     A decode step is mostly small kernels, each a few µs of launch and tail inside a
@@ -117,7 +118,8 @@ def dense_columns(x: jax.Array, ws, lead: tuple[int, ...] | None = None) -> list
     so nothing is copied and the step loses a launch per merged weight. Merged only
     where `backend.merge_projections` says (a GPU by default), for plain weights, at
     most ``MERGE_MAX_ROWS`` rows, and not under a tensor-parallel mesh (the weights are
-    split on the concatenated axis there). ``x`` and ``lead`` as in ``dense_rows``.
+    split on the concatenated axis there). ``x`` and ``lead`` as in ``dense_rows``;
+    ``merged``: ``ws`` already concatenated (`with_merged_weights`).
     """
     lead = x.shape[:-1] if lead is None else lead
     merge = (len(ws) > 1 and merge_projections() and tensor_parallel_mesh() is None
@@ -125,9 +127,59 @@ def dense_columns(x: jax.Array, ws, lead: tuple[int, ...] | None = None) -> list
              and all(isinstance(w, jax.Array) and w.dtype == ws[0].dtype for w in ws))
     if not merge:
         return [Columns(y, 0, y.shape[-1]) for y in (dense_rows(x, w, lead) for w in ws)]
-    rows = dense_rows(x, jnp.concatenate(ws, axis=0), lead)
+    rows = dense_rows(x, jnp.concatenate(ws, axis=0) if merged is None else merged, lead)
     starts = [0, *itertools.accumulate(w.shape[0] for w in ws)]
     return [Columns(rows, s, w.shape[0]) for s, w in zip(starts, ws)]
+
+
+# The projections `dense_columns` merges, by the module holding them (`module_columns` serves every caller).
+MERGED_GROUPS = {"linear_attn": ("in_proj_qkvz", "in_proj_ba"), "self_attn": ("q_proj", "k_proj", "v_proj")}
+PREMERGE_MAX_WEIGHT = 2048 * 4096  # elements: the default model's groups (<= 0.6M) merge once, the 1.38B's (25M) do not
+
+
+def merged_key(names) -> str:
+    """The params entry `with_merged_weights` gives a group's concatenated weight."""
+    return "+".join(names)
+
+
+def with_merged_weights(params):
+    """``params`` with each ``MERGED_GROUPS`` group's weights also concatenated, once, beside them.
+
+    ``dense_columns`` concatenates a group's weights inside the trace. Where XLA fuses
+    that into its GEMM (the 1.38B model's decode) nothing is copied; where it does not
+    (the default model's small weights at two rows and more: a verify, batch 8), the
+    concatenation is a kernel that copies the weights, once per step inside a decode loop,
+    since XLA does not hoist a concatenation (it makes a new buffer) out of a
+    ``while_loop``. A loop therefore calls this before its ``while_loop``, and
+    ``module_columns`` takes the merged weight where it finds one. Only for groups of at
+    most ``PREMERGE_MAX_WEIGHT`` elements (a large group's copy would cost memory, and XLA
+    fused its concatenation in every program counted: `experiments/count_kernels.py`), and where
+    ``dense_columns`` would merge at all (``merge_projections``, no tensor-parallel mesh,
+    plain weights of one dtype). Counted for an H200, the default model's loops lose the 6
+    concatenation kernels per iteration: speculative K = 2 at batch 1 119 -> 113 launches,
+    plain at batch 8 93 -> 87.
+    """
+    if not merge_projections() or tensor_parallel_mesh() is not None:
+        return params
+
+    def visit(tree):
+        out = {k: visit(v) if isinstance(v, dict) else v for k, v in tree.items()}
+        for key, names in MERGED_GROUPS.items():
+            module = out.get(key)
+            ws = [module.get(n, {}).get("weight") for n in names] if isinstance(module, dict) else []
+            if (ws and all(isinstance(w, jax.Array) and w.dtype == ws[0].dtype for w in ws)
+                    and sum(w.size for w in ws) <= PREMERGE_MAX_WEIGHT):
+                out[key] = {**module, merged_key(names): {"weight": jnp.concatenate(ws, axis=0)}}
+        return out
+
+    return visit(params)
+
+
+def module_columns(p, x: jax.Array, names, lead: tuple[int, ...] | None = None) -> list[Columns]:
+    """`dense_columns` of a module's named projections, on the merged weight where `with_merged_weights` made one."""
+    merged = p.get(merged_key(names))
+    return dense_columns(x, [p[n]["weight"] for n in names], lead,
+                         merged=None if merged is None else merged["weight"])
 
 
 def stream_rows(x: jax.Array, pad: bool) -> jax.Array:
@@ -203,8 +255,8 @@ def attention_qkv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
 
 
 def attention_columns(p, x: jax.Array, lead: tuple[int, ...]) -> list[Columns]:
-    """The q (with its gate), k and v projections of ``x``, as `_columns`."""
-    return _columns(p, x, lead, ("q_proj", "k_proj", "v_proj"))
+    """The q (with its gate), k and v projections of ``x``, as `module_columns`."""
+    return module_columns(p, x, MERGED_GROUPS["self_attn"], lead)
 
 
 def attention_qkv_of(p, columns: list[Columns], positions: jax.Array, lead: tuple[int, ...], cfg: ModelConfig):
@@ -230,12 +282,7 @@ def _lead(x, positions):
 
 def _projections(p, x, lead, names):
     """The named projections of ``x``, each ``[*lead, out]``."""
-    return [c.view(lead) for c in _columns(p, x, lead, names)]
-
-
-def _columns(p, x, lead, names) -> list[Columns]:
-    """The named projections of ``x`` as GEMM output columns (merged into one GEMM where `dense_columns` can)."""
-    return dense_columns(x, [p[n]["weight"] for n in names], lead)
+    return [c.view(lead) for c in module_columns(p, x, names, lead)]
 
 
 def _key_values(p, k, v, lead, cfg):
