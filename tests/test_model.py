@@ -134,8 +134,12 @@ def test_merged_weights_are_made_once_and_used(monkeypatch):
     names = layers.MERGED_GROUPS["linear_attn"]
     ws = [jax.random.normal(jax.random.key(i), (n, 32)) for i, n in ((1, 48), (2, 8))]
     big = jnp.zeros((layers.PREMERGE_MAX_WEIGHT // 32 + 1, 32))
+    from mtp import quant
+
+    qkv = layers.MERGED_GROUPS["self_attn"]
     params = {"layers": {"0": {"linear_attn": {n: {"weight": w} for n, w in zip(names, ws)}},
-                         "1": {"linear_attn": {names[0]: {"weight": big}, names[1]: {"weight": ws[1]}}}}}
+                         "1": {"linear_attn": {names[0]: {"weight": big}, names[1]: {"weight": ws[1]}}}},
+              "mtp": {"self_attn": {n: {"weight": quant.quantize(ws[1], "fp8")} for n in qkv}}}
     x = jax.random.normal(jax.random.key(0), (2, 32))
     monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "0")
     assert layers.with_merged_weights(params) is params
@@ -143,6 +147,7 @@ def test_merged_weights_are_made_once_and_used(monkeypatch):
     merged = layers.with_merged_weights(params)
     key = layers.merged_key(names)
     assert key not in merged["layers"]["1"]["linear_attn"]  # too large: its concatenation stays fused
+    assert merged["mtp"]["self_attn"].keys() == set(qkv)  # quantized weights: `dense_columns` never merges them
     module = merged["layers"]["0"]["linear_attn"]
     np.testing.assert_array_equal(module[key]["weight"], jnp.concatenate(ws))
     assert key not in params["layers"]["0"]["linear_attn"]  # the caller's params are left as they were
