@@ -1,4 +1,7 @@
-"""experiments/ab_decode.py: the interleaved old/new benchmark runner, with a stand-in benchmark."""
+"""experiments/ab_decode.py: the interleaved old/new benchmark runner, with a stand-in benchmark.
+
+Run as a subprocess, as on the GPU machine: importing it here would define its absl flags
+beside bench_decode's in the test process."""
 
 import json
 import pathlib
@@ -7,8 +10,6 @@ import sys
 import textwrap
 
 import pytest
-
-from experiments import ab_decode
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -79,9 +80,13 @@ def test_bad_flags_say_what_is_wrong(tmp_path):
     assert bad_env.returncode != 0 and "KEY=VALUE" in bad_env.stderr
 
 
-def test_a_failed_run_leaves_its_measurement_out():
-    runs = [{"variant": "old", "round": 1, "rows": [{"part": "A", "what": "decode", "batch": 1, "ms": 2.0}]},
-            {"variant": "new", "round": 1, "rows": []}]
-    (entry,) = ab_decode.summarize(runs)
-    assert entry["old"] == [2.0] and entry["new"] == [] and "speed" not in entry
-    assert "| — |" in ab_decode.markdown([entry], "h")
+def test_a_failed_run_leaves_its_measurement_out(tmp_path):
+    old, new = _tree(tmp_path, "old", 1.0), _tree(tmp_path, "new", 1.0)
+    (new / "bench.py").write_text("import sys; sys.exit('the benchmark failed')")
+    proc = _run(tmp_path, f"--old_tree={old}", f"--new_tree={new}", "--rounds=1", "--bench=--parts A")
+    assert proc.returncode == 0, proc.stderr
+    assert "exited 1" in proc.stderr and "log.txt" in proc.stderr
+    decode, _ = json.loads((tmp_path / "out" / "ab.json").read_text())["table"]
+    assert decode["old"] == [2.0] and decode["new"] == [] and "speed" not in decode
+    assert "| 2 ms | — | — |" in (tmp_path / "out" / "ab.md").read_text()
+    assert "the benchmark failed" in (tmp_path / "out" / "new_1_0" / "log.txt").read_text()
