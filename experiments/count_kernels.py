@@ -242,10 +242,13 @@ def count_loop(device):
             compiled = loop.lower(*args).compile(compiler_options={"xla_dump_to": where})
         seq = sorted(glob.glob(os.path.join(where, "*.thunk_sequence.txt")))[-1]
         thunks = read_thunks(open(seq).read(), True)
-        s = summarize(thunks)
+        graphs = read_thunks(open(seq.replace(".thunk_sequence.", ".thunk_sequence_after_thunk_passes.")).read(),
+                             True)
+        s = summarize(thunks, graphs)
         what = f"K = {FLAGS.spec_k}" if FLAGS.count == "speculative_loop" else "plain"
         print(f"\n{FLAGS.count} ({what}), batch {batch}, one iteration: {s['launches']} kernel launches "
-              f"({s['custom_calls']} custom calls; +{s['memory_ops']} memory copies); "
+              f"({s['custom_calls']} custom calls; +{s['memory_ops']} memory copies), in "
+              f"{s['command_buffers']} command buffers (outside them: {s['outside_graphs'] or 'nothing'}); "
               f"compiled in {time.time() - t0:.1f} s")
         print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
         print_copies(open(sorted(glob.glob(os.path.join(where, "*after_optimizations.txt")))[-1]).read(), True)

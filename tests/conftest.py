@@ -69,19 +69,21 @@ def gemm_layout(request, monkeypatch):
     jax.clear_caches()
 
 
-def decode_through_kernel(monkeypatch, module, kernel: str, op: str, decode_steps: int = 3, verify: int = 0):
+def decode_through_kernel(monkeypatch, module, kernel: str, op: str, decode_steps: int = 3, verify: int = 0,
+                          model: str = "tiny_dense", page: int = 4):
     """Prefill, ``decode_steps`` decode steps and a verify of ``verify`` tokens (0: none) on
-    tiny_dense, once with ``op`` on its reference and once through ``module.<kernel>`` in
-    interpret mode, every other op on its reference. Returns ``{choice: (logits, cache)}``,
-    the logits of every step flattened, after checking that the kernel ran."""
+    ``model`` (random weights, KV pages of ``page`` tokens), once with ``op`` on its reference and
+    once through ``module.<kernel>`` in interpret mode, every other op on its reference. Returns
+    ``{choice: (logits, cache)}``, the logits of every step flattened, after checking that the
+    kernel ran."""
     import jax.numpy as jnp
     import numpy as np
 
     from mtp.model import target
 
-    cfg = tiny_config("tiny_dense")
+    cfg = tiny_config(model)
     params = random_params(cfg, seed=4)
-    b, blocks = 2, 6
+    b, blocks = 2, -(-24 // page)
     toks = jax.random.randint(jax.random.key(2), (b, 16), 0, cfg.vocab_size)
     lens = jnp.asarray([7, 4], jnp.int32)
     calls = []
@@ -91,7 +93,7 @@ def decode_through_kernel(monkeypatch, module, kernel: str, op: str, decode_step
     for choice in ("reference", "interpret"):
         monkeypatch.setenv("MTP_KERNELS", f"reference,{op}={choice}")
         jax.clear_caches()  # the switch is read when a function is traced
-        cache = paged_cache(cfg, b, blocks)
+        cache = paged_cache(cfg, b, blocks, page)
         cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(b, jnp.int32), lens)
         out = []
         for step in range(decode_steps):

@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 
 CHOICES = ("auto", "reference", "pallas", "interpret")
-OPS = ("paged_attention", "fc_gemm", "gdn_step", "add_rms_norm", "conv_step", "attn_prologue")  # MTP_KERNELS' per-op names
+OPS = ("paged_attention", "fc_gemm", "gdn_step", "add_rms_norm", "conv_step", "attn_prologue",
+       "paged_attention_triton")  # MTP_KERNELS' per-op names
 ENV_VAR = "MTP_KERNELS"
 # Kernels built and tested but not yet measured faster inside the model on a GPU: "auto"
 # keeps their references everywhere until a side-by-side run says otherwise
 # (``MTP_KERNELS=<op>=pallas`` takes the kernel).
-UNMEASURED = ()  # conv_step left it in session 10, attn_prologue in session 11 (results/decode_h200.md)
+UNMEASURED = ("paged_attention_triton",)  # conv_step left it in session 10, attn_prologue in session 11
 
 
 def _check(impl: str, where: str) -> str:
@@ -190,13 +191,13 @@ def run_triton_op(op: str, impl: str, unsupported, reference, kernel, kernel_pay
         return kernel(interpret)
 
 
-def triton_compiler_params(interpret: bool, num_warps: int) -> dict:
+def triton_compiler_params(interpret: bool, num_warps: int, num_stages: int = 1) -> dict:
     """``pallas_call``'s keyword arguments for a Triton-lowered kernel (none when interpreted)."""
     if interpret:
         return {}
     from jax.experimental.pallas import triton as pl_triton
 
-    return {"compiler_params": pl_triton.CompilerParams(num_warps=num_warps, num_stages=1)}
+    return {"compiler_params": pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
 
 
 def num_sms() -> int:

@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
 from mtp.pallas.backend import (TENSOR_AXIS, num_sms, resolve_impl, swizzle_transforms,
-                                tensor_parallel_mesh)
+                                tensor_parallel_mesh, triton_compiler_params)
 
 _ROWS = 64  # wgmma's M: query rows (G heads x Q queries, zero-padded) per program.
 _LOG2E = math.log2(math.e)
@@ -306,6 +306,107 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, scale
     return _merge_splits(o_part, lse_part, q, gate)
 
 
+# ------------------------------------------------------------------ Triton-lowered form
+
+
+def triton_unsupported(q, k_pages) -> str | None:
+    """Why the Triton form cannot take these inputs, or None."""
+    _, nq, hq, d = q.shape
+    _, page, hkv, _ = k_pages.shape
+    if nq * (hq // hkv) > _ROWS:
+        return f"Q * (Hq / Hkv) = {nq * (hq // hkv)} query rows per KV head exceeds {_ROWS}"
+    if d & (d - 1) or d < 16 or page & (page - 1) or page < 16:
+        return f"head dim {d} and page size {page} must be powers of two >= 16 (Triton's dot tiles)"
+    if q.dtype != k_pages.dtype:
+        return f"q ({q.dtype}) and the pages ({k_pages.dtype}) differ in dtype"
+    return None
+
+
+def _triton_splits(b: int, hkv: int, max_blocks: int, num_sms: int) -> int:
+    """About one program per multiprocessor, each over a contiguous run of whole pages."""
+    return max(1, min(max_blocks, -(-num_sms // (b * hkv))))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "interpret"))
+def paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, *, scale=None, gate=None,
+                           splits=None, interpret=False):
+    """The paged attention of `paged_attention`, lowered through Triton: one page per loop step.
+
+    Why a second form: a Mosaic GPU kernel cannot be recorded into XLA's CUDA graphs in jax
+    0.11.2, so a decode loop whose body holds one runs as several command buffers, its
+    ``while_loop`` driven from the host every iteration (results/decode_h200.md, session 9);
+    a Triton custom call is recorded like any fusion. The work is split as in the Mosaic
+    kernel: programs ``(B, Hkv, splits)``, each over a contiguous run of pages with an
+    online softmax, the ``Q * G`` query rows of a KV head stacked as the rows of one dot
+    (padded to a power of two >= 16), and the same partials merged by ``_merge_splits``.
+    ``interpret``: Pallas' interpreter (CPU tests).
+    """
+    why = triton_unsupported(q, k_pages)
+    if why:
+        raise ValueError(why)
+    _check_inputs(q, k_pages, v_pages, block_tables, lengths, gate)
+    b, nq, hq, d = q.shape
+    _, page, hkv, _ = k_pages.shape
+    g = hq // hkv
+    rows_used = nq * g
+    rows = max(16, 1 << (rows_used - 1).bit_length())
+    max_blocks = block_tables.shape[1]
+    num_splits = splits or _triton_splits(b, hkv, max_blocks, num_sms())
+    per_split = -(-max_blocks // num_splits)
+    scale_log2 = (d**-0.5 if scale is None else scale) * _LOG2E
+    qr = q.reshape(b, nq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows_used, d)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows - rows_used), (0, 0)))
+
+    def kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, lse_ref):
+        bi, h, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        length = len_ref[bi]
+        first = si * per_split
+        last = jnp.minimum(first + per_split, lax.div(length + page - 1, page))
+        qt = q_ref[0, 0]  # [rows, D]
+        r = lax.broadcasted_iota(jnp.int32, (rows, page), 0)
+        col = lax.broadcasted_iota(jnp.int32, (rows, page), 1)
+        # Query row r sits at position length - Q + r // G and sees the KV at or before it.
+        pos = length - nq + lax.div(r, jnp.int32(g))
+
+        def body(j, carry):
+            m_i, l_i, acc = carry
+            pid = bt_ref[bi, j]
+            k = k_ref[pid, :, h, :]  # [page, D]
+            v = v_ref[pid, :, h, :]
+            s = lax.dot_general(qt, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            t = j * page + col
+            s = jnp.where((t <= pos) & (t < length), s * scale_log2, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            p = jnp.exp2(s - m_new[:, None])
+            alpha = jnp.exp2(m_i - m_new)
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+            return m_new, l_i * alpha + p.sum(axis=1), acc * alpha[:, None] + pv
+
+        init = (jnp.full((rows,), _MASKED_M, jnp.float32), jnp.zeros((rows,), jnp.float32),
+                jnp.zeros((rows, d), jnp.float32))
+        m_i, l_i, acc = lax.fori_loop(first, jnp.maximum(first, last), body, init)
+        empty = l_i == 0.0
+        l_safe = jnp.where(empty, 1.0, l_i)
+        o_ref[0, 0, 0] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+        lse_ref[0, 0, 0] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
+
+    whole = lambda a: pl.BlockSpec(a.shape, lambda bi, h, si: (0,) * a.ndim)
+    o_part, lse_part = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, num_splits),
+        in_specs=[pl.BlockSpec((1, 1, rows, d), lambda bi, h, si: (bi, h, 0, 0)),
+                  whole(k_pages), whole(v_pages), whole(block_tables), whole(lengths)],
+        out_specs=[pl.BlockSpec((1, 1, 1, rows, d), lambda bi, h, si: (bi, h, si, 0, 0)),
+                   pl.BlockSpec((1, 1, 1, rows), lambda bi, h, si: (bi, h, si, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, num_splits, rows, d), q.dtype),
+                   jax.ShapeDtypeStruct((b, hkv, num_splits, rows), jnp.float32)],
+        interpret=interpret,
+        **triton_compiler_params(interpret, num_warps=4, num_stages=2),
+    )(qr, k_pages, v_pages, block_tables.astype(jnp.int32), lengths.astype(jnp.int32))
+    return _merge_splits(o_part, lse_part, q, gate)
+
+
 def _merge_splits(o_part, lse_part, q, gate):
     """Combines the per-split partials (log2 domain) and applies the output gate."""
     b, nq, hq, d = q.shape
@@ -336,11 +437,19 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
     Returns [B, Q, Hq, D] in q's dtype; softmax and accumulation in f32.
 
     Inputs the kernel cannot take (`kernel_unsupported`) always go to the reference.
+    ``MTP_KERNELS=paged_attention_triton=pallas`` (or ``=interpret``) sends the calls it
+    can take to the Triton-lowered form (`paged_attention_triton`), which XLA can record into
+    its CUDA graphs; not yet timed, so ``auto`` does not take it (``backend.UNMEASURED``).
     ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas interpreter
     (CPU tests); call it eagerly then, since interpret mode is switched on around
     this call's own lowering. Traced under a mesh that splits ``backend.TENSOR_AXIS``
     (``jax.set_mesh``), the kernel runs per shard, on each device's own KV heads.
     """
+    if impl == "auto" and tensor_parallel_mesh() is None and not triton_unsupported(q, k_pages):
+        triton = resolve_impl("auto", op="paged_attention_triton")  # unmeasured: only where MTP_KERNELS names it
+        if triton != "reference":
+            return paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, scale=scale, gate=gate,
+                                          interpret=triton == "interpret")
     mode = resolve_impl(impl, op="paged_attention")
     if mode != "reference" and kernel_unsupported(q, k_pages):
         mode = "reference"
