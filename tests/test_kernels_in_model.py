@@ -104,3 +104,23 @@ def test_carry_engine_with_kernels_is_lossless(shipped):
         fast = run_sessions(Engine(cfg, params, ecfg, spec), sessions, prompts)
         plain = run_sessions(Engine(cfg, params, plain_cfg, spec), sessions, prompts)
     assert [r.output for r in fast] == [r.output for r in plain]
+
+
+def test_speculative_with_the_triton_attention_equals_plain(shipped, monkeypatch):
+    """The Triton-lowered paged attention (opt-in, `MTP_KERNELS`) in both loops: still lossless."""
+    from mtp.pallas import paged_attention as pa
+
+    calls = []
+    run = pa.paged_attention_triton
+    monkeypatch.setattr(pa, "paged_attention_triton", lambda *a, **k: calls.append(1) or run(*a, **k))
+    choice = "pallas" if jax.default_backend() == "gpu" else "interpret"
+    monkeypatch.setenv("MTP_KERNELS", f"paged_attention_triton={choice}")
+    jax.clear_caches()  # the switch is read when a function is traced
+    cfg, params = shipped
+    spec = SpecConfig(verify_width=3, max_new_tokens=12, plain_width=3)
+    fast = generate(cfg, params, PROMPTS, spec, speculative=True)
+    plain = generate(cfg, params, PROMPTS, spec, speculative=False)
+    jax.clear_caches()
+    assert calls, "the Triton form never ran"
+    assert fast.tokens == plain.tokens
+    assert fast.stats.accepted > 0
