@@ -212,6 +212,8 @@ def test_triton_form_is_taken_only_where_named(monkeypatch):
     assert isinstance(paged_attention(*args, impl="reference"), jax.Array)  # an explicit impl is kept
     small, _ = _inputs(0, 1, 1, 4, 2, 32, 4, [7], 2, 3)
     assert "page size 4" in pa.triton_unsupported(small[0], small[1])
+    huge = jax.ShapeDtypeStruct((2**22, 16, 2, 32), jnp.bfloat16)  # 2**32 elements, never allocated
+    assert "int32" in pa.triton_unsupported(args[0], huge)
     assert isinstance(paged_attention(*small), jax.Array) and len(calls) == 1
 
 

@@ -319,6 +319,8 @@ def triton_unsupported(q, k_pages) -> str | None:
         return f"head dim {d} and page size {page} must be powers of two >= 16 (Triton's dot tiles)"
     if q.dtype != k_pages.dtype:
         return f"q ({q.dtype}) and the pages ({k_pages.dtype}) differ in dtype"
+    if k_pages.size >= 2**31:
+        return f"a page pool of {k_pages.size} elements: past int32 offsets"
     return None
 
 
