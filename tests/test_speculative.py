@@ -264,12 +264,19 @@ def test_reduced_draft_vocabulary_is_lossless_and_maps_back(greedy_reference):
 
 @pytest.mark.parametrize("gemm_layout", ["padded_merged"], indirect=True)
 def test_gpu_gemm_layout_keeps_speculative_equal_to_plain(greedy_reference, gemm_layout):
-    """``dense``'s row padding and merged projections (both on by default on a GPU), forced on."""
+    """``dense``'s row padding and merged projections (both on by default on a GPU), forced on;
+    the loops' weights merged once per call (`layers.with_merged_weights`) compile once."""
+    from mtp import speculative
+
     cfg, params, prompts, base = greedy_reference["tiny_dense"]
     plain = generate(cfg, params, prompts, SpecConfig(max_new_tokens=MAX_NEW), speculative=False)
     assert plain.tokens == base
-    res = generate(cfg, params, prompts, SpecConfig(max_new_tokens=MAX_NEW, verify_width=3))
+    spec = SpecConfig(max_new_tokens=MAX_NEW, verify_width=3)
+    res = generate(cfg, params, prompts, spec)
     assert res.tokens == plain.tokens
+    compiled = speculative.speculative_loop._cache_size()
+    assert generate(cfg, params, prompts, spec).tokens == res.tokens
+    assert speculative.speculative_loop._cache_size() == compiled  # the second call did not retrace
 
 
 def test_decode_loop_graph_options_are_valid_xla_options(monkeypatch):
