@@ -240,22 +240,27 @@ def count_loop(device):
         t0 = time.time()
         with jax.default_device(device):
             compiled = loop.lower(*args).compile(compiler_options={"xla_dump_to": where})
-        seq = sorted(glob.glob(os.path.join(where, "*.thunk_sequence.txt")))[-1]
-        thunks = read_thunks(open(seq).read(), True)
-        graphs = read_thunks(open(seq.replace(".thunk_sequence.", ".thunk_sequence_after_thunk_passes.")).read(),
-                             True)
-        s = summarize(thunks, graphs)
         what = f"K = {FLAGS.spec_k}" if FLAGS.count == "speculative_loop" else "plain"
-        print(f"\n{FLAGS.count} ({what}), batch {batch}, one iteration: {s['launches']} kernel launches "
-              f"({s['custom_calls']} custom calls; +{s['memory_ops']} memory copies), in "
-              f"{s['command_buffers']} command buffers (outside them: {s['outside_graphs'] or 'nothing'}); "
-              f"compiled in {time.time() - t0:.1f} s")
-        print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
-        print_copies(open(sorted(glob.glob(os.path.join(where, "*after_optimizations.txt")))[-1]).read(), True)
-        if FLAGS.by_source:
-            print_sources(thunks, compiled.as_text())
-        if FLAGS.list:
-            print_launches(thunks)
+        report(f"{FLAGS.count} ({what}), batch {batch}, one iteration", where, compiled, True, time.time() - t0)
+
+
+def report(title: str, where: str, compiled, while_body: bool, seconds: float):
+    """Prints one compile's launches (from its XLA dump in ``where``), by name, its copies, and per flags more."""
+    seq = sorted(glob.glob(os.path.join(where, "*.thunk_sequence.txt")))[-1]
+    thunks = read_thunks(open(seq).read(), while_body)
+    graphs = read_thunks(open(seq.replace(".thunk_sequence.", ".thunk_sequence_after_thunk_passes.")).read(),
+                         while_body)
+    s = summarize(thunks, graphs)
+    print(f"\n{title}: {s['launches']} kernel launches "
+          f"({s['custom_calls']} custom calls, {s['library_calls']} library calls; "
+          f"+{s['memory_ops']} memory copies), in {s['command_buffers']} command buffers "
+          f"(outside them: {s['outside_graphs'] or 'nothing'}); compiled in {seconds:.1f} s")
+    print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
+    print_copies(open(sorted(glob.glob(os.path.join(where, "*after_optimizations.txt")))[-1]).read(), while_body)
+    if FLAGS.by_source:
+        print_sources(thunks, compiled.as_text())
+    if FLAGS.list:
+        print_launches(thunks)
 
 
 def print_launches(thunks):
@@ -309,22 +314,7 @@ def main(argv):
             where = os.path.join(dump_root, f"b{batch}_{what.split()[0]}")
             t0 = time.time()
             compiled = fn.lower(state, params).compile(compiler_options={"xla_dump_to": where})
-            seq = sorted(glob.glob(os.path.join(where, "*.thunk_sequence.txt")))[-1]
-            thunks = read_thunks(open(seq).read(), loop)
-            graphs = read_thunks(open(seq.replace(".thunk_sequence.", ".thunk_sequence_after_thunk_passes.")).read(),
-                                 loop)
-            s = summarize(thunks, graphs)
-            print(f"\nbatch {batch}, {what}{' (its body)' if loop else ''}: {s['launches']} kernel launches "
-                  f"({s['custom_calls']} custom calls, {s['library_calls']} library calls; "
-                  f"+{s['memory_ops']} memory copies), in {s['command_buffers']} command buffers "
-                  f"(outside them: {s['outside_graphs'] or 'nothing'}); compiled in {time.time() - t0:.1f} s")
-            print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
-            hlo = sorted(glob.glob(os.path.join(where, "*after_optimizations.txt")))[-1]
-            print_copies(open(hlo).read(), loop)
-            if FLAGS.by_source:
-                print_sources(thunks, compiled.as_text())
-            if FLAGS.list:
-                print_launches(thunks)
+            report(f"batch {batch}, {what}{' (its body)' if loop else ''}", where, compiled, loop, time.time() - t0)
     if FLAGS.dump:
         print(f"\nXLA dumps: {dump_root}")
 
