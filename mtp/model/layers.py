@@ -122,14 +122,17 @@ def dense_columns(x: jax.Array, ws, lead: tuple[int, ...] | None = None,
     ``merged``: ``ws`` already concatenated (`with_merged_weights`).
     """
     lead = x.shape[:-1] if lead is None else lead
-    merge = (len(ws) > 1 and merge_projections() and tensor_parallel_mesh() is None
-             and math.prod(lead) <= MERGE_MAX_ROWS
-             and all(isinstance(w, jax.Array) and w.dtype == ws[0].dtype for w in ws))
-    if not merge:
+    if not (_mergeable(ws) and math.prod(lead) <= MERGE_MAX_ROWS):
         return [Columns(y, 0, y.shape[-1]) for y in (dense_rows(x, w, lead) for w in ws)]
     rows = dense_rows(x, jnp.concatenate(ws, axis=0) if merged is None else merged, lead)
     starts = [0, *itertools.accumulate(w.shape[0] for w in ws)]
     return [Columns(rows, s, w.shape[0]) for s, w in zip(starts, ws)]
+
+
+def _mergeable(ws) -> bool:
+    """Whether `dense_columns` may merge these weights, at any rows (see there)."""
+    return (len(ws) > 1 and merge_projections() and tensor_parallel_mesh() is None
+            and all(isinstance(w, jax.Array) and w.dtype == ws[0].dtype for w in ws))
 
 
 # The projections `dense_columns` merges, by the module holding them (`module_columns` serves every caller).
@@ -159,20 +162,20 @@ def with_merged_weights(params):
     concatenation kernels per iteration: speculative K = 2 at batch 1 119 -> 113 launches,
     plain at batch 8 93 -> 87.
     """
-    if not merge_projections() or tensor_parallel_mesh() is not None:
-        return params
+    merged = []
 
     def visit(tree):
         out = {k: visit(v) if isinstance(v, dict) else v for k, v in tree.items()}
         for key, names in MERGED_GROUPS.items():
             module = out.get(key)
             ws = [module.get(n, {}).get("weight") for n in names] if isinstance(module, dict) else []
-            if (ws and all(isinstance(w, jax.Array) and w.dtype == ws[0].dtype for w in ws)
-                    and sum(w.size for w in ws) <= PREMERGE_MAX_WEIGHT):
+            if _mergeable(ws) and sum(w.size for w in ws) <= PREMERGE_MAX_WEIGHT:
                 out[key] = {**module, merged_key(names): {"weight": jnp.concatenate(ws, axis=0)}}
+                merged.append(key)
         return out
 
-    return visit(params)
+    out = visit(params)
+    return out if merged else params  # nothing to merge: the caller's tree itself
 
 
 def module_columns(p, x: jax.Array, names, lead: tuple[int, ...] | None = None) -> list[Columns]:
