@@ -78,6 +78,11 @@ def _rms_scale(x, eps):
     return lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
 
 
+def _scale_of(sum_sq, h: int, eps):
+    """A row's RMSNorm scale from its sum of squares over ``h`` columns (every kernel's epilogue)."""
+    return lax.rsqrt(sum_sq * (1.0 / h) + eps)
+
+
 def _rms_norm(x, weight, eps):
     """Qwen3-Next RMSNorm: f32 throughout, scale by (1 + w), one cast back."""
     y = x.astype(jnp.float32) * _rms_scale(x, eps)[..., None]
@@ -316,8 +321,8 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
 
         _cluster_sync()  # every block's partial and share are in its shared memory
         peer = lambda ref, p: plgpu.cluster_ref(ref, {"k": p})
-        r_e, r_h = (lax.rsqrt(sum(plgpu.load(peer(ss_smem, p), layout=row_layout,
-                                             optimized=False) for p in splits) * (1.0 / h) + eps)
+        r_e, r_h = (_scale_of(sum(plgpu.load(peer(ss_smem, p), layout=row_layout, optimized=False)
+                                  for p in splits), h, eps)
                     for splits in (range(per_half), range(per_half, k_splits)))
         bcast = lambda v: lax.broadcast_in_dim(v, (tile_m, REDUCE_COLS), [0])
         for j, slab_smem in enumerate(part_smem):
@@ -364,7 +369,7 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
     # fusion (at M = 1 a reduction became two more kernels).
     total = lambda x, splits: functools.reduce(jnp.add, (x[s] for s in splits))
     lo, hi = range(per_half), range(per_half, k_splits)
-    r_e, r_h = (lax.rsqrt(total(ss[:, :m], sp) * (1.0 / h) + eps) for sp in (lo, hi))
+    r_e, r_h = (_scale_of(total(ss[:, :m], sp), h, eps) for sp in (lo, hi))
     out = total(parts, lo) * r_e[:, None] + total(parts, hi) * r_h[:, None]
     return out.astype(dtype)
 
@@ -590,7 +595,7 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
                     step = lax.fori_loop(0, kh, k_body, step)
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
-                return step, lax.rsqrt(sq * (1.0 / h) + eps) if fused_sumsq else None
+                return step, _scale_of(sq, h, eps) if fused_sumsq else None
 
             def tile_body(i, step):
                 mi, ni = tile_coords(i)
@@ -599,9 +604,9 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
                 rows = pl.ds(row0, wg_m)
                 bcast = lambda v: lax.broadcast_in_dim(v, (wg_m, tile_n), [0])
                 if not fused_sumsq:
-                    r_e, r_h = (lax.rsqrt(sum(plgpu.load(ss_ref.at[p, j, rows], layout=row_layout,
-                                                          optimized=False) for p in range(splits))
-                                          * (1.0 / h) + eps) for j in (0, 1))
+                    r_e, r_h = (_scale_of(sum(plgpu.load(ss_ref.at[p, j, rows], layout=row_layout,
+                                                         optimized=False) for p in range(splits)), h, eps)
+                                for j in (0, 1))
 
                 if split_m:
                     def scope(acc_e, acc_h):
