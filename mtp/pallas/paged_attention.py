@@ -104,6 +104,15 @@ def paged_attention_reference(
     return o.astype(q.dtype)
 
 
+def _query_rows(q, hkv: int, rows: int):
+    """``[B, Q, Hq, D]`` -> ``[B, Hkv, rows, D]``: a KV head's ``Q * G`` queries as the rows of one
+    operand (row ``r`` holds query ``r // G``, head ``r % G``), zero-padded to ``rows``."""
+    b, nq, hq, d = q.shape
+    g = hq // hkv
+    qr = q.reshape(b, nq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, nq * g, d)
+    return jnp.pad(qr, ((0, 0), (0, 0), (0, rows - nq * g), (0, 0)))
+
+
 def _choose_block_kv(d: int, page: int, block: int | None = None) -> int:
     """KV tokens per pipeline stage: 64 KiB of K+V per stage for D = 128 or 256."""
     block = block or (128 if d <= 128 else 64)
@@ -124,6 +133,16 @@ def _choose_splits(b: int, hkv: int, max_tiles: int, num_sms: int) -> int:
     return max(1, min(num_sms // (b * hkv), max_tiles))
 
 
+def _too_many_rows(q, k_pages) -> str | None:
+    """Both forms stack a KV head's ``Q * G`` queries as the rows of one operand of at most ``_ROWS``."""
+    _, nq, hq, _ = q.shape
+    g = hq // k_pages.shape[2]
+    if nq * g > _ROWS:
+        return (f"Q * (Hq / Hkv) = {nq} * {g} = {nq * g} query rows per KV head exceeds the "
+                f"kernel's {_ROWS}; split the queries into several calls")
+    return None
+
+
 def kernel_unsupported(q, k_pages, block_kv: int | None = None) -> str | None:
     """Why the kernel cannot take these inputs, or None when it can.
 
@@ -131,12 +150,9 @@ def kernel_unsupported(q, k_pages, block_kv: int | None = None) -> str | None:
     dims) to the reference whatever ``impl`` says, so one switch can turn the
     kernels on for a whole model; the kernel entry itself raises this message.
     """
-    _, nq, hq, d = q.shape
-    _, page, hkv, _ = k_pages.shape
-    rows_used = nq * (hq // hkv)
-    if rows_used > _ROWS:
-        return (f"Q * (Hq / Hkv) = {nq} * {hq // hkv} = {rows_used} query rows per KV head "
-                f"exceeds the kernel's {_ROWS}; split the queries into several calls")
+    d, page = q.shape[-1], k_pages.shape[1]
+    if why := _too_many_rows(q, k_pages):
+        return why
     if d % 64 or d > 256:
         return f"head dim {d} must be 64, 128, 192 or 256"
     if q.dtype != k_pages.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
@@ -154,7 +170,6 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, scale
     b, nq, hq, d = q.shape
     _, page, hkv, _ = k_pages.shape
     g = hq // hkv
-    rows_used = nq * g
     why = kernel_unsupported(q, k_pages, block_kv)
     if why:
         raise ValueError(why)
@@ -175,9 +190,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, scale
         stages = max(1, min(4, (_SMEM_BYTES - fixed) // (2 * block_kv * d * 2)))
     stages = max(1, min(stages, tiles_per_split))
 
-    # [B, Q, Hkv, G, D] -> [B, Hkv, Q*G (padded to 64), D]; row r holds query r // G, head r % G.
-    qr = q.reshape(b, nq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows_used, d)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, _ROWS - rows_used), (0, 0)))
+    qr = _query_rows(q, hkv, _ROWS)
     scale_log2 = (d**-0.5 if scale is None else scale) * _LOG2E
     dtype = q.dtype
     d_chunk = min(d, 128)
@@ -311,10 +324,9 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, scale
 
 def triton_unsupported(q, k_pages) -> str | None:
     """Why the Triton form cannot take these inputs, or None."""
-    _, nq, hq, d = q.shape
-    _, page, hkv, _ = k_pages.shape
-    if nq * (hq // hkv) > _ROWS:
-        return f"Q * (Hq / Hkv) = {nq * (hq // hkv)} query rows per KV head exceeds {_ROWS}"
+    d, page = q.shape[-1], k_pages.shape[1]
+    if why := _too_many_rows(q, k_pages):
+        return why
     if d & (d - 1) or d < 16 or page & (page - 1) or page < 16:
         return f"head dim {d} and page size {page} must be powers of two >= 16 (Triton's dot tiles)"
     if q.dtype != k_pages.dtype:
@@ -350,14 +362,12 @@ def paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, *, scale=
     b, nq, hq, d = q.shape
     _, page, hkv, _ = k_pages.shape
     g = hq // hkv
-    rows_used = nq * g
-    rows = max(16, 1 << (rows_used - 1).bit_length())
+    rows = max(16, 1 << (nq * g - 1).bit_length())  # Triton's dot tiles: a power of two >= 16
     max_blocks = block_tables.shape[1]
     num_splits = splits or _triton_splits(b, hkv, max_blocks, num_sms())
     per_split = -(-max_blocks // num_splits)
     scale_log2 = (d**-0.5 if scale is None else scale) * _LOG2E
-    qr = q.reshape(b, nq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows_used, d)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows - rows_used), (0, 0)))
+    qr = _query_rows(q, hkv, rows)
 
     def kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, o_ref, lse_ref):
         bi, h, si = pl.program_id(0), pl.program_id(1), pl.program_id(2)
