@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call's worth of GPU checks: the kernels compile and pass the model's tests, then each kernel
-# that `auto` does not take yet (`backend.UNMEASURED`) off and on, interleaved twice
+# that `auto` leaves on its reference (`backend.OPT_IN`) off and on, interleaved twice
 # (`experiments/ab_decode.py`): in the decode step (1.38B model, part A) and in the real decode
 # loops (the default model, part B: plain and speculative K = 2, batch 1); and tensor parallelism
 # when the machine has two GPUs. (The loops'
@@ -38,7 +38,7 @@ EOF
 }
 
 run tests $PY -m pytest -p no:cacheprovider "${tests[@]}"
-for op in $($PY -c "from mtp.pallas.backend import UNMEASURED; print(*UNMEASURED)"); do
+for op in $($PY -c "from mtp.pallas.backend import OPT_IN; print(*OPT_IN)"); do
   run "ab_$op" $PY experiments/ab_decode.py --rounds 2 --out_dir "$OUT/ab_$op" \
       --old_env "MTP_KERNELS=$op=reference" --new_env "MTP_KERNELS=$op=$kernel" \
       --bench="${small[*]} --parts A --batches $batches --decode_only --reps $reps" \

@@ -51,9 +51,9 @@ def test_unsupported_inputs_are_named():
     assert "channels" in cs.kernel_unsupported(qkvz[:, :-1], valid, state, w, heads)
 
 
-def test_auto_takes_the_kernel_on_a_gpu_unless_unmeasured(monkeypatch):
+def test_auto_takes_the_kernel_on_a_gpu_unless_opt_in(monkeypatch):
     """Timed faster in the step (session 10), so ``auto`` takes it on a GPU; an op listed in
-    ``backend.UNMEASURED`` stays on its reference there until named in ``MTP_KERNELS``."""
+    ``backend.OPT_IN`` stays on its reference there until named in ``MTP_KERNELS``."""
     from mtp.pallas import backend
 
     calls = []
@@ -62,7 +62,7 @@ def test_auto_takes_the_kernel_on_a_gpu_unless_unmeasured(monkeypatch):
     heads = HeadShape(2, 4, 16, 16)
     args = _case(0, 2, heads, jnp.float32)
     assert cs.conv_step(*args, heads=heads)[0] == "kernel" and len(calls) == 1
-    monkeypatch.setattr(backend, "UNMEASURED", ("conv_step",))
+    monkeypatch.setattr(backend, "OPT_IN", {"conv_step": "a test"})
     assert isinstance(cs.conv_step(*args, heads=heads)[0], jax.Array) and len(calls) == 1
     monkeypatch.setenv("MTP_KERNELS", "conv_step=pallas")
     assert cs.conv_step(*args, heads=heads)[0] == "kernel" and len(calls) == 2

@@ -112,7 +112,6 @@ def test_cluster_reduction_limits():
     (200, 256, dict(num_programs=2, stages=3)),     # persistent: several tiles per program,
     (264, 256, dict(num_programs=3, tile_n=64, sumsq=(64, 4, 2))),  # the ring wraps across tiles
     (96, 256, dict(small_m=32)),                    # the big-M kernel below the default threshold
-    (200, 256, dict(num_programs=2, stages=3, sumsq="fused")),  # the row norms summed inside the GEMM
 ])
 def test_warp_specialised_path_matches_reference(m, h, kw):
     args = _inputs(m * 7 + h, m, h)
@@ -242,12 +241,6 @@ def test_quantize_head_folds_fc_weight_and_fc_input_uses_it():
     out = fc_input(Cfg, poisoned, tokens, hidden, "interpret")
     assert out.shape == ref.shape
     assert _rel_err(out, ref) < 1e-2
-
-
-def test_fused_row_norms_need_two_accumulators():
-    args = _inputs(3, 72, 128)
-    with pytest.raises(ValueError, match="fused only with acc='two'"):
-        _kernel(args, acc="rescale", sumsq="fused")
 
 
 def test_plans():

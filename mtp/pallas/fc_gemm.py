@@ -500,12 +500,8 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
     n_tiles = h // cta_n
     num_tiles = m_tiles * n_tiles
     kh = h // tile_k  # k steps per half
-    fused_sumsq = ss_parts is None
-    if fused_sumsq and not split_m:
-        raise ValueError("the row sums of squares can be fused only with acc='two' (acc='rescale' "
-                         "needs the hidden half's scale before it reads that half)")
-    splits = 0 if fused_sumsq else ss_parts.shape[0]
-    if not fused_sumsq and ss_parts.shape[1:] != (2, m_tiles * cta_m):
+    splits = ss_parts.shape[0]
+    if ss_parts.shape[1:] != (2, m_tiles * cta_m):
         raise ValueError(f"ss_parts must be [splits, 2, {m_tiles * cta_m}]; got {ss_parts.shape}")
     epi_m = min(epi_m, wg_m)
     in_tr = swizzle_transforms(tile_k, dtype)
@@ -516,8 +512,7 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
                          f"(wg_m={wg_m}, tile_n={tile_n}, stages={stages}, acc={acc}); "
                          f"the limit is {_SMEM_LIMIT}")
 
-    def kernel(e_ref, h_ref, w_ref, *refs, a_smem, b_smem, o_smem, full, empty):
-        ss_ref, o_ref = (None, *refs) if fused_sumsq else refs
+    def kernel(e_ref, h_ref, w_ref, ss_ref, o_ref, a_smem, b_smem, o_smem, full, empty):
         pid = lax.axis_index("p")
         wg = lax.axis_index("wg")
         my_tiles = lax.div(num_tiles - 1 - pid, num_programs) + 1
@@ -571,31 +566,22 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
             row_layout = plgpu.Layout.WGMMA.reduce(1)
 
             def run_half(acc_ref, step):
-                """The half's k steps; with ``fused_sumsq`` also its rows' norm scale (else None)."""
-                def k_body(k, carry):
-                    step, sq = carry if fused_sumsq else (carry, None)
+                def k_body(k, step):
                     slot = lax.rem(step, stages)
                     plgpu.barrier_wait(full.at[slot])
                     plgpu.wgmma(acc_ref, a_of(slot), b_of(slot))
-                    if fused_sumsq:  # the same A tile, squared on the CUDA cores while the wgmma runs
-                        x = plgpu.load(a_of(slot), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-                        sq = sq + jnp.sum(x * x, axis=1)
                     plgpu.wgmma_wait(1)  # the previous step's wgmma is done: free its stage
 
                     @pl.when(k > 0)
                     def _():
                         plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
 
-                    return (step + 1, sq) if fused_sumsq else step + 1
+                    return step + 1
 
-                if fused_sumsq:
-                    zero = plgpu.layout_cast(jnp.zeros((wg_m,), jnp.float32), row_layout)
-                    step, sq = lax.fori_loop(0, kh, k_body, (step, zero))
-                else:
-                    step = lax.fori_loop(0, kh, k_body, step)
+                step = lax.fori_loop(0, kh, k_body, step)
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
-                return step, _scale_of(sq, h, eps) if fused_sumsq else None
+                return step
 
             def tile_body(i, step):
                 mi, ni = tile_coords(i)
@@ -603,25 +589,23 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
                 col0 = ni * cta_n + (0 if split_m else wg * tile_n)
                 rows = pl.ds(row0, wg_m)
                 bcast = lambda v: lax.broadcast_in_dim(v, (wg_m, tile_n), [0])
-                if not fused_sumsq:
-                    r_e, r_h = (_scale_of(sum(plgpu.load(ss_ref.at[p, j, rows], layout=row_layout,
-                                                         optimized=False) for p in range(splits)), h, eps)
-                                for j in (0, 1))
+                r_e, r_h = (_scale_of(sum(plgpu.load(ss_ref.at[p, j, rows], layout=row_layout,
+                                                     optimized=False) for p in range(splits)), h, eps)
+                            for j in (0, 1))
 
                 if split_m:
                     def scope(acc_e, acc_h):
-                        s, fused_e = run_half(acc_e, step)
-                        s, fused_h = run_half(acc_h, s)
-                        scales = (fused_e, fused_h) if fused_sumsq else (r_e, r_h)
-                        return s, acc_e[...] * bcast(scales[0]) + acc_h[...] * bcast(scales[1])
+                        s = run_half(acc_e, step)
+                        s = run_half(acc_h, s)
+                        return s, acc_e[...] * bcast(r_e) + acc_h[...] * bcast(r_h)
 
                     step, out = pl.run_scoped(scope, plgpu.ACC((wg_m, tile_n), jnp.float32),
                                               plgpu.ACC((wg_m, tile_n), jnp.float32))
                 else:
                     def scope(acc_ref):
-                        s, _ = run_half(acc_ref, step)
+                        s = run_half(acc_ref, step)
                         acc_ref[...] = acc_ref[...] * bcast(r_e / r_h)
-                        s, _ = run_half(acc_ref, s)
+                        s = run_half(acc_ref, s)
                         return s, acc_ref[...] * bcast(r_h)
 
                     step, out = pl.run_scoped(scope, plgpu.ACC((wg_m, tile_n), jnp.float32))
@@ -653,7 +637,7 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
             empty=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         ),
     )
-    return call(embed, hidden, w_f, *(() if fused_sumsq else (ss_parts,)))
+    return call(embed, hidden, w_f, ss_parts)
 
 
 # ------------------------------------------------------------------ entry points
@@ -673,11 +657,7 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     faster than ``acc="two"`` on the H200, results/kernels_h200.md run 3). Pallas' GPU
     interpreter cannot store to an accumulator, so interpret mode needs ``acc="two"``
     (``fc_gemm(impl="interpret")`` passes it). ``sumsq``: ``(tile_c, splits, stages)`` of
-    the row sum-of-squares kernel that runs before the large-M GEMM, or ``"fused"`` (with
-    ``acc="two"``): no pre-pass, each consumer sums the squares of the A tiles it multiplies
-    (they are in shared memory for its wgmma anyway) and scales its two accumulators at the
-    tile's end. Built for the M = 2048, H = 2048 cell, where the pre-pass is the gap to XLA's
-    dot (results/kernels_h200.md, run 25); checked in interpret mode, not timed yet. ``reduce``: how the
+    the row sum-of-squares kernel that runs before the large-M GEMM. ``reduce``: how the
     split-K path sums its splits (``_splitk``): ``"partials"`` in one XLA fusion after the
     kernel, or ``"cluster"`` inside it (GPU only; measured slower, see ``_splitk``).
     """
@@ -690,13 +670,10 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
         return _splitk(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st, eps=eps,
                        reduce=reduce)
     wm, tn, st, npg = _plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc)
-    if sumsq == "fused":
-        ss_parts = None
-    else:
-        tc, sp, sst = _plan_sumsq(m, h, num_sms(), *(sumsq or ()))
-        cta_m = 2 * wm if acc == "two" else wm
-        m_pad = -(-m // cta_m) * cta_m  # rows past M: TMA zero-fill, never stored
-        ss_parts = _row_sumsq(embed, hidden, m_pad=m_pad, tile_c=tc, splits=sp, stages=sst)
+    tc, sp, sst = _plan_sumsq(m, h, num_sms(), *(sumsq or ()))
+    cta_m = 2 * wm if acc == "two" else wm
+    m_pad = -(-m // cta_m) * cta_m  # rows past M: TMA zero-fill, never stored
+    ss_parts = _row_sumsq(embed, hidden, m_pad=m_pad, tile_c=tc, splits=sp, stages=sst)
     return _ws_gemm(embed, hidden, w_folded, ss_parts, wg_m=wm, tile_n=tn, stages=st,
                     num_programs=npg, acc=acc, eps=eps)
 

@@ -451,7 +451,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
     Inputs the kernel cannot take (`kernel_unsupported`) always go to the reference.
     ``MTP_KERNELS=paged_attention_triton=pallas`` (or ``=interpret``) sends the calls it
     can take to the Triton-lowered form (`paged_attention_triton`), which XLA can record into
-    its CUDA graphs; not yet timed, so ``auto`` does not take it (``backend.UNMEASURED``).
+    its CUDA graphs; it paid only in the default model's loops, so ``auto`` leaves it (``backend.OPT_IN``).
     ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas interpreter
     (CPU tests); call it eagerly then, since interpret mode is switched on around
     this call's own lowering. Traced under a mesh that splits ``backend.TENSOR_AXIS``
