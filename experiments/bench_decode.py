@@ -94,8 +94,9 @@ def _median_ms(fn, state, reps, *args):
     return 1e3 * float(np.median(times)), state
 
 
-def _per_step_ms(step, state, reps, params, steps_per_call):
-    """Median ms of one ``step`` when ``steps_per_call`` of them run back to back on device.
+def _per_step_ms(step, state, reps, params, steps_per_call, profile=False, by_source=False):
+    """Median ms of one ``step`` when ``steps_per_call`` of them run back to back on device,
+    the state after, and (with ``profile``) `_kernel_profile` of that same program per step.
 
     The decode loop runs its steps inside one ``while_loop``, so the number that
     matters excludes the host's dispatch and sync of a call; a ``fori_loop`` of
@@ -104,7 +105,10 @@ def _per_step_ms(step, state, reps, params, steps_per_call):
     loop = jax.jit(lambda c, p: jax.lax.fori_loop(0, steps_per_call, lambda _, c: step(c, p), c),
                    donate_argnums=0)
     ms, state = _median_ms(loop, state, reps, params)
-    return ms / steps_per_call, state
+    prof = {}
+    if profile:
+        prof, state = _kernel_profile(loop, state, params, steps_per_call, by_source=by_source)
+    return ms / steps_per_call, state, prof
 
 
 _HLO_LINE = re.compile(r"^\s*%?([\w.-]+) = (\S+) .*?stack_frame_id=(\d+)")
@@ -162,39 +166,46 @@ def source_of(where: dict[str, str], kernel: str) -> str:
             or f"? {kernel[:40]}")
 
 
-def _kernel_profile(step, state, params, top=8, by_source=False):
-    """CUPTI view of one step: kernel count, summed kernel time and the costliest kernels.
+def _kernel_profile(loop, state, params, steps, top=8, by_source=False):
+    """CUPTI view of one call of the timed, donated ``loop`` of ``steps`` steps, per step:
+    kernel count, summed kernel time and the costliest kernels; and the state after.
 
-    Their sum against the in-loop step time tells launch gaps from slow kernels. With
-    ``by_source`` the kernels are also grouped by the model source line (and output shape)
-    they come from: where a step's time goes, in the model's own terms. Returns {} where
-    CUPTI is unavailable (a CPU run).
+    Their sum against the in-loop step time tells launch gaps from slow kernels. Profiling
+    the timed program itself matters: a single step that is not donated copies the whole
+    state, and those copies show up as kernels or not depending on whether XLA recorded
+    them into a CUDA graph (session 12). With ``by_source`` the kernels are also grouped by
+    the model source line (and output shape) they come from: where a step's time goes, in
+    the model's own terms. The profile is {} where CUPTI is unavailable (a CPU run).
     """
+    after = []
+
+    def call(state, params):
+        after.append(loop(state, params))
+        return after[-1]
+
     try:
-        jitted = jax.jit(step)
-        jax.block_until_ready(jitted(state, params))  # compiled outside the timed window
-        timings = cupti.kernel_timings(jitted, (state, params))
+        timings = cupti.kernel_timings(call, (state, params))
     except Exception as e:  # noqa: BLE001 - a profile is optional; say why it is missing
-        return {"profile_error": f"{type(e).__name__}: {e}"[:300]}
+        return {"profile_error": f"{type(e).__name__}: {e}"[:300]}, (after[-1] if after else state)
+    state = after[-1]
     if not timings:
-        return {}
+        return {}, state
     by_name: dict[str, float] = {}
     for name, ms in timings:
-        by_name[name] = by_name.get(name, 0.0) + ms
+        by_name[name] = by_name.get(name, 0.0) + ms / steps
     worst = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-    out = {"kernels": len(timings), "kernel_sum_ms": sum(ms for _, ms in timings),
+    out = {"kernels": round(len(timings) / steps, 2), "kernel_sum_ms": sum(ms for _, ms in timings) / steps,
            "top_kernels": [(n[:80], round(ms * 1e3, 1)) for n, ms in worst]}
     if by_source:
-        where = kernel_sources(jax.jit(step).lower(state, params).compile().as_text())
+        where = kernel_sources(loop.lower(state, params).compile().as_text())
         groups: dict[str, list] = {}
         for name, ms in timings:
-            key = source_of(where, name)
-            g = groups.setdefault(key, [0, 0.0])
+            g = groups.setdefault(source_of(where, name), [0, 0.0])
             g[0] += 1
             g[1] += ms
         ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])
-        out["by_source"] = [(k, n, round(ms * 1e3, 1)) for k, (n, ms) in ranked[:40]]
-    return out
+        out["by_source"] = [(k, round(n / steps, 2), round(ms * 1e3 / steps, 1)) for k, (n, ms) in ranked[:40]]
+    return out, state
 
 
 def copy_bandwidth(nbytes: int) -> float:
@@ -279,17 +290,16 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
 
         verify_step = chained_verify_step(cfg, impl)
         state = (cache, jnp.ones((batch, 1), jnp.int32))
-        decode_ms, state = _per_step_ms(verify_step, state, reps, params, n)
+        decode_ms, state, prof = _per_step_ms(verify_step, state, reps, params, n, profile=not mesh,
+                                              by_source=FLAGS.decode_only)
         report.add(part="A", what="decode", batch=batch, ms=decode_ms, floor_ms=floor_ms,
-                   ratio_to_floor=decode_ms / floor_ms,
-                   **({} if mesh else _kernel_profile(verify_step, state, params, by_source=FLAGS.decode_only)))
+                   ratio_to_floor=decode_ms / floor_ms, **prof)
         if FLAGS.decode_only:
             continue
         for k in (2, 4, 8):
             state = (state[0], jnp.ones((batch, k), jnp.int32))
-            ms, state = _per_step_ms(verify_step, state, reps, params, n)
-            report.add(part="A", what=f"verify K={k}", batch=batch, ms=ms, ratio_to_decode=ms / decode_ms,
-                       **_kernel_profile(verify_step, state, params))
+            ms, state, prof = _per_step_ms(verify_step, state, reps, params, n, profile=True)
+            report.add(part="A", what=f"verify K={k}", batch=batch, ms=ms, ratio_to_decode=ms / decode_ms, **prof)
         del state
         dcache = random_cache(cfg, batch, context, 16, dtype, jax.random.key(3))
         dc = DrafterCache.create(cfg, batch, dcache.kv.num_pages, 16, dcache.block_tables.shape[1], dtype).replace(
@@ -304,9 +314,8 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
             d, logits, h = draft_step(cfg, p, d, tok, h, d.last_pair_key, jnp.ones((batch,), bool), impl)
             return d.replace(rows=d.rows - 1), jnp.argmax(logits, -1).astype(jnp.int32), h.astype(dtype)
 
-        ms, pstate = _per_step_ms(propose, (dc, one, hidden), reps, params, n)
-        report.add(part="A", what="propose (1 draft)", batch=batch, ms=ms, ratio_to_decode=ms / decode_ms,
-                   **_kernel_profile(propose, pstate, params))
+        ms, pstate, prof = _per_step_ms(propose, (dc, one, hidden), reps, params, n, profile=True)
+        report.add(part="A", what="propose (1 draft)", batch=batch, ms=ms, ratio_to_decode=ms / decode_ms, **prof)
         del pstate, dc
 
 
