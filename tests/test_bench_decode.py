@@ -1,0 +1,30 @@
+"""experiments/bench_decode.py end to end on tiny shapes (``--small``), as a subprocess (its absl
+flags would clash with other experiments' in the test process): every row it promises is there,
+and the speculative runs equal plain greedy decoding."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_small_run_reports_every_row_and_is_lossless(tmp_path):
+    cmd = [sys.executable, "experiments/bench_decode.py", "--small", "--parts", "A,B", "--batches", "1",
+           "--spec_ks", "2", "--reps", "1", f"--out_dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+                                              "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    by_what = {(r["part"], r["what"]): r for r in rows}
+    decode = by_what["A", "decode"]
+    assert decode["ms"] > 0 and decode["floor_ms"] > 0
+    assert abs(decode["ratio_to_floor"] - decode["ms"] / decode["floor_ms"]) < 1e-9
+    for what in ("verify K=2", "verify K=4", "verify K=8", "propose (1 draft)"):
+        assert by_what["A", what]["ratio_to_decode"] > 0
+    plain, spec = by_what["B", "plain"], by_what["B", "spec K=2"]
+    assert plain["identical_to_plain"] and spec["identical_to_plain"]
+    assert 1.0 <= spec["mean_acceptance_length"] <= 2.0  # K = 2: one draft per verify
+    assert spec["accepted_tokens"] <= spec["draft_tokens"]
+    assert (tmp_path / "results.md").read_text().count("| B |") == 2
