@@ -61,6 +61,7 @@ gpu_device_info {
   device_memory_size: 151397597184 shared_memory_per_block_optin: 232448
   cuda_compute_capability { major: 9 feature_extension: ACCELERATED_FEATURES }
   registers_per_core_limit: 65536 registers_per_block_limit: 65536
+  driver_version: "13.0.0" runtime_version: "13.0.0" compile_time_toolkit_version: "13.0.0"
 }
 platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 10 }
@@ -68,6 +69,10 @@ runtime_version { major: 13 }
 device_description_str: "NVIDIA H200"
 """
 
+# The versions matter: XLA's command-buffer pass drops custom calls, WHILE and CONDITIONAL from
+# CUDA graphs where the driver or runtime is older than CUDA 12.3, and a target without them
+# reads as such. Before session 12 this target had none, and every count showed the Mosaic GPU
+# calls (and each decode loop's while) outside the graphs; the lent H200's driver (580) is CUDA 13.0.
 flags.DEFINE_enum("count", "step", ["step", "greedy_loop", "speculative_loop"],
                   "step: part A's step on the 1.38B model; greedy_loop / speculative_loop: the decode loops "
                   "of `mtp.speculative` on the shipped default model (their while body: one iteration).")
@@ -172,6 +177,18 @@ def summarize(thunks, graphs=None) -> dict:
     return out
 
 
+def loop_in_graph(graph_text: str) -> bool:
+    """Whether the first while loop of a thunk dump after XLA's passes sits inside a command buffer.
+
+    Then the whole loop is one CUDA graph whose predicate stays on the device; otherwise the
+    host reads the predicate back every iteration and launches the body's graphs itself.
+    """
+    thunks = read_thunks(graph_text)
+    i = next(i for i, t in enumerate(thunks) if t[0] == "kWhile")
+    parent = next((t for t in reversed(thunks[:i]) if t[3] < thunks[i][3]), None)
+    return parent is not None and parent[0] == "kCommandBuffer"
+
+
 # ------------------------------------------------------------------ compiling
 
 
@@ -248,13 +265,16 @@ def report(title: str, where: str, compiled, while_body: bool, seconds: float):
     """Prints one compile's launches (from its XLA dump in ``where``), by name, its copies, and per flags more."""
     seq = sorted(glob.glob(os.path.join(where, "*.thunk_sequence.txt")))[-1]
     thunks = read_thunks(open(seq).read(), while_body)
-    graphs = read_thunks(open(seq.replace(".thunk_sequence.", ".thunk_sequence_after_thunk_passes.")).read(),
-                         while_body)
-    s = summarize(thunks, graphs)
+    graph_text = open(seq.replace(".thunk_sequence.", ".thunk_sequence_after_thunk_passes.")).read()
+    s = summarize(thunks, read_thunks(graph_text, while_body))
+    if while_body and loop_in_graph(graph_text):
+        graphs = "the whole loop, its while included, in one command buffer"
+    else:
+        graphs = (f"in {s['command_buffers']} command buffers (outside them: {s['outside_graphs'] or 'nothing'})"
+                  + ("; the host drives the while" if while_body else ""))
     print(f"\n{title}: {s['launches']} kernel launches "
           f"({s['custom_calls']} custom calls, {s['library_calls']} library calls; "
-          f"+{s['memory_ops']} memory copies), in {s['command_buffers']} command buffers "
-          f"(outside them: {s['outside_graphs'] or 'nothing'}); compiled in {seconds:.1f} s")
+          f"+{s['memory_ops']} memory copies), {graphs}; compiled in {seconds:.1f} s")
     print("  by name: " + ", ".join(f"{k} {v}" for k, v in s["by_name"].most_common(FLAGS.top)))
     print_copies(open(sorted(glob.glob(os.path.join(where, "*after_optimizations.txt")))[-1]).read(), while_body)
     if FLAGS.by_source:

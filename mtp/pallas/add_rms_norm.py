@@ -10,9 +10,8 @@ A row whose width is not a power of two (the shipped default model's 384) is rea
 power-of-two pieces (256 + 128): Triton's tensors must have power-of-two sizes, and XLA
 runs such a norm as two kernels, a reduction and an elementwise pass.
 
-Pallas' Triton lowering, like `mtp.pallas.gdn_step` and for the same reasons: the op is a
-row reduction with no matmul, and a Triton custom call can run inside XLA's CUDA graphs,
-which a Mosaic GPU one cannot in jax 0.11.2 (results/decode_h200.md, session 7).
+Pallas' Triton lowering, like `mtp.pallas.gdn_step` and for the same reason: the op is a
+row reduction with no matmul.
 
 ``add_rms_norm_reference`` is the definition: the model's own ``add_rows`` and ``rms_norm``.
 """

@@ -14,7 +14,7 @@ loop from 105 to 96 (results/decode_h200.md, session 10).
 Timed off and on, interleaved twice, on the H200 (session 11): the 1.38B step's kernel time
 1.01-1.04x less at batch 1 and 1.01-1.02x at batch 8 (wall 1.00x and 1.02x), the default
 model's loops 1.02x (speculative) and within noise (plain); ``auto`` takes it on a GPU.
-Pallas' Triton lowering, so that it runs inside XLA's CUDA graphs (as `mtp.pallas.conv_step`).
+Pallas' Triton lowering, as `mtp.pallas.conv_step`: per-row norms, rotations and stores, no matmul.
 
 ``attn_prologue_reference`` is the definition: the model's own ``attention_qkv_of`` and
 ``write_pages``.

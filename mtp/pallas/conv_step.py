@@ -15,8 +15,8 @@ batch 1 and 1.05x at batch 8 (interleaved twice against the reference), so ``aut
 a GPU. Session 7 had measured a related form, the shift inside the fused delta-rule kernel with
 the conv left to XLA: 1.0% faster at batch 1 but 3.2% slower at batch 8.
 
-Pallas' Triton lowering, like `mtp.pallas.gdn_step`: a Triton custom call runs inside XLA's
-CUDA graphs, which a Mosaic GPU one cannot in jax 0.11.2.
+Pallas' Triton lowering, like `mtp.pallas.gdn_step`: elementwise work along the channels
+with no matmul, where Mosaic GPU's wgmma-shaped register layouts offer nothing.
 
 ``conv_step_reference`` is the definition: the model's own ``conv_windows`` and
 ``conv_states_per_step``.

@@ -346,10 +346,12 @@ def paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, *, scale=
                            splits=None, interpret=False):
     """The paged attention of `paged_attention`, lowered through Triton: one page per loop step.
 
-    Why a second form: a Mosaic GPU kernel cannot be recorded into XLA's CUDA graphs in jax
-    0.11.2, so a decode loop whose body holds one runs as several command buffers, its
-    ``while_loop`` driven from the host every iteration (results/decode_h200.md, session 9);
-    a Triton custom call is recorded like any fusion. The work is split as in the Mosaic
+    Why a second form, measured in the model against the Mosaic kernel (results/decode_h200.md,
+    session 12): it is faster at small shapes (the default model's plain loop 1.045x; the
+    1.38B model's 4 calls at batch 1 22.9 vs 24.6 µs) and 1.47x slower at batch 8 with
+    (16, 2, 256) heads, hence opt-in. (It was built because deviceless compiles showed the
+    Mosaic calls outside XLA's CUDA graphs; with the target's CUDA driver stated, both forms
+    are recorded into them, session 12.) The work is split as in the Mosaic
     kernel: programs ``(B, Hkv, splits)``, each over a contiguous run of pages with an
     online softmax, the ``Q * G`` query rows of a KV head stacked as the rows of one dot
     (padded to a power of two >= 16), and the same partials merged by ``_merge_splits``.
@@ -450,8 +452,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
 
     Inputs the kernel cannot take (`kernel_unsupported`) always go to the reference.
     ``MTP_KERNELS=paged_attention_triton=pallas`` (or ``=interpret``) sends the calls it
-    can take to the Triton-lowered form (`paged_attention_triton`), which XLA can record into
-    its CUDA graphs; it paid only in the default model's loops, so ``auto`` leaves it (``backend.OPT_IN``).
+    can take to the Triton-lowered form (`paged_attention_triton`); it paid only in the default
+    model's loops, so ``auto`` leaves it (``backend.OPT_IN``).
     ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas interpreter
     (CPU tests); call it eagerly then, since interpret mode is switched on around
     this call's own lowering. Traced under a mesh that splits ``backend.TENSOR_AXIS``
