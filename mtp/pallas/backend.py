@@ -26,7 +26,7 @@ ENV_VAR = "MTP_KERNELS"
 # entry says why it is here; scripts/gpu_check.sh times every one off and on.
 OPT_IN = {
     # Session 12 (results/decode_h200.md): the default model's loops 1.045x (plain) and 1.006x
-    # (speculative K = 2) at batch 1, but the 1.38B decode step 0.96x (batch 1) and 0.94x (batch 8).
+    # (speculative K = 2) at batch 1, but the 1.38B decode step 0.96-0.98x (batch 1) and 0.94x (batch 8).
     "paged_attention_triton": "faster only in the small default model's loops",
 }
 
