@@ -1,4 +1,8 @@
-"""Numerical parity of our target model with Hugging Face ``Qwen3NextForCausalLM``.
+"""Numerical parity of our target model with Hugging Face transformers' causal LM for its config.
+
+``AutoModelForCausalLM`` picks the class from the saved ``model_type``: ``Qwen3NextForCausalLM``
+for ``qwen3_next``, ``Qwen3_5ForCausalLM`` for ``qwen3_5_text`` (whose checkpoint layout
+`mtp.hf_layout` writes), so a pass also checks that layout against transformers' own reading.
 
     /root/.pyenv/versions/3.11.7/bin/python3.11 -m venv /tmp/hfvenv
     /tmp/hfvenv/bin/pip install torch==2.13.0 transformers safetensors absl-py numpy
@@ -36,8 +40,9 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _ROLE = flags.DEFINE_enum("role", "driver", ["driver", "hf"], "driver: our model + report; hf: transformers worker.")
 _HF_PYTHON = flags.DEFINE_string("hf_python", "/tmp/hfvenv/bin/python",
-                                 "Interpreter with torch + transformers (>= 4.57, for Qwen3-Next).")
-_CONFIGS = flags.DEFINE_list("configs", ["configs/models/tiny_dense.json", "configs/models/tiny_moe.json"],
+                                 "Interpreter with torch + transformers (>= 4.57 for Qwen3-Next, >= 5.2 for Qwen3.5).")
+_CONFIGS = flags.DEFINE_list("configs", ["configs/models/tiny_dense.json", "configs/models/tiny_moe.json",
+                                         "configs/models/tiny_qwen35.json"],
                              "HF config.json files of the variants to check.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 150, "Tokens per sequence; > 64 crosses Gated DeltaNet chunks.")
 _BATCH = flags.DEFINE_integer("batch", 2, "Sequences per variant.")
@@ -62,13 +67,13 @@ def run_hf() -> None:
     """
     import torch
     import transformers
-    from transformers import Qwen3NextForCausalLM
+    from transformers import AutoModelForCausalLM
 
     tokens = torch.from_numpy(np.load(_TOKENS.value)).long()
     captured: dict[str, np.ndarray] = {}
     for tag, dtype in (("f64", torch.float64), ("f32", torch.float32)):
         # Eager experts: the grouped-matmul MoE path has no fp64 kernel.
-        model, info = Qwen3NextForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             _CKPT.value, dtype=dtype, attn_implementation="eager", experts_implementation="eager",
             output_loading_info=True)
         model.eval()
@@ -225,7 +230,9 @@ def _report(results: list[dict], command: str) -> str:
     lines = [
         "# Hugging Face numerics parity",
         "",
-        "Our `mtp.model.forward` (fp32, run op by op) against transformers' `Qwen3NextForCausalLM` (eager attention, "
+        "Our `mtp.model.forward` (fp32, run op by op) against transformers' causal LM for each config "
+        "(`Qwen3NextForCausalLM`; `Qwen3_5ForCausalLM` for the Qwen3.5 variant, whose checkpoint "
+        "`save_pretrained` writes in Qwen3.5's own tensor layout) (eager attention, "
         "eager experts, torch chunked Gated DeltaNet) run in fp32 and in fp64, on random checkpoints "
         "written by `mtp.checkpoint.save_pretrained` (fp32; norm weights random, `perturb_norms` scale "
         "0.2; transformers ignores the `mtp.*` tensors). The fp64 run is the reference: a pass means our "

@@ -1,8 +1,9 @@
 """Hugging Face checkpoint I/O: ``config.json`` + ``*.safetensors`` (single or sharded).
 
 The checkpoint's tensor names are the parameter tree's dotted paths
-(`mtp.model.params`), so loading is a validation against `param_shapes` rather than
-a renaming. Every problem a checkpoint can have -- a tensor missing, misshapen, of
+(`mtp.model.params`) in Qwen3-Next checkpoints, so loading is a validation against
+`param_shapes` rather than a renaming; a Qwen3.5 checkpoint splits a few of them
+differently, which `mtp.hf_layout` regroups. Every problem a checkpoint can have -- a tensor missing, misshapen, of
 an unsupported dtype or unexpected, a shard missing or cut short -- is reported as a
 `CheckpointError` that names the tensor and the file, because the usual cause is a
 config.json that does not match its weights, and the name is what points at it.
@@ -15,6 +16,7 @@ is the complete old one or the complete new one, never a mixture.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -30,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from mtp.config import ConfigError, ModelConfig
+from mtp.hf_layout import layout_of, read_tree
 from mtp.model.params import Params, flatten, param_shapes, unflatten
 
 CONFIG_NAME = "config.json"
@@ -78,22 +81,24 @@ def load_pretrained(path: str | os.PathLike, dtype=None, place: Place | None = N
     place = place or (lambda name, a: jnp.asarray(a))
 
     locations = _locate_tensors(root)
-    _check_against_config(cfg, root, locations)
+    layout = layout_of(cfg, locations)
+    locations = {n: loc for n, loc in locations.items() if not n.startswith(layout.skipped_prefixes)}
+    tree_shapes = param_shapes(cfg, include_mtp=True)
+    _check_against_config(cfg, root, locations, layout.shapes(tree_shapes))
 
-    by_file: dict[pathlib.Path, list[str]] = {}
-    for name, (file, _, _) in locations.items():
-        by_file.setdefault(file, []).append(name)
-    flat: dict[str, jax.Array] = {}
-    for file, names in by_file.items():
-        with _open(file) as f:
-            for name in names:
-                try:
-                    array = f.get_tensor(name)
-                except SafetensorError as e:
-                    raise CheckpointError(f"{file}: cannot read tensor {name!r}: {e}") from e
-                flat[name] = place(name, array if cast is None else array.astype(cast))
-    order = list(param_shapes(cfg))
-    return cfg, unflatten({name: flat[name] for name in order if name in flat})
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(_open(file)) for file in {f for f, _, _ in locations.values()}}
+
+        def read(name: str) -> np.ndarray:
+            file = locations[name][0]
+            try:
+                return handles[file].get_tensor(name)
+            except SafetensorError as e:
+                raise CheckpointError(f"{file}: cannot read tensor {name!r}: {e}") from e
+
+        flat = {name: place(name, array if cast is None else array.astype(cast))
+                for name, array in read_tree(layout, tree_shapes, read)}
+    return cfg, unflatten(flat)
 
 
 def _open(file: pathlib.Path):
@@ -147,8 +152,8 @@ def _locate_tensors(root: pathlib.Path) -> dict[str, tuple[pathlib.Path, str, tu
     return out
 
 
-def _check_against_config(cfg: ModelConfig, root: pathlib.Path, locations) -> None:
-    expected = param_shapes(cfg, include_mtp=True)
+def _check_against_config(cfg: ModelConfig, root: pathlib.Path, locations, expected) -> None:
+    """Every tensor of ``expected`` (checkpoint name -> shape) present, shaped and typed; nothing else."""
     config_file = root / CONFIG_NAME
     for name, shape in expected.items():
         if name not in locations:
@@ -208,12 +213,13 @@ def save_pretrained(path: str | os.PathLike, cfg: ModelConfig, params: Params,
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         _write_json(tmp / CONFIG_NAME, cfg.to_hf())
-        shards = _plan_shards({name: flat[name] for name in param_shapes(cfg)}, max_shard_bytes)
+        tensors = dict(layout_of(cfg).tree_to_checkpoint({name: _to_numpy(flat[name]) for name in param_shapes(cfg)}))
+        shards = _plan_shards(tensors, max_shard_bytes)
         n = len(shards)
         weight_map = {}
         for i, names in enumerate(shards):
             file = SINGLE_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            save_file({name: _to_numpy(flat[name]) for name in names}, str(tmp / file), metadata=header)
+            save_file({name: tensors[name] for name in names}, str(tmp / file), metadata=header)
             _fsync_file(tmp / file)
             weight_map.update({name: file for name in names})
         if n > 1:

@@ -13,7 +13,10 @@ import json
 import os
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("qwen3_next",)
+SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
+ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+# Image-text models whose language model this codebase runs: their config nests it in text_config.
+TEXT_CONFIG_OF = {"qwen3_5": "qwen3_5_text"}
 LAYER_KINDS = ("linear_attention", "full_attention")
 MTP_HIDDEN_SOURCES = ("post_norm", "pre_norm")
 
@@ -129,6 +132,8 @@ class ModelConfig:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}: not valid JSON ({e})") from e
         raw = dict(source)
+        if raw.get("model_type") in TEXT_CONFIG_OF:
+            raw = _text_config(raw, origin)
         # transformers >= 5 nests the RoPE fields; older configs keep them top level.
         rope = raw.get("rope_parameters") or {}
         if rope:
@@ -182,12 +187,32 @@ class ModelConfig:
         interval = self.full_attention_interval
         if interval is not None:
             out["full_attention_interval"] = interval
-        out["architectures"] = ["Qwen3NextForCausalLM"]
+        out["architectures"] = [ARCHITECTURES[self.model_type]]
         out["rope_scaling"] = None
         return out
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _text_config(raw: Mapping[str, Any], origin: str) -> dict[str, Any]:
+    """The language model's config of an image-text model (Qwen3.5): its ``text_config``.
+
+    Only text runs here; the vision tower's config and weights are ignored. Positions of
+    text tokens are the same on all three of multimodal RoPE's axes, which makes it the
+    plain RoPE this model computes, so ``mrope_section`` needs nothing.
+    """
+    text = raw.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ConfigError(f"{origin}: model_type {raw['model_type']!r} needs a text_config object")
+    out = dict(text)
+    if out.get("model_type") != TEXT_CONFIG_OF[raw["model_type"]]:
+        raise ConfigError(f"{origin}: text_config.model_type {out.get('model_type')!r} is not "
+                          f"{TEXT_CONFIG_OF[raw['model_type']]!r}")
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+        if key not in out and key in raw:
+            out[key] = raw[key]
+    return out
 
 
 def _periodic_layer_types(n: int, interval: int) -> tuple[str, ...]:

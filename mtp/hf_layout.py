@@ -1,0 +1,147 @@
+"""How a checkpoint family lays out the parameter tree's tensors on disk.
+
+The model computes on Qwen3-Next's layout, and a Qwen3-Next checkpoint holds exactly the
+tree's tensors (`mtp.model.params`). Qwen3.5 checkpoints (``model_type`` ``qwen3_5_text``,
+or the ``qwen3_5`` image-text model around it) hold the same model with two differences:
+
+* The Gated DeltaNet input projections are four tensors, ``in_proj_qkv``, ``in_proj_z``,
+  ``in_proj_b`` and ``in_proj_a``, with q, k, v, z, b and a each contiguous over heads.
+  Qwen3-Next interleaves them per key-head group into ``in_proj_qkvz`` (q, k, v, z of
+  group g) and ``in_proj_ba`` (b, a of group g). The conv, A_log, dt_bias and norm
+  tensors are the same in both, since both feed the conv the channels as q | k | v.
+* The image-text model nests the text model under ``model.language_model.`` and carries a
+  vision tower (``model.visual.``), which this text-only codebase skips.
+
+A `Layout` maps between the two: the checkpoint's tensor names and shapes, the tree's
+tensors built from the checkpoint's on load, and split back on save. Rows are only
+regrouped, never recomputed, so a round trip is exact.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Mapping
+
+import numpy as np
+
+from mtp.config import ModelConfig
+
+VL_PREFIX = "model.language_model."
+VISION_PREFIX = "model.visual."
+QWEN35_TYPES = ("qwen3_5_text",)
+
+
+class Layout:
+    """Qwen3-Next's own layout: the tree's tensors under their own names."""
+
+    skipped_prefixes: tuple[str, ...] = ()
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+
+    def shapes(self, tree_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The checkpoint's tensor names and shapes for the tree's ``tree_shapes``."""
+        return dict(tree_shapes)
+
+    def sources(self, name: str) -> tuple[str, ...]:
+        """The checkpoint tensors the tree's tensor ``name`` is built from."""
+        return (name,)
+
+    def build(self, name: str, arrays: tuple[np.ndarray, ...]) -> np.ndarray:
+        """The tree's tensor ``name`` from its ``sources``, in that order."""
+        return arrays[0]
+
+    def split(self, name: str, array: np.ndarray) -> dict[str, np.ndarray]:
+        """The checkpoint tensors that hold the tree's tensor ``name`` (the inverse of `build`)."""
+        return {name: array}
+
+    def tree_to_checkpoint(self, flat: Mapping[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+        for name, array in flat.items():
+            for part, value in self.split(name, array).items():
+                yield part, np.ascontiguousarray(value)
+
+
+class Qwen35Layout(Layout):
+    """Qwen3.5: separate Gated DeltaNet projections; optionally the image-text model's names."""
+
+    skipped_prefixes = (VISION_PREFIX,)
+
+    def __init__(self, cfg: ModelConfig, prefix: str = "model."):
+        super().__init__(cfg)
+        self.prefix = prefix
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.nk, self.r = nk, nv // nk
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+
+    def _name(self, name: str) -> str:
+        return self.prefix + name[len("model."):] if name.startswith("model.") else name
+
+    def shapes(self, tree_shapes):
+        out = {}
+        for name, shape in tree_shapes.items():
+            for part, part_shape in self._part_shapes(name, shape).items():
+                out[part] = part_shape
+        return out
+
+    def _part_shapes(self, name, shape):
+        if name.endswith(".in_proj_qkvz.weight"):
+            qkv, z = self.sources(name)
+            kdim, vdim = self.nk * self.dk, self.nk * self.r * self.dv
+            return {qkv: (2 * kdim + vdim, shape[1]), z: (vdim, shape[1])}
+        if name.endswith(".in_proj_ba.weight"):
+            b, a = self.sources(name)
+            return {b: (self.nk * self.r, shape[1]), a: (self.nk * self.r, shape[1])}
+        return {self._name(name): shape}
+
+    def sources(self, name):
+        base = self._name(name)
+        if name.endswith(".in_proj_qkvz.weight"):
+            stem = base[: -len("in_proj_qkvz.weight")]
+            return (stem + "in_proj_qkv.weight", stem + "in_proj_z.weight")
+        if name.endswith(".in_proj_ba.weight"):
+            stem = base[: -len("in_proj_ba.weight")]
+            return (stem + "in_proj_b.weight", stem + "in_proj_a.weight")
+        return (base,)
+
+    def build(self, name, arrays):
+        nk, r, dk, dv = self.nk, self.r, self.dk, self.dv
+        if name.endswith(".in_proj_qkvz.weight"):
+            qkv, z = arrays
+            cols = qkv.shape[1]
+            q, k, v = np.split(qkv, [nk * dk, 2 * nk * dk])
+            groups = (q.reshape(nk, dk, cols), k.reshape(nk, dk, cols), v.reshape(nk, r * dv, cols),
+                      z.reshape(nk, r * dv, cols))
+            return np.concatenate(groups, axis=1).reshape(-1, cols)
+        if name.endswith(".in_proj_ba.weight"):
+            b, a = arrays
+            cols = b.shape[1]
+            return np.concatenate([b.reshape(nk, r, cols), a.reshape(nk, r, cols)], axis=1).reshape(-1, cols)
+        return arrays[0]
+
+    def split(self, name, array):
+        nk, r, dk, dv = self.nk, self.r, self.dk, self.dv
+        parts = self.sources(name)
+        cols = array.shape[-1]
+        if name.endswith(".in_proj_qkvz.weight"):
+            q, k, v, z = np.split(array.reshape(nk, 2 * dk + 2 * r * dv, cols),
+                                  [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+            flat = lambda x: x.reshape(-1, cols)
+            return {parts[0]: np.concatenate([flat(q), flat(k), flat(v)]), parts[1]: flat(z)}
+        if name.endswith(".in_proj_ba.weight"):
+            b, a = np.split(array.reshape(nk, 2 * r, cols), [r], axis=1)
+            return {parts[0]: b.reshape(-1, cols), parts[1]: a.reshape(-1, cols)}
+        return {parts[0]: array}
+
+
+def layout_of(cfg: ModelConfig, checkpoint_names: Iterator[str] | None = None) -> Layout:
+    """The layout of ``cfg``'s family; for Qwen3.5, the image-text names if the checkpoint uses them."""
+    if cfg.model_type not in QWEN35_TYPES:
+        return Layout(cfg)
+    names = list(checkpoint_names or ())
+    nested = any(n.startswith(VL_PREFIX) for n in names)
+    return Qwen35Layout(cfg, VL_PREFIX if nested else "model.")
+
+
+def read_tree(layout: Layout, tree_names, read: Callable[[str], np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    """``(name, array)`` of each of the tree's ``tree_names``, built from checkpoint tensors ``read(name)``."""
+    for name in tree_names:
+        yield name, layout.build(name, tuple(read(part) for part in layout.sources(name)))

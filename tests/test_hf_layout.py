@@ -1,0 +1,120 @@
+"""Qwen3.5 checkpoints (`mtp.hf_layout`): their Gated DeltaNet projections regrouped into the
+model's Qwen3-Next layout on load and split back on save; the image-text model's language model."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from mtp.checkpoint import CheckpointError, load_pretrained, save_pretrained
+from mtp.hf_layout import Qwen35Layout
+from mtp.model.params import flatten
+from tests.conftest import ROOT, random_params, tiny_config
+
+GDN = "model.layers.0.linear_attn."
+
+
+@pytest.fixture(scope="module")
+def qwen35():
+    cfg = tiny_config("tiny_qwen35")
+    return cfg, random_params(cfg, seed=3)
+
+
+def _same(a, b):
+    fa, fb = flatten(a), flatten(b)
+    assert fa.keys() == fb.keys()
+    for name in fa:
+        np.testing.assert_array_equal(np.asarray(fa[name]), np.asarray(fb[name]), err_msg=name)
+
+
+def test_rows_regroup_as_qwen3_next_reads_them(qwen35):
+    """Each row of in_proj_qkvz / in_proj_ba lands where Qwen3-Next's own split looks for it.
+
+    Rows are labelled by (which, head, index) in the Qwen3.5 tensors; the regrouped tensor is then
+    read the way transformers' Qwen3-Next reads in_proj_qkvz: viewed as key-head groups of
+    [q (dk), k (dk), v (r dv), z (r dv)] rows, and in_proj_ba as groups of [b (r), a (r)].
+    """
+    cfg, _ = qwen35
+    nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    r = nv // nk
+    label = lambda which, head, i: 1000 * which + 100 * head + i
+    rows = lambda which, heads, d: np.array([[label(which, h, i)] for h in range(heads) for i in range(d)], float)
+    qkv = np.concatenate([rows(1, nk, dk), rows(2, nk, dk), rows(3, nv, dv)])
+    z, b, a = rows(4, nv, dv), rows(5, nv, 1), rows(6, nv, 1)
+    layout = Qwen35Layout(cfg)
+    qkvz = layout.build(GDN + "in_proj_qkvz.weight", (qkv, z))[:, 0].reshape(nk, 2 * dk + 2 * r * dv)
+    ba = layout.build(GDN + "in_proj_ba.weight", (b, a))[:, 0].reshape(nk, 2 * r)
+    for g in range(nk):
+        q_, k_, v_, z_ = np.split(qkvz[g], [dk, 2 * dk, 2 * dk + r * dv])
+        assert list(q_) == [label(1, g, i) for i in range(dk)]
+        assert list(k_) == [label(2, g, i) for i in range(dk)]
+        heads = range(g * r, (g + 1) * r)  # the value heads that share key head g
+        assert list(v_) == [label(3, h, i) for h in heads for i in range(dv)]
+        assert list(z_) == [label(4, h, i) for h in heads for i in range(dv)]
+        assert list(ba[g]) == [label(5, h, 0) for h in heads] + [label(6, h, 0) for h in heads]
+
+
+def test_save_writes_qwen35_tensors_and_loads_back_exactly(qwen35, tmp_path):
+    cfg, params = qwen35
+    save_pretrained(tmp_path / "ckpt", cfg, params)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and config["architectures"] == ["Qwen3_5ForCausalLM"]
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+        assert f.get_slice(GDN + "in_proj_qkv.weight").get_shape() == [2 * 2 * 8 + 4 * 8, 32]
+    for part in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+        assert GDN + part + ".weight" in names
+    assert not any("in_proj_qkvz" in n or "in_proj_ba" in n for n in names)
+    loaded_cfg, loaded = load_pretrained(tmp_path / "ckpt")
+    assert loaded_cfg == cfg
+    _same(loaded, params)
+
+
+def test_the_image_text_model_loads_its_language_model(qwen35, tmp_path):
+    """model.language_model.* names, a vision tower that is skipped, the config's text_config."""
+    cfg, params = qwen35
+    save_pretrained(tmp_path / "text", cfg, params)
+    tensors = load_file(str(tmp_path / "text" / "model.safetensors"))
+    nested = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): v
+              for n, v in tensors.items()}
+    nested["model.visual.blocks.0.attn.qkv.weight"] = np.ones((48, 16), np.float32)
+    (tmp_path / "vl").mkdir()
+    save_file(nested, str(tmp_path / "vl" / "model.safetensors"))
+    (tmp_path / "vl" / "config.json").write_text((ROOT / "configs" / "models" / "tiny_qwen35.json").read_text())
+    loaded_cfg, loaded = load_pretrained(tmp_path / "vl")
+    assert loaded_cfg == cfg
+    _same(loaded, params)
+
+
+def test_a_missing_projection_is_named(qwen35, tmp_path):
+    cfg, params = qwen35
+    save_pretrained(tmp_path / "ckpt", cfg, params)
+    tensors = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    del tensors[GDN + "in_proj_z.weight"]
+    save_file(tensors, str(tmp_path / "ckpt" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.linear_attn\.in_proj_z\.weight' \(shape \(32, 32\)\)"):
+        load_pretrained(tmp_path / "ckpt")
+
+
+def test_a_qwen35_text_config_without_its_text_model_is_refused(tmp_path):
+    from mtp.config import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match="needs a text_config"):
+        ModelConfig.from_hf({"model_type": "qwen3_5"})
+    with pytest.raises(ConfigError, match="text_config.model_type 'qwen3_next'"):
+        ModelConfig.from_hf({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_next"}})
+
+
+def test_a_model_loaded_from_qwen35_computes_what_it_was_saved_from(qwen35, tmp_path):
+    """The same logits through the forward pass, as a guard on the params tree as a whole."""
+    from mtp.model import forward
+
+    cfg, params = qwen35
+    save_pretrained(tmp_path / "ckpt", cfg, params)
+    _, loaded = load_pretrained(tmp_path / "ckpt")
+    tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, cfg.vocab_size)
+    np.testing.assert_array_equal(np.asarray(forward(cfg, loaded, tokens)), np.asarray(forward(cfg, params, tokens)))
