@@ -4,6 +4,8 @@ The compile itself needs JAX's CUDA plugin (`.venv-aot`), which CI does not inst
 is tested here is the part that turns XLA's dump text into the counts it reports.
 """
 
+import textwrap
+
 from experiments.count_kernels import hlo_copies, loop_in_graph, read_thunks, summarize
 
 # A decode loop's thunk sequence before XLA's thunk passes: the loop's set-up, its while
@@ -64,22 +66,8 @@ def test_while_body_and_its_command_buffers():
 
 
 # The same loop compiled for a target that states its CUDA driver (13.0): the custom call may be
-# recorded, and so may the while, so the set-up and the whole loop are one command buffer.
-AFTER_CUDA_13 = """\
-000: kCommandBuffer [source | sink]
-    001: kCopy         [source       | next=002 (1) ] kCopy
-    002: kCustomKernel [prev=001 (1) | next=014 (1) ] wrapped_transpose grid: [512, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
-    014: kWhile        [prev=002 (1) | next=385 (1) ]
-condition:
-        015: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
-      body:
-        016: kCustomKernel [source       | sink         ] loop_add_fusion_16 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
-        017: kCustomKernel [source       | next=099 (82)] input_reduce_fusion_97 grid: [1, 1, 1] threads: [4, 1, 1]  shared_memory: 0 bytes
-        099: kCustomCall   [prev=017 (1)  | next=100 (1)] kCustomCall
-        100: kCopy         [prev=099 (1)  | next=101 (1)] kCopy
-        101: kCustomKernel [prev=100 (1)  | sink        ] _kernel grid: [1, 32, 1] threads: [256, 1, 1]  shared_memory: 4096 bytes
-    385: kCustomKernel [prev=014 (1) | sink] input_transpose_fusion_11 grid: [512, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
-"""
+# recorded, and so may the while, so the set-up, the loop and what follows are one command buffer.
+AFTER_CUDA_13 = "000: kCommandBuffer [source | sink]\n" + textwrap.indent(BEFORE, "    ")
 
 
 def test_a_loop_inside_one_command_buffer_is_told_from_a_host_driven_one():

@@ -23,8 +23,17 @@ def qwen35():
     return cfg, random_params(cfg, seed=3)
 
 
-def _same(a, b):
-    fa, fb = flatten(a), flatten(b)
+def _saved(cfg, params, where):
+    """``save_pretrained`` to ``where``; its tensors by name, to edit and write elsewhere."""
+    save_pretrained(where, cfg, params)
+    return load_file(str(where / "model.safetensors"))
+
+
+def _loads_as(path, cfg, params):
+    """``load_pretrained(path)`` gives ``cfg`` and exactly ``params``."""
+    loaded_cfg, loaded = load_pretrained(path)
+    assert loaded_cfg == cfg
+    fa, fb = flatten(loaded), flatten(params)
     assert fa.keys() == fb.keys()
     for name in fa:
         np.testing.assert_array_equal(np.asarray(fa[name]), np.asarray(fb[name]), err_msg=name)
@@ -69,31 +78,25 @@ def test_save_writes_qwen35_tensors_and_loads_back_exactly(qwen35, tmp_path):
     for part in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
         assert GDN + part + ".weight" in names
     assert not any("in_proj_qkvz" in n or "in_proj_ba" in n for n in names)
-    loaded_cfg, loaded = load_pretrained(tmp_path / "ckpt")
-    assert loaded_cfg == cfg
-    _same(loaded, params)
+    _loads_as(tmp_path / "ckpt", cfg, params)
 
 
 def test_the_image_text_model_loads_its_language_model(qwen35, tmp_path):
     """model.language_model.* names, a vision tower that is skipped, the config's text_config."""
     cfg, params = qwen35
-    save_pretrained(tmp_path / "text", cfg, params)
-    tensors = load_file(str(tmp_path / "text" / "model.safetensors"))
+    tensors = _saved(cfg, params, tmp_path / "text")
     nested = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): v
               for n, v in tensors.items()}
     nested["model.visual.blocks.0.attn.qkv.weight"] = np.ones((48, 16), np.float32)
     (tmp_path / "vl").mkdir()
     save_file(nested, str(tmp_path / "vl" / "model.safetensors"))
     (tmp_path / "vl" / "config.json").write_text((ROOT / "configs" / "models" / "tiny_qwen35.json").read_text())
-    loaded_cfg, loaded = load_pretrained(tmp_path / "vl")
-    assert loaded_cfg == cfg
-    _same(loaded, params)
+    _loads_as(tmp_path / "vl", cfg, params)
 
 
 def test_a_missing_projection_is_named(qwen35, tmp_path):
     cfg, params = qwen35
-    save_pretrained(tmp_path / "ckpt", cfg, params)
-    tensors = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    tensors = _saved(cfg, params, tmp_path / "ckpt")
     del tensors[GDN + "in_proj_z.weight"]
     save_file(tensors, str(tmp_path / "ckpt" / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.linear_attn\.in_proj_z\.weight' \(shape \(32, 32\)\)"):
