@@ -1,8 +1,9 @@
 """Numerical parity of our target model with Hugging Face transformers' causal LM for its config.
 
 ``AutoModelForCausalLM`` picks the class from the saved ``model_type``: ``Qwen3NextForCausalLM``
-for ``qwen3_next``, ``Qwen3_5ForCausalLM`` for ``qwen3_5_text`` (whose checkpoint layout
-`mtp.hf_layout` writes), so a pass also checks that layout against transformers' own reading.
+for ``qwen3_next``, ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` for ``qwen3_5_text`` /
+``qwen3_5_moe_text`` (whose checkpoint layout `mtp.hf_layout` writes), so a pass also checks
+that layout against transformers' own reading.
 
     /root/.pyenv/versions/3.11.7/bin/python3.11 -m venv /tmp/hfvenv
     /tmp/hfvenv/bin/pip install torch==2.13.0 transformers safetensors absl-py numpy
@@ -42,7 +43,7 @@ _ROLE = flags.DEFINE_enum("role", "driver", ["driver", "hf"], "driver: our model
 _HF_PYTHON = flags.DEFINE_string("hf_python", "/tmp/hfvenv/bin/python",
                                  "Interpreter with torch + transformers (>= 4.57 for Qwen3-Next, >= 5.2 for Qwen3.5).")
 _CONFIGS = flags.DEFINE_list("configs", ["configs/models/tiny_dense.json", "configs/models/tiny_moe.json",
-                                         "configs/models/tiny_qwen35.json"],
+                                         "configs/models/tiny_qwen35.json", "configs/models/tiny_qwen35_moe.json"],
                              "HF config.json files of the variants to check.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 150, "Tokens per sequence; > 64 crosses Gated DeltaNet chunks.")
 _BATCH = flags.DEFINE_integer("batch", 2, "Sequences per variant.")
@@ -231,8 +232,8 @@ def _report(results: list[dict], command: str) -> str:
         "# Hugging Face numerics parity",
         "",
         "Our `mtp.model.forward` (fp32, run op by op) against transformers' causal LM for each config "
-        "(`Qwen3NextForCausalLM`; `Qwen3_5ForCausalLM` for the Qwen3.5 variant, whose checkpoint "
-        "`save_pretrained` writes in Qwen3.5's own tensor layout) (eager attention, "
+        "(`Qwen3NextForCausalLM`; `Qwen3_5ForCausalLM` and `Qwen3_5MoeForCausalLM` for the Qwen3.5 "
+        "variants, whose checkpoints `save_pretrained` writes in Qwen3.5's own tensor layout) (eager attention, "
         "eager experts, torch chunked Gated DeltaNet) run in fp32 and in fp64, on random checkpoints "
         "written by `mtp.checkpoint.save_pretrained` (fp32; norm weights random, `perturb_norms` scale "
         "0.2; transformers ignores the `mtp.*` tensors). The fp64 run is the reference: a pass means our "

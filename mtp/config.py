@@ -13,10 +13,11 @@ import json
 import os
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
-ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 # Image-text models whose language model this codebase runs: their config nests it in text_config.
-TEXT_CONFIG_OF = {"qwen3_5": "qwen3_5_text"}
+TEXT_CONFIG_OF = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 LAYER_KINDS = ("linear_attention", "full_attention")
 MTP_HIDDEN_SOURCES = ("post_norm", "pre_norm")
 
@@ -164,7 +165,8 @@ class ModelConfig:
                 num_attention_heads=int(raw["num_attention_heads"]),
                 num_key_value_heads=int(raw["num_key_value_heads"]),
                 head_dim=int(raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"])),
-                intermediate_size=int(raw["intermediate_size"]),
+                # Absent where every FFN is MoE (Qwen3.5-MoE); `_validate` asks for it otherwise.
+                intermediate_size=int(raw.get("intermediate_size", 0)),
                 layer_types=tuple(layer_types),
                 mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers", ()) or ()),
                 num_nextn_predict_layers=int(mtp_layers or 0),
@@ -266,6 +268,9 @@ def _validate(c: ModelConfig) -> None:
             bad("moe_intermediate_size", "must be positive for a MoE model")
         if c.decoder_sparse_step <= 0:
             bad("decoder_sparse_step", "must be positive")
+    dense = [i for i in range(c.num_hidden_layers) if not c.is_moe_layer(i)]
+    if c.intermediate_size <= 0 and (dense or (c.has_mtp and not c.mtp_is_moe)):
+        bad("intermediate_size", f"must be positive: the FFNs of layers {dense or ['mtp']} are dense")
     if c.num_nextn_predict_layers not in (0, 1):
         bad("num_nextn_predict_layers", "only a single MTP layer is supported")
     if c.mtp_hidden_source not in MTP_HIDDEN_SOURCES:

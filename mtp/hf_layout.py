@@ -27,7 +27,7 @@ from mtp.config import ModelConfig
 
 VL_PREFIX = "model.language_model."
 VISION_PREFIX = "model.visual."
-QWEN35_TYPES = ("qwen3_5_text",)
+QWEN35_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 class Layout:

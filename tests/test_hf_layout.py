@@ -10,6 +10,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from mtp.checkpoint import CheckpointError, load_pretrained, save_pretrained
+from mtp.config import ARCHITECTURES
 from mtp.hf_layout import Qwen35Layout
 from mtp.model.params import flatten
 from tests.conftest import ROOT, random_params, tiny_config
@@ -17,10 +18,11 @@ from tests.conftest import ROOT, random_params, tiny_config
 GDN = "model.layers.0.linear_attn."
 
 
-@pytest.fixture(scope="module")
-def qwen35():
-    cfg = tiny_config("tiny_qwen35")
-    return cfg, random_params(cfg, seed=3)
+@pytest.fixture(scope="module", params=["tiny_qwen35", "tiny_qwen35_moe"])
+def qwen35(request):
+    """A dense and a MoE Qwen3.5 (the MoE one with tied embeddings and no dense FFN size)."""
+    cfg = tiny_config(request.param)
+    return cfg, random_params(cfg, seed=3), ROOT / "configs" / "models" / f"{request.param}.json"
 
 
 def _saved(cfg, params, where):
@@ -46,7 +48,7 @@ def test_rows_regroup_as_qwen3_next_reads_them(qwen35):
     read the way transformers' Qwen3-Next reads in_proj_qkvz: viewed as key-head groups of
     [q (dk), k (dk), v (r dv), z (r dv)] rows, and in_proj_ba as groups of [b (r), a (r)].
     """
-    cfg, _ = qwen35
+    cfg = qwen35[0]
     nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
     r = nv // nk
@@ -68,10 +70,10 @@ def test_rows_regroup_as_qwen3_next_reads_them(qwen35):
 
 
 def test_save_writes_qwen35_tensors_and_loads_back_exactly(qwen35, tmp_path):
-    cfg, params = qwen35
+    cfg, params, _ = qwen35
     save_pretrained(tmp_path / "ckpt", cfg, params)
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    assert config["model_type"] == "qwen3_5_text" and config["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert config["model_type"] == cfg.model_type and config["architectures"] == [ARCHITECTURES[cfg.model_type]]
     with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "np") as f:
         names = set(f.keys())
         assert f.get_slice(GDN + "in_proj_qkv.weight").get_shape() == [2 * 2 * 8 + 4 * 8, 32]
@@ -83,19 +85,19 @@ def test_save_writes_qwen35_tensors_and_loads_back_exactly(qwen35, tmp_path):
 
 def test_the_image_text_model_loads_its_language_model(qwen35, tmp_path):
     """model.language_model.* names, a vision tower that is skipped, the config's text_config."""
-    cfg, params = qwen35
+    cfg, params, config_file = qwen35
     tensors = _saved(cfg, params, tmp_path / "text")
     nested = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): v
               for n, v in tensors.items()}
     nested["model.visual.blocks.0.attn.qkv.weight"] = np.ones((48, 16), np.float32)
     (tmp_path / "vl").mkdir()
     save_file(nested, str(tmp_path / "vl" / "model.safetensors"))
-    (tmp_path / "vl" / "config.json").write_text((ROOT / "configs" / "models" / "tiny_qwen35.json").read_text())
+    (tmp_path / "vl" / "config.json").write_text(config_file.read_text())
     _loads_as(tmp_path / "vl", cfg, params)
 
 
 def test_a_missing_projection_is_named(qwen35, tmp_path):
-    cfg, params = qwen35
+    cfg, params, _ = qwen35
     tensors = _saved(cfg, params, tmp_path / "ckpt")
     del tensors[GDN + "in_proj_z.weight"]
     save_file(tensors, str(tmp_path / "ckpt" / "model.safetensors"))
@@ -103,20 +105,25 @@ def test_a_missing_projection_is_named(qwen35, tmp_path):
         load_pretrained(tmp_path / "ckpt")
 
 
-def test_a_qwen35_text_config_without_its_text_model_is_refused(tmp_path):
+def test_malformed_qwen35_configs_are_refused_by_name():
     from mtp.config import ConfigError, ModelConfig
 
     with pytest.raises(ConfigError, match="needs a text_config"):
         ModelConfig.from_hf({"model_type": "qwen3_5"})
     with pytest.raises(ConfigError, match="text_config.model_type 'qwen3_next'"):
         ModelConfig.from_hf({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_next"}})
+    # A dense FFN with no size: the MoE family may omit intermediate_size, the dense one may not.
+    dense = json.loads((ROOT / "configs" / "models" / "tiny_qwen35.json").read_text())
+    del dense["text_config"]["intermediate_size"]
+    with pytest.raises(ConfigError, match=r"intermediate_size=0: must be positive: the FFNs of layers \[0, 1, 2, 3\]"):
+        ModelConfig.from_hf(dense)
 
 
 def test_a_model_loaded_from_qwen35_computes_what_it_was_saved_from(qwen35, tmp_path):
     """The same logits through the forward pass, as a guard on the params tree as a whole."""
     from mtp.model import forward
 
-    cfg, params = qwen35
+    cfg, params, _ = qwen35
     save_pretrained(tmp_path / "ckpt", cfg, params)
     _, loaded = load_pretrained(tmp_path / "ckpt")
     tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, cfg.vocab_size)
