@@ -55,6 +55,7 @@ class Layout:
         return {name: array}
 
     def tree_to_checkpoint(self, flat: Mapping[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+        """``(checkpoint name, array)`` of each tensor that holds the tree's ``flat``, as saved."""
         for name, array in flat.items():
             for part, value in self.split(name, array).items():
                 yield part, np.ascontiguousarray(value)
