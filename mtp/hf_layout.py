@@ -11,6 +11,10 @@ or the ``qwen3_5`` image-text model around it) hold the same model with two diff
   tensors are the same in both, since both feed the conv the channels as q | k | v.
 * The image-text model nests the text model under ``model.language_model.`` and carries a
   vision tower (``model.visual.``), which this text-only codebase skips.
+* A MoE checkpoint may hold each layer's experts per expert (``experts.{e}.gate_proj``, ...,
+  as transformers writes them) or fused (``experts.gate_up_proj`` [E, 2 I, H] with gate
+  first, ``experts.down_proj`` [E, H, I]), as vLLM's Qwen3.5 loaders read them. Both load;
+  saving writes them per expert.
 
 A `Layout` maps between the two: the checkpoint's tensor names and shapes, the tree's
 tensors built from the checkpoint's on load, and split back on save. Rows are only
@@ -19,6 +23,7 @@ regrouped, never recomputed, so a round trip is exact.
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Iterator, Mapping
 
 import numpy as np
@@ -28,6 +33,7 @@ from mtp.config import ModelConfig
 VL_PREFIX = "model.language_model."
 VISION_PREFIX = "model.visual."
 QWEN35_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+_EXPERT = re.compile(r"^(?P<stem>.*\.mlp\.experts\.)(?P<e>\d+)\.(?P<kind>gate|up|down)_proj\.weight$")
 
 
 class Layout:
@@ -66,9 +72,9 @@ class Qwen35Layout(Layout):
 
     skipped_prefixes = (VISION_PREFIX,)
 
-    def __init__(self, cfg: ModelConfig, prefix: str = "model."):
+    def __init__(self, cfg: ModelConfig, prefix: str = "model.", fused_experts: bool = False):
         super().__init__(cfg)
-        self.prefix = prefix
+        self.prefix, self.fused_experts = prefix, fused_experts
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.nk, self.r = nk, nv // nk
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -91,7 +97,21 @@ class Qwen35Layout(Layout):
         if name.endswith(".in_proj_ba.weight"):
             b, a = self.sources(name)
             return {b: (self.nk * self.r, shape[1]), a: (self.nk * self.r, shape[1])}
+        expert = self._fused_expert(name)
+        if expert:
+            (fused,), e, kind = expert
+            rows, cols = shape
+            experts = self.cfg.num_experts
+            return {} if e else {fused: (experts, 2 * rows, cols) if kind != "down" else (experts, rows, cols)}
         return {self._name(name): shape}
+
+    def _fused_expert(self, name):
+        """``(sources, expert, "gate" | "up" | "down")`` of a per-expert tensor read from fused ones, else None."""
+        m = _EXPERT.match(name) if self.fused_experts else None
+        if m is None:
+            return None
+        part = "down_proj" if m["kind"] == "down" else "gate_up_proj"
+        return (self._name(m["stem"] + part),), int(m["e"]), m["kind"]
 
     def sources(self, name):
         base = self._name(name)
@@ -101,7 +121,8 @@ class Qwen35Layout(Layout):
         if name.endswith(".in_proj_ba.weight"):
             stem = base[: -len("in_proj_ba.weight")]
             return (stem + "in_proj_b.weight", stem + "in_proj_a.weight")
-        return (base,)
+        expert = self._fused_expert(name)
+        return expert[0] if expert else (base,)
 
     def build(self, name, arrays):
         nk, r, dk, dv = self.nk, self.r, self.dk, self.dv
@@ -116,9 +137,16 @@ class Qwen35Layout(Layout):
             b, a = arrays
             cols = b.shape[1]
             return np.concatenate([b.reshape(nk, r, cols), a.reshape(nk, r, cols)], axis=1).reshape(-1, cols)
+        expert = self._fused_expert(name)
+        if expert:
+            _, e, kind = expert
+            rows = self.cfg.moe_intermediate_size
+            return arrays[0][e] if kind == "down" else arrays[0][e, :rows] if kind == "gate" else arrays[0][e, rows:]
         return arrays[0]
 
     def split(self, name, array):
+        if self.fused_experts:
+            raise ValueError("checkpoints are saved with their experts one by one")
         nk, r, dk, dv = self.nk, self.r, self.dk, self.dv
         parts = self.sources(name)
         cols = array.shape[-1]
@@ -139,10 +167,24 @@ def layout_of(cfg: ModelConfig, checkpoint_names: Iterator[str] | None = None) -
         return Layout(cfg)
     names = list(checkpoint_names or ())
     nested = any(n.startswith(VL_PREFIX) for n in names)
-    return Qwen35Layout(cfg, VL_PREFIX if nested else "model.")
+    fused = any(n.endswith(".mlp.experts.gate_up_proj") for n in names)
+    return Qwen35Layout(cfg, VL_PREFIX if nested else "model.", fused)
 
 
 def read_tree(layout: Layout, tree_names, read: Callable[[str], np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
-    """``(name, array)`` of each of the tree's ``tree_names``, built from checkpoint tensors ``read(name)``."""
+    """``(name, array)`` of each of the tree's ``tree_names``, built from checkpoint tensors ``read(name)``.
+
+    The two checkpoint tensors read last are kept: a layer's fused experts serve every expert's
+    gate, up and down in turn, and are read once, not once per expert.
+    """
+    recent: dict[str, np.ndarray] = {}
+
+    def cached(part: str) -> np.ndarray:
+        if part not in recent:
+            recent[part] = read(part)
+            if len(recent) > 2:
+                del recent[next(iter(recent))]
+        return recent[part]
+
     for name in tree_names:
-        yield name, layout.build(name, tuple(read(part) for part in layout.sources(name)))
+        yield name, layout.build(name, tuple(cached(part) for part in layout.sources(name)))

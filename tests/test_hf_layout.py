@@ -128,3 +128,25 @@ def test_a_model_loaded_from_qwen35_computes_what_it_was_saved_from(qwen35, tmp_
     _, loaded = load_pretrained(tmp_path / "ckpt")
     tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, cfg.vocab_size)
     np.testing.assert_array_equal(np.asarray(forward(cfg, loaded, tokens)), np.asarray(forward(cfg, params, tokens)))
+
+
+def test_fused_experts_load_as_the_per_expert_ones(tmp_path):
+    """Experts stored fused per layer (gate_up_proj [E, 2I, H] with gate first, down_proj [E, H, I])."""
+    cfg = tiny_config("tiny_qwen35_moe")
+    params = random_params(cfg, seed=5)
+    tensors = _saved(cfg, params, tmp_path / "per_expert")
+    stems = sorted({n.split("experts.")[0] + "experts." for n in tensors if ".experts." in n})
+    assert len(stems) == cfg.num_hidden_layers + 1  # every layer's experts and the MTP layer's
+    for stem in stems:
+        take = lambda kind: [tensors.pop(f"{stem}{e}.{kind}_proj.weight") for e in range(cfg.num_experts)]
+        gate, up, down = take("gate"), take("up"), take("down")
+        tensors[stem + "gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(gate, up)])
+        tensors[stem + "down_proj"] = np.stack(down)
+    (tmp_path / "fused").mkdir()
+    save_file(tensors, str(tmp_path / "fused" / "model.safetensors"))
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "per_expert" / "config.json").read_text())
+    _loads_as(tmp_path / "fused", cfg, params)
+    del tensors[stems[0] + "down_proj"]
+    save_file(tensors, str(tmp_path / "fused" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.experts\.down_proj' \(shape \(4, 32, 16\)\)"):
+        load_pretrained(tmp_path / "fused")
