@@ -85,8 +85,7 @@ class Qwen35Layout(Layout):
     def shapes(self, tree_shapes):
         out = {}
         for name, shape in tree_shapes.items():
-            for part, part_shape in self._part_shapes(name, shape).items():
-                out[part] = part_shape
+            out.update(self._part_shapes(name, shape))
         return out
 
     def _part_shapes(self, name, shape):

@@ -460,7 +460,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
     (``jax.set_mesh``), the kernel runs per shard, on each device's own KV heads.
     """
     if impl == "auto" and tensor_parallel_mesh() is None and not triton_unsupported(q, k_pages):
-        triton = resolve_impl("auto", op="paged_attention_triton")  # unmeasured: only where MTP_KERNELS names it
+        triton = resolve_impl("auto", op="paged_attention_triton")  # opt-in (backend.OPT_IN): only where MTP_KERNELS names it
         if triton != "reference":
             return paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, scale=scale, gate=gate,
                                           interpret=triton == "interpret")
