@@ -1,4 +1,4 @@
-"""The decode token's conv and state shift (`mtp.pallas.conv_step`): the kernel (interpret mode) against the model."""
+"""The conv of decode and verify tokens and the states after them (`mtp.pallas.conv_step`): the kernel (interpret mode) against the model."""
 
 import jax
 import jax.numpy as jnp
@@ -11,35 +11,44 @@ from mtp.pallas.gdn_step import HeadShape
 from tests.conftest import decode_through_kernel
 
 
-def _case(seed, bsz, heads, dtype, extra_rows=0, extra_cols=0):
-    """qkvz as a GEMM's whole output (padding rows, a merged projection's columns), a masked row 1,
-    and the conv input the model slices from it (`gated_deltanet.project`)."""
+def _case(seed, bsz, heads, dtype, steps=1, extra_rows=0, extra_cols=0):
+    """qkvz as a GEMM's whole output (padding rows, a merged projection's columns; token t of
+    sequence b in row b T + t), ragged valid prefixes (row 1 fully masked, row 2 after its first
+    token), and the conv input the model slices from it (`gated_deltanet.project`)."""
     ks = jax.random.split(jax.random.key(seed), 3)
-    qkvz = jax.random.normal(ks[0], (bsz + extra_rows, heads.qkvz_width + extra_cols)).astype(dtype)
-    valid = jnp.arange(bsz) != 1
-    groups, qkv_width = gdn._qkvz_groups(qkvz[:bsz, :heads.qkvz_width], heads)
-    mixed = jnp.where(valid[:, None], groups[..., :qkv_width].reshape(bsz, -1), 0)
+    qkvz = jax.random.normal(ks[0], (bsz * steps + extra_rows, heads.qkvz_width + extra_cols)).astype(dtype)
+    counts = jnp.asarray([steps, 0, 1, steps - 1][:bsz] + [steps] * max(bsz - 4, 0))
+    valid = jnp.arange(steps)[None, :] < counts[:, None]
+    groups, qkv_width = gdn._qkvz_groups(qkvz[:bsz * steps, :heads.qkvz_width], heads)
+    mixed = jnp.where(valid[..., None], groups[..., :qkv_width].reshape(bsz, steps, -1), 0)
     state = jax.random.normal(ks[1], (bsz, 3, heads.conv_dim)).astype(dtype)
     w = (0.5 * jax.random.normal(ks[2], (heads.conv_dim, 1, 4))).astype(dtype)
     return mixed, qkvz, valid, state, w
 
 
-@pytest.mark.parametrize("bsz,heads,dtype,extra_rows,extra_cols", [
-    (1, HeadShape(2, 4, 16, 16), jnp.bfloat16, 1, 0),   # the padded batch-1 stream
-    (3, HeadShape(2, 4, 16, 16), jnp.bfloat16, 0, 8),   # qkvz merged with in_proj_ba
-    (2, HeadShape(1, 3, 8, 8), jnp.float32, 2, 4),
+@pytest.mark.parametrize("bsz,heads,dtype,steps,extra_rows,extra_cols", [
+    (1, HeadShape(2, 4, 16, 16), jnp.bfloat16, 1, 1, 0),   # decode: the padded batch-1 stream
+    (3, HeadShape(2, 4, 16, 16), jnp.bfloat16, 1, 0, 8),   # qkvz merged with in_proj_ba
+    (2, HeadShape(1, 3, 8, 8), jnp.float32, 1, 2, 4),
+    (4, HeadShape(2, 4, 16, 16), jnp.bfloat16, 2, 0, 8),   # verify
+    (3, HeadShape(1, 3, 8, 8), jnp.float32, 3, 2, 0),
+    (4, HeadShape(2, 2, 16, 16), jnp.bfloat16, 8, 0, 0),
 ])
-def test_kernel_matches_reference(bsz, heads, dtype, extra_rows, extra_cols):
-    args = _case(bsz, bsz, heads, dtype, extra_rows, extra_cols)
+def test_kernel_matches_reference(bsz, heads, dtype, steps, extra_rows, extra_cols):
+    args = _case(bsz, bsz, heads, dtype, steps, extra_rows, extra_cols)
     assert cs.kernel_unsupported(*args[1:], heads) is None
-    out, state = cs.conv_step(*args, heads=heads, impl="interpret")
-    out_ref, state_ref = cs.conv_step_reference(*args, heads=heads)
-    assert out.shape == (bsz, heads.conv_dim) and state.shape == args[3].shape and out.dtype == dtype
+    out, states = cs.conv_steps(*args, heads=heads, impl="interpret")
+    out_ref, states_ref = cs.conv_steps_reference(*args, heads=heads)
+    assert out.shape == (bsz, steps, heads.conv_dim) and out.dtype == dtype
+    assert states.shape == (bsz, steps) + args[3].shape[1:]
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_ref, np.float32), atol=1e-6, rtol=1e-6)
-    np.testing.assert_array_equal(state, state_ref)
-    live = np.asarray(args[2])
-    np.testing.assert_array_equal(state[live, :2], args[3][live, 1:])  # the old inputs move up one
-    np.testing.assert_array_equal(state[~live], args[3][~live])         # a masked token leaves the state
+    np.testing.assert_array_equal(states, states_ref)
+    mixed, state, counts = args[0], args[3], np.asarray(args[2]).sum(1)
+    for b in range(bsz):  # the state after token t holds the last 3 inputs up to it; masked: as it was
+        full = np.concatenate([np.asarray(state[b], np.float32), np.asarray(mixed[b], np.float32)])
+        for t in range(steps):
+            kept = min(t + 1, counts[b])
+            np.testing.assert_array_equal(np.asarray(states[b, t], np.float32), full[kept:kept + 3])
 
 
 def test_unsupported_inputs_are_named():
@@ -49,6 +58,8 @@ def test_unsupported_inputs_are_named():
     assert "do not match" in cs.kernel_unsupported(qkvz, valid, state[..., :-16], w, heads)
     assert "fewer than 2 rows" in cs.kernel_unsupported(qkvz[:1], valid, state, w, heads)
     assert "channels" in cs.kernel_unsupported(qkvz[:, :-1], valid, state, w, heads)
+    _, qkvz, valid, state, w = _case(0, 2, heads, jnp.float32, steps=9)
+    assert "at most 8" in cs.kernel_unsupported(qkvz, valid, state, w, heads)
 
 
 def test_auto_takes_the_kernel_on_a_gpu_unless_opt_in(monkeypatch):
@@ -57,21 +68,21 @@ def test_auto_takes_the_kernel_on_a_gpu_unless_opt_in(monkeypatch):
     from mtp.pallas import backend
 
     calls = []
-    monkeypatch.setattr(cs, "_conv_step_pallas", lambda *a, **k: calls.append(1) or ("kernel", None))
+    monkeypatch.setattr(cs, "_conv_steps_pallas", lambda *a, **k: calls.append(1) or ("kernel", None))
     monkeypatch.setattr(backend, "on_gpu", lambda: True)
     heads = HeadShape(2, 4, 16, 16)
     args = _case(0, 2, heads, jnp.float32)
-    assert cs.conv_step(*args, heads=heads)[0] == "kernel" and len(calls) == 1
+    assert cs.conv_steps(*args, heads=heads)[0] == "kernel" and len(calls) == 1
     monkeypatch.setattr(backend, "OPT_IN", {"conv_step": "a test"})
-    assert isinstance(cs.conv_step(*args, heads=heads)[0], jax.Array) and len(calls) == 1
+    assert isinstance(cs.conv_steps(*args, heads=heads)[0], jax.Array) and len(calls) == 1
     monkeypatch.setenv("MTP_KERNELS", "conv_step=pallas")
-    assert cs.conv_step(*args, heads=heads)[0] == "kernel" and len(calls) == 2
+    assert cs.conv_steps(*args, heads=heads)[0] == "kernel" and len(calls) == 2
 
 
 @pytest.mark.parametrize("gemm_layout", ["plain", "padded_merged"], indirect=True)
 def test_model_decode_with_the_kernel_equals_the_reference(gemm_layout, monkeypatch):
-    """Decode through the kernel alone (the other ops on their references) equals decode without it."""
-    runs = decode_through_kernel(monkeypatch, cs, "_conv_step_pallas", "conv_step")
+    """Decode and a verify of 3 tokens through the kernel alone (the other ops on their references) equals decode without it."""
+    runs = decode_through_kernel(monkeypatch, cs, "_conv_steps_pallas", "conv_step", verify=3)
     (want, ref_cache), (got, cache) = runs["reference"], runs["interpret"]
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     for g, w in zip(cache.linear.conv, ref_cache.linear.conv):  # later layers' inputs carry the rounding

@@ -246,30 +246,25 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
     lead = valid.shape
     mixed, qkvz, ba = project(p, x, cfg, lead)
     mixed = jnp.where(valid[..., None], mixed, 0)
-    counts = jnp.sum(valid, axis=1).astype(jnp.int32)
     steps = None
-    if per_step and lead[1] == 1:  # decode: the conv and its state's shift as one op
-        assert qkvz.start == 0, "conv_step reads in_proj_qkvz from the GEMM output's first columns"
-        conv_out, conv_after = conv_step.conv_step(mixed[:, 0], qkvz.rows, valid[:, 0], conv_state,
-                                                   p["conv1d"]["weight"], heads=fused_step.HeadShape.of(cfg),
-                                                   impl=impl)
-        conv_out, conv_steps = conv_out[:, None], conv_after[:, None]
-    else:
-        conv_out = conv_windows(p, cfg, conv_state, mixed)
-        conv_steps = None if not per_step else conv_states_per_step(conv_state, mixed, valid)
-    if per_step:
+    if per_step:  # decode and verify: the conv and the state after every token as one op
+        assert qkvz.start == 0, "conv_steps reads in_proj_qkvz from the GEMM output's first columns"
+        conv_out, conv_steps = conv_step.conv_steps(mixed, qkvz.rows, valid, conv_state, p["conv1d"]["weight"],
+                                                    heads=fused_step.HeadShape.of(cfg), impl=impl)
         y, rec_steps = fused_step.gdn_steps(conv_out, qkvz.rows, ba.rows, valid, rec_state, p["A_log"],
                                             p["dt_bias"], p["norm"]["weight"],
                                             num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
                                             ba_col=ba.start, impl=impl)
         out = out_project(p, y)
-        new_rec = rec_steps[:, -1]  # a masked token keeps the state: the last step's is the final one
+        # A masked token keeps the states: the last step's are the final ones.
+        new_conv, new_rec = conv_steps[:, -1], rec_steps[:, -1]
         steps = (conv_steps, rec_steps)
     else:
+        conv_out = conv_windows(p, cfg, conv_state, mixed)
         z, b, a = gates(qkvz.view(lead), ba.view(lead), cfg)
         q, k, v, beta, g = split_heads(conv_out, b, a, p, cfg)
         k, beta, g = mask_updates(k, beta, g, valid)
         core, new_rec = chunked_delta_rule(q, k, v, beta, g, rec_state)
         out = output(p, core, z, x.dtype, cfg)
-    new_conv = conv_state_after(conv_state, mixed, counts)
+        new_conv = conv_state_after(conv_state, mixed, jnp.sum(valid, axis=1).astype(jnp.int32))
     return out, new_conv, new_rec, steps

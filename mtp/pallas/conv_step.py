@@ -1,4 +1,4 @@
-"""The Gated DeltaNet conv of one decode token, and its state's shift, as one kernel.
+"""The Gated DeltaNet conv of a decode or verify step, and the state after each token, as one kernel.
 
 A decode step runs a layer's depthwise conv over ``[conv state (K - 1 inputs), the new
 input]`` and shifts the new input into the state. XLA makes that two kernels per layer (the
@@ -10,15 +10,21 @@ the ``in_proj_qkvz`` output in place, its state rows and its conv taps, writes t
 output, and writes the shifted state over the old one (aliased: each program reads its
 block before writing it), so nothing is copied.
 
-On the H200 (session 10, results/decode_h200.md) it makes the 1.38B decode step 1.02x faster at
-batch 1 and 1.05x at batch 8 (interleaved twice against the reference), so ``auto`` takes it on
-a GPU. Session 7 had measured a related form, the shift inside the fused delta-rule kernel with
-the conv left to XLA: 1.0% faster at batch 1 but 3.2% slower at batch 8.
+A verify of T <= 8 tokens is one call too, writing the state after every token (the commit
+keeps the accepted one). XLA made that two kernels per layer as well (the windows' conv, and
+the per-token states), and the speculative loop's commit, which XLA fused with the per-token
+states and so read the old state, copied every layer's conv state into the carry per step
+(`experiments/count_kernels.py --count speculative_loop`).
+
+On the H200 (session 10, results/decode_h200.md) the decode form makes the 1.38B decode step
+1.02x faster at batch 1 and 1.05x at batch 8 (interleaved twice against the reference), so
+``auto`` takes it on a GPU. Session 7 had measured a related form, the shift inside the fused
+delta-rule kernel with the conv left to XLA: 1.0% faster at batch 1 but 3.2% slower at batch 8.
 
 Pallas' Triton lowering, like `mtp.pallas.gdn_step`: elementwise work along the channels
 with no matmul, where Mosaic GPU's wgmma-shaped register layouts offer nothing.
 
-``conv_step_reference`` is the definition: the model's own ``conv_windows`` and
+``conv_steps_reference`` is the definition: the model's own ``conv_windows`` and
 ``conv_states_per_step``.
 """
 
@@ -31,58 +37,68 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from mtp.pallas.backend import run_triton_op, triton_compiler_params
-from mtp.pallas.gdn_step import HeadShape
+from mtp.pallas.gdn_step import MAX_STEPS, HeadShape
 
 
-def conv_step_reference(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadShape):
-    """One token's conv output ``[B, C]`` and the state after it ``[B, K - 1, C]``, as the model computes them.
+def conv_steps_reference(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadShape):
+    """``T`` tokens' conv outputs ``[B, T, C]`` and the state after each ``[B, T, K - 1, C]``, as the model computes them.
 
-    mixed: ``[B, C]``, the conv input (`gated_deltanet.project`'s, zero for a masked token);
-    qkvz: ``[R >= B, >= nk (2 Dk + 2 r Dv)]``, the ``in_proj_qkvz`` output it was sliced from,
+    mixed: ``[B, T, C]``, the conv input (`gated_deltanet.project`'s, zero at masked tokens);
+    qkvz: ``[R >= B T, >= nk (2 Dk + 2 r Dv)]``, the ``in_proj_qkvz`` output it was sliced from,
     in its first columns (the GEMM's whole output, padding rows and a merged ``in_proj_ba``
-    included: `layers.dense_rows`, `layers.dense_columns`), which the kernel reads in place
-    instead; valid: ``[B]``; conv_state: ``[B, K - 1, C]`` in the grouped channel order;
-    conv_w: the checkpoint's ``conv1d`` weight ``[C, 1, K]``. A masked token leaves the state as
-    it was, as it leaves the recurrent state (``gated_deltanet.mask_updates``): a loop can then
-    keep a finished row's state without selecting between old and new (`target.commit`).
+    included: `layers.dense_rows`, `layers.dense_columns`; token t of sequence b in row
+    b T + t), which the kernel reads in place instead; valid: ``[B, T]``, a prefix of each row;
+    conv_state: ``[B, K - 1, C]`` in the grouped channel order; conv_w: the checkpoint's
+    ``conv1d`` weight ``[C, 1, K]``. A masked token leaves the state as it was, as it leaves the
+    recurrent state (``gated_deltanet.mask_updates``): a loop can then keep a finished row's
+    state without selecting between old and new (`target.commit`).
     """
     from mtp.model import gated_deltanet as gdn  # imports this package: so here, not at the top
 
     del qkvz
-    out = gdn.conv_windows({"conv1d": {"weight": conv_w}}, heads, conv_state, mixed[:, None])
-    return out[:, 0], gdn.conv_states_per_step(conv_state, mixed[:, None], valid[:, None])[:, 0]
+    out = gdn.conv_windows({"conv1d": {"weight": conv_w}}, heads, conv_state, mixed)
+    return out, gdn.conv_states_per_step(conv_state, mixed, valid)
 
 
 def kernel_unsupported(qkvz, valid, conv_state, conv_w, heads: HeadShape) -> str | None:
     """Why the kernel cannot take these inputs (the caller then runs the reference), or None."""
     d = heads.linear_key_head_dim
+    bsz, steps = valid.shape
     if d != heads.linear_value_head_dim or d & (d - 1) or d < 8:
         return f"key and value head dims {d}, {heads.linear_value_head_dim} are not one power of two >= 8"
+    if steps > MAX_STEPS:
+        return f"{steps} tokens per sequence: the kernel unrolls at most {MAX_STEPS}"
     if conv_state.shape[-1] != heads.conv_dim or conv_w.shape != (heads.conv_dim, 1, conv_state.shape[1] + 1):
         return f"conv state {conv_state.shape} and weight {conv_w.shape} do not match {heads.conv_dim} channels"
-    if qkvz.shape[-1] < heads.qkvz_width or qkvz.shape[0] < valid.shape[0]:
-        return f"qkvz {qkvz.shape} holds fewer than {valid.shape[0]} rows of {heads.qkvz_width} channels"
+    if qkvz.shape[-1] < heads.qkvz_width or qkvz.shape[0] < bsz * steps:
+        return f"qkvz {qkvz.shape} holds fewer than {bsz * steps} rows of {heads.qkvz_width} channels"
     return None
 
 
-def _kernel(x_ref, valid_ref, state_ref, w_ref, out_ref, new_state_ref):
+def _kernel(x_ref, valid_ref, state_ref, w_ref, out_ref, states_ref):
     f32 = jnp.float32
-    keep = state_ref.shape[1]
+    keep = state_ref.shape[-2]
     dtype = out_ref.dtype
-    live = valid_ref[0, 0] != 0
-    x = jnp.where(live, x_ref[0, :], jnp.zeros_like(x_ref[0, :])).astype(dtype)
-    full = [state_ref[0, i, :].astype(dtype) for i in range(keep)] + [x]  # the state first: the long loads
-    acc = 0
-    for i, tap in enumerate(full):  # the model's order of the sum (`conv_windows`)
-        acc = acc + tap.astype(f32) * w_ref[:, 0, i].astype(f32)
-    out_ref[0, :] = jax.nn.silu(acc).astype(dtype)
-    for i in range(keep):  # a masked token leaves the state as it was
-        new_state_ref[0, i, :] = jnp.where(live, full[i + 1], full[i]).astype(new_state_ref.dtype)
+    full = [state_ref[0, 0, i, :].astype(dtype) for i in range(keep)]  # the state first: the long loads
+    taps = [w_ref[:, 0, i].astype(f32) for i in range(keep + 1)]
+    before = full
+    for t in range(out_ref.shape[0]):  # verify's few tokens, unrolled
+        live = valid_ref[0, t] != 0
+        full = full + [jnp.where(live, x_ref[t, :], jnp.zeros_like(x_ref[t, :])).astype(dtype)]
+        acc = 0
+        for i, tap in enumerate(taps):  # the model's order of the sum (`conv_windows`)
+            acc = acc + full[t + i].astype(f32) * tap
+        out_ref[t, :] = jax.nn.silu(acc).astype(dtype)
+        # A masked token leaves the state as it was (`conv_states_per_step`).
+        before = [jnp.where(live, full[t + 1 + i], before[i]) for i in range(keep)]
+        for i in range(keep):
+            states_ref[0, t, i, :] = before[i].astype(states_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "interpret"))
-def _conv_step_pallas(qkvz, valid, conv_state, conv_w, *, heads: HeadShape, interpret=False):
-    bsz, keep, _ = conv_state.shape
+def _conv_steps_pallas(qkvz, valid, conv_state, conv_w, *, heads: HeadShape, interpret=False):
+    bsz, steps = valid.shape
+    keep = conv_state.shape[1]
     nk, d = heads.linear_num_key_heads, heads.linear_key_head_dim
     r = heads.linear_num_value_heads // nk
     blocks = 2 + r  # q, k and r v blocks of D channels per key head
@@ -90,32 +106,35 @@ def _conv_step_pallas(qkvz, valid, conv_state, conv_w, *, heads: HeadShape, inte
     # The checkpoint's conv weight is [q of all heads | k | v]: block j of key head h sits at
     # q: h, k: nk + h, v: 2 nk + h r + (j - 2).
     checkpoint = lambda h, j: jnp.where(j == 0, h, jnp.where(j == 1, nk + h, 2 * nk + h * r + j - 2))
-    state_block = pl.BlockSpec((1, keep, d), lambda b, h, j: (b, 0, grouped(h, j)))
-    out, new_state = pl.pallas_call(
+    out, states = pl.pallas_call(
         _kernel,
         grid=(bsz, nk, blocks),
-        in_specs=[pl.BlockSpec((1, d), lambda b, h, j: (b, h * (2 + 2 * r) + j)),  # in place in qkvz
-                  pl.BlockSpec((1, 1), lambda b, h, j: (b, 0)),
-                  state_block,
+        in_specs=[pl.BlockSpec((steps, d), lambda b, h, j: (b, h * (2 + 2 * r) + j)),  # in place in qkvz
+                  pl.BlockSpec((1, steps), lambda b, h, j: (b, 0)),
+                  pl.BlockSpec((1, 1, keep, d), lambda b, h, j: (b, 0, 0, grouped(h, j))),
                   pl.BlockSpec((d, 1, keep + 1), lambda b, h, j: (checkpoint(h, j), 0, 0))],
-        out_specs=[pl.BlockSpec((1, d), lambda b, h, j: (b, grouped(h, j))), state_block],
-        out_shape=[jax.ShapeDtypeStruct((bsz, heads.conv_dim), qkvz.dtype),
-                   jax.ShapeDtypeStruct(conv_state.shape, qkvz.dtype)],
-        # The shifted state overwrites the old one where the dtypes allow: no copy into a loop carry.
-        input_output_aliases={2: 1} if conv_state.dtype == qkvz.dtype else {},
+        out_specs=[pl.BlockSpec((steps, d), lambda b, h, j: (b, grouped(h, j))),
+                   pl.BlockSpec((1, steps, keep, d), lambda b, h, j: (b, 0, 0, grouped(h, j)))],
+        out_shape=[jax.ShapeDtypeStruct((bsz * steps, heads.conv_dim), qkvz.dtype),
+                   jax.ShapeDtypeStruct((bsz, steps, keep, heads.conv_dim), qkvz.dtype)],
+        # Decode: the shifted state overwrites the old one where the dtypes allow (each program
+        # reads its block before writing it), so nothing is copied into a loop carry. Verify
+        # writes the state after every token, a new buffer that the commit picks from without
+        # reading the old state: nothing copied either.
+        input_output_aliases={2: 1} if steps == 1 and conv_state.dtype == qkvz.dtype else {},
         interpret=interpret,
         **triton_compiler_params(interpret, num_warps=1),
-    )(qkvz, valid.astype(jnp.int32)[:, None], conv_state, conv_w)
-    return out, new_state
+    )(qkvz, valid.astype(jnp.int32), conv_state[:, None], conv_w)
+    return out.reshape(bsz, steps, heads.conv_dim), states
 
 
-def conv_step(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadShape, impl="auto"):
-    """``conv_step_reference``'s signature and results; ``impl`` picks the path (``backend``).
+def conv_steps(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadShape, impl="auto"):
+    """``conv_steps_reference``'s signature and results; ``impl`` picks the path (``backend``).
 
     Inputs the kernel cannot take (``kernel_unsupported``) and traces under a
     tensor-parallel mesh go to the reference. No autodiff rule: training never decodes.
     """
     return run_triton_op(
         "conv_step", impl, lambda: kernel_unsupported(qkvz, valid, conv_state, conv_w, heads),
-        lambda: conv_step_reference(mixed, qkvz, valid, conv_state, conv_w, heads=heads),
-        lambda interpret: _conv_step_pallas(qkvz, valid, conv_state, conv_w, heads=heads, interpret=interpret))
+        lambda: conv_steps_reference(mixed, qkvz, valid, conv_state, conv_w, heads=heads),
+        lambda interpret: _conv_steps_pallas(qkvz, valid, conv_state, conv_w, heads=heads, interpret=interpret))
