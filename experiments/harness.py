@@ -6,6 +6,7 @@ import dataclasses
 import pathlib
 
 import jax.numpy as jnp
+from absl import app
 from tqdm import tqdm
 
 from mtp.checkpoint import load_pretrained
@@ -18,10 +19,18 @@ def load_experiment(c):
     """The checkpoint (at the config's compute dtype), the session subset, and its prompt builder."""
     cfg, params = load_pretrained(c.checkpoint, dtype=jnp.dtype(c.dtype))
     tok = Tokenizer.load(pathlib.Path(c.checkpoint) / "tokenizer.json")
-    sessions = load_sessions(c.sessions)
-    if c.num_sessions >= 0:
-        sessions = sessions[: c.num_sessions]
+    sessions = session_subset(load_sessions(c.sessions), c.num_sessions, "num_sessions")
     return cfg, params, sessions, TextPrompts(tok, load_preamble(c.preamble), c.prompt_mode)
+
+
+def session_subset(sessions, count: int, flag: str):
+    """The first ``count`` sessions, all of them for -1; any other count is refused by its flag's name."""
+    if count == -1:
+        return sessions
+    if count < 1:
+        raise app.UsageError(f"--config.{flag}={count}: give a positive number of sessions, or -1 for all "
+                             f"{len(sessions)}")
+    return sessions[:count]
 
 
 def run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total):

@@ -18,7 +18,7 @@ import time
 from absl import app, logging
 from ml_collections import config_flags
 
-from experiments.harness import index_turns, load_experiment, run_policy
+from experiments.harness import index_turns, load_experiment, run_policy, session_subset
 from mtp.analysis import summarize
 from mtp.data.sessions import load_sessions
 from mtp.engine import EngineConfig
@@ -39,7 +39,7 @@ def main(argv):
     c = _CONFIG.value
     start = time.time()
     cfg0, params, sessions, prompts = load_experiment(c)
-    preamble_only = load_sessions(c.preamble_only_sessions)[: c.num_preamble_only]
+    preamble_only = session_subset(load_sessions(c.preamble_only_sessions), c.num_preamble_only, "num_preamble_only")
     tables = {}
     for axis, values in c.axes.items():
         work = preamble_only if axis == "marconi_min_tokens" else sessions
