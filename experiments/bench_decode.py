@@ -33,23 +33,29 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import cupti
+from experiments.cli import require_ints
 from mtp import analysis, sharding
 from mtp.cache.state import TargetCache
 from mtp.config import ModelConfig
 from mtp.model import target
 from mtp.model.params import count_params, init_params
 from mtp.mtp_head import DrafterCache, draft_step
+from mtp.speculative import MAX_VERIFY_WIDTH
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "runs/bench_decode", "Where results.json / results.md go.")
 flags.DEFINE_bool("small", False, "Tiny shapes, for checking the script on a CPU.")
-flags.DEFINE_integer("context", 2048, "KV positions already in the cache per sequence (part A).")
-flags.DEFINE_integer("reps", 20, "Timed repetitions per measurement (median reported).")
+flags.DEFINE_integer("context", 2048, "KV positions already in the cache per sequence (part A).", lower_bound=1)
+flags.DEFINE_integer("reps", 20, "Timed repetitions per measurement (median reported).", lower_bound=1)
 flags.DEFINE_list("parts", ["A", "B"], "Which parts to run.")
-flags.DEFINE_integer("steps_per_call", 16, "Part A: steps run back to back inside one call.")
+flags.DEFINE_integer("steps_per_call", 16, "Part A: steps run back to back inside one call.", lower_bound=1)
 flags.DEFINE_list("batches", ["1", "8"], "Batch sizes to run.")
 flags.DEFINE_list("spec_ks", ["2", "3", "4", "5", "6"], "Part B: verify widths K of the speculative runs "
                   "(batch 8 runs those up to 4).")
+
+flags.register_validator("parts", lambda v: set(v) <= {"A", "B"}, "--parts: A, B or both")
+require_ints("batches", 1, what="batch sizes")
+require_ints("spec_ks", 2, MAX_VERIFY_WIDTH, "verify widths K; K = 2 is one draft per step")
 flags.DEFINE_integer("tp", 1, "Part A: tensor-parallel devices (mtp.sharding). With tp > 1 the step runs the "
                      "XLA references: the Pallas kernels have no shard_map wrapper yet.", lower_bound=1)
 flags.DEFINE_bool("decode_only", False, "Part A: time the plain decode step only (e.g. to compare XLA_FLAGS).")
@@ -338,7 +344,7 @@ def part_b(report: Report, reps: int):
         runs = [("plain", 0)] + [("spec", k) for k in ks if batch == 1 or k <= 4]
         base = None
         for name, k in runs:
-            spec = SpecConfig(verify_width=max(k, 2), max_new_tokens=new)
+            spec = SpecConfig(verify_width=k or 2, max_new_tokens=new)  # plain runs ignore the width
             gen = lambda: generate(cfg, params, prompts, spec, speculative=k > 0)
             gen()  # compile
             res = [gen() for _ in range(3)]

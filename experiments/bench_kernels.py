@@ -52,22 +52,23 @@ from mtp.pallas import paged_attention as pamod
 from mtp.pallas.backend import num_sms
 
 from experiments import cupti
+from experiments.cli import require_ints
 from experiments.gemm_probe import ffn_program, gate_up_contexts, per_kernel_us
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Correctness plus the goal shapes only.")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_kernels"), "Where results go.")
-flags.DEFINE_integer("reps", 30, "Timed calls per variant.")
-flags.DEFINE_integer("page_size", 16, "KV page size in tokens.")
+flags.DEFINE_integer("reps", 30, "Timed calls per variant.", lower_bound=1)
+flags.DEFINE_integer("page_size", 16, "KV page size in tokens.", lower_bound=1)
 flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "merged", "ffn_chain", "gemm_context", "gdn",
                                    "chain"],
                   "Which kernels to check and time (gemv, merged, ffn_chain: XLA's few-row GEMMs; see above).")
 flags.DEFINE_list("gemv_rows", ["1"], "Small-row GEMMs: the row counts M to time.")
-flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.")
+flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.", lower_bound=1)
 flags.DEFINE_integer("gemv_rotate_mb", None, "Small-row GEMMs: rotate the weights through copies of this "
                      "many MB in all, at most 256 copies (default: 4x L2, at most 16); a decode step of the 1.38B "
-                     "model streams ~2800 MB between two reads of one weight.")
-flags.DEFINE_integer("fc_max_m", None, "fc GEMM: only the rows with M up to this (default: all).")
+                     "model streams ~2800 MB between two reads of one weight.", lower_bound=1)
+flags.DEFINE_integer("fc_max_m", None, "fc GEMM: only the rows with M up to this (default: all).", lower_bound=1)
 flags.DEFINE_list("fc_shapes", None, "fc GEMM: only these M:H rows, e.g. 32:4096,2048:4096 (default: all).")
 flags.DEFINE_list("pa_batches", None, "Paged attention: only these batch sizes (default: all).")
 flags.DEFINE_string("pa_heads", None, "Paged attention: only this (Hq,Hkv,D), e.g. 16,2,256.")
@@ -75,6 +76,9 @@ flags.DEFINE_list("gdn_warps", [], "Fused Gated DeltaNet step: also time the ker
                   "(default: gdn_step.default_num_warps).")
 flags.DEFINE_bool("small", False, "fc and gemv only, tiny shapes (Pallas interpret mode): a CPU check "
                   "that the script runs end to end (timings meaningless).")
+require_ints("gemv_rows", 1, what="row counts")
+require_ints("pa_batches", 1, what="batch sizes")
+require_ints("gdn_warps", 1, 32, what="warps per program")
 
 L2_BYTES = 50 * 2**20
 ROTATE_BYTES = 4 * L2_BYTES

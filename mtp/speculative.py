@@ -32,6 +32,8 @@ from mtp.model.params import Params
 from mtp.mtp_head import DrafterCache, append_rows, draft_step
 from mtp.pallas import backend
 
+MAX_VERIFY_WIDTH = 8  # the widest verify the loops are built and tested for (the verify kernels unroll 8 tokens)
+
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
@@ -52,8 +54,9 @@ class SpecConfig:
     plain_width: int = 1
 
     def __post_init__(self):
-        if not 2 <= self.verify_width <= 8:
-            raise ValueError(f"verify_width K={self.verify_width} must be in 2..8 (drafts D = K - 1 in 1..7)")
+        if not 2 <= self.verify_width <= MAX_VERIFY_WIDTH:
+            raise ValueError(f"verify_width K={self.verify_width} must be in 2..{MAX_VERIFY_WIDTH} "
+                             f"(drafts D = K - 1 in 1..{MAX_VERIFY_WIDTH - 1})")
         if not 1 <= self.plain_width <= self.verify_width:
             raise ValueError(f"plain_width={self.plain_width} must be in 1..verify_width={self.verify_width}")
         if self.temperature < 0:

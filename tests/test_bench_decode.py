@@ -10,11 +10,15 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _run(*args, timeout=600):
+    cmd = [sys.executable, "experiments/bench_decode.py", *args]
+    return subprocess.run(cmd, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+                                              "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=timeout)
+
+
 def test_small_run_reports_every_row_and_is_lossless(tmp_path):
-    cmd = [sys.executable, "experiments/bench_decode.py", "--small", "--parts", "A,B", "--batches", "1",
-           "--spec_ks", "2", "--reps", "1", f"--out_dir={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
-                                              "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+    proc = _run("--small", "--parts", "A,B", "--batches", "1", "--spec_ks", "2", "--reps", "1",
+                f"--out_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     by_what = {(r["part"], r["what"]): r for r in rows}
@@ -28,3 +32,10 @@ def test_small_run_reports_every_row_and_is_lossless(tmp_path):
     assert 1.0 <= spec["mean_acceptance_length"] <= 2.0  # K = 2: one draft per verify
     assert spec["accepted_tokens"] <= spec["draft_tokens"]
     assert (tmp_path / "results.md").read_text().count("| B |") == 2
+
+
+def test_bad_flags_stop_the_run_by_name(tmp_path):
+    """A verify width of 1 used to run as K = 2 under the label "spec K=1"."""
+    proc = _run("--small", "--spec_ks", "2,1", "--batches", "0", f"--out_dir={tmp_path}", timeout=120)
+    assert proc.returncode != 0 and "--spec_ks: integers 2..8" in proc.stderr
+    assert not (tmp_path / "results.json").exists()
