@@ -45,12 +45,14 @@ _HF_PYTHON = flags.DEFINE_string("hf_python", "/tmp/hfvenv/bin/python",
 _CONFIGS = flags.DEFINE_list("configs", ["configs/models/tiny_dense.json", "configs/models/tiny_moe.json",
                                          "configs/models/tiny_qwen35.json", "configs/models/tiny_qwen35_moe.json"],
                              "HF config.json files of the variants to check.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 150, "Tokens per sequence; > 64 crosses Gated DeltaNet chunks.")
-_BATCH = flags.DEFINE_integer("batch", 2, "Sequences per variant.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 150, "Tokens per sequence; > 64 crosses Gated DeltaNet chunks.",
+                                lower_bound=2)
+_BATCH = flags.DEFINE_integer("batch", 2, "Sequences per variant.", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for weights and tokens.")
-_TOLERANCE = flags.DEFINE_float("tolerance", 1e-4, "Max abs logits error vs fp64 that always passes.")
+_TOLERANCE = flags.DEFINE_float("tolerance", 1e-4, "Max abs logits error vs fp64 that always passes.",
+                                 lower_bound=0.0)
 _FP32_FACTOR = flags.DEFINE_float("fp32_factor", 4.0, "Also pass within this multiple of transformers' "
-                                  "own fp32 error vs fp64 (fp32 rounding is the floor).")
+                                  "own fp32 error vs fp64 (fp32 rounding is the floor).", lower_bound=0.0)
 _OUT = flags.DEFINE_string("out", "results/hf_parity.md", "Markdown report (relative to the repo root).")
 # Worker-only.
 _CKPT = flags.DEFINE_string("ckpt", None, "(hf role) checkpoint directory.")

@@ -51,6 +51,7 @@ from absl import app, flags
 
 from experiments.bench_decode import (BIG, chained_verify_step, kernel_sources, random_cache,  # and its flags
                                       source_of)
+from mtp.speculative import MAX_VERIFY_WIDTH
 
 H200_TARGET = """\
 gpu_device_info {
@@ -76,13 +77,15 @@ device_description_str: "NVIDIA H200"
 flags.DEFINE_enum("count", "step", ["step", "greedy_loop", "speculative_loop"],
                   "step: part A's step on the 1.38B model; greedy_loop / speculative_loop: the decode loops "
                   "of `mtp.speculative` on the shipped default model (their while body: one iteration).")
-flags.DEFINE_integer("spec_k", 3, "--count speculative_loop: the verify width K (K - 1 drafts per iteration).")
-flags.DEFINE_integer("tokens", 1, "Tokens per step: 1 is decode, K a verify of K tokens.")
+flags.DEFINE_integer("spec_k", 3, "--count speculative_loop: the verify width K (K - 1 drafts per iteration).",
+                     lower_bound=2, upper_bound=MAX_VERIFY_WIDTH)
+flags.DEFINE_integer("tokens", 1, "Tokens per step: 1 is decode, K a verify of K tokens.", lower_bound=1,
+                     upper_bound=MAX_VERIFY_WIDTH)
 flags.DEFINE_bool("loop", False, "Also compile part A's timed fori_loop and count its body (its "
                   "cache is donated, as in the decode loops: the single step's copies of the "
                   "state it updates in place are not there).")
 flags.DEFINE_string("target_config", None, "A GpuTargetConfig text proto file (default: an H200).")
-flags.DEFINE_integer("top", 15, "How many kernel names to list.")
+flags.DEFINE_integer("top", 15, "How many kernel names to list.", lower_bound=1)
 flags.DEFINE_bool("list", False, "Print every launch in order, with its grid.")
 flags.DEFINE_bool("by_source", False, "Also group the launches by the model source line (and output "
                   "shape) each comes from, as bench_decode.py groups its CUPTI kernel times.")

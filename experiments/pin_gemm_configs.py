@@ -42,7 +42,8 @@ from experiments.bench_decode import BIG, chained_verify_step, random_cache  # a
 from experiments.gemm_probe import ffn_program, per_kernel_us
 
 flags.DEFINE_enum("program", "ffn", ["ffn", "decode"], "What to compile and time.")
-flags.DEFINE_integer("top_k", 6, "Candidates per GEMM fusion to time in use (the autotuner's fastest).")
+flags.DEFINE_integer("top_k", 6, "Candidates per GEMM fusion to time in use (the autotuner's fastest).",
+                     lower_bound=1)
 flags.DEFINE_string("worker", None, "Internal: compile and time once, writing per-kernel µs to this JSON file.")
 FLAGS = flags.FLAGS
 

@@ -27,8 +27,10 @@ _EXPORT_DIR = flags.DEFINE_string("export_dir", "assets/default_model",
                                   "Where the trained model is exported ('' = no export).")
 _MAX_TRAIN_SECONDS = flags.DEFINE_float(
     "max_train_seconds", None,
-    "Wall-clock budget of this run, compile included (overrides config.max_train_seconds; 0 = none).")
-_STOP_AT_STEP = flags.DEFINE_integer("stop_at_step", None, "End this run at this step (resumable later).")
+    "Wall-clock budget of this run, compile included (overrides config.max_train_seconds; 0 = none).",
+    lower_bound=0.0)
+_STOP_AT_STEP = flags.DEFINE_integer("stop_at_step", None, "End this run at this step (resumable later).",
+                                     lower_bound=1)
 
 
 def main(argv):
