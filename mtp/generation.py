@@ -71,8 +71,10 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     under ``jax.set_mesh`` so that the Pallas kernels run per shard.
     """
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        if not prompts:
+            raise ValueError("no prompts: generate needs at least one")
+        if empty := [i for i, p in enumerate(prompts) if len(p) == 0]:
+            raise ValueError(f"every prompt needs at least one token; prompts {empty} are empty")
         if speculative and not cfg.has_mtp:
             raise ValueError("speculative decoding needs a checkpoint with an MTP head (num_nextn_predict_layers=1)")
         b = len(prompts)

@@ -292,3 +292,12 @@ def test_decode_loop_graph_options_are_valid_xla_options(monkeypatch):
     monkeypatch.setenv(backend.LOOP_GRAPH_ENV_VAR, "on")
     with pytest.raises(ValueError, match="MTP_DECODE_LOOP_GRAPH='on'"):
         backend.decode_loop_compiler_options()
+
+
+def test_generate_names_missing_and_empty_prompts():
+    cfg = tiny_config("tiny_dense")
+    params = random_params(cfg, seed=0)
+    with pytest.raises(ValueError, match="no prompts"):
+        generate(cfg, params, [], SpecConfig())
+    with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
+        generate(cfg, params, [[1, 2], []], SpecConfig())
