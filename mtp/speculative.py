@@ -31,8 +31,9 @@ from mtp.model import layers, target
 from mtp.model.params import Params
 from mtp.mtp_head import DrafterCache, append_rows, draft_step
 from mtp.pallas import backend
+from mtp.pallas.gdn_step import MAX_STEPS
 
-MAX_VERIFY_WIDTH = 8  # the widest verify the loops are built and tested for (the verify kernels unroll 8 tokens)
+MAX_VERIFY_WIDTH = MAX_STEPS  # the widest verify the loops are built and tested for: the verify kernels' unroll
 
 
 @dataclasses.dataclass(frozen=True)
