@@ -199,9 +199,7 @@ def bench_fc(m, h, reps, variants=None):
 def fc_variants(m, h):
     """Tile/stage alternatives timed beside the default plan."""
     if m >= 2048:
-        v = {"two_acc_64x2_s5": dict(acc="two"), "two_acc_summer": dict(acc="two", norms="summer"),
-             "two_acc_summer_s4": dict(acc="two", norms="summer", stages=4),
-             "sumsq_c128_s3": dict(sumsq=(128, None, 3)),
+        v = {"two_acc_64x2_s5": dict(acc="two"), "sumsq_c128_s3": dict(sumsq=(128, None, 3)),
              "sumsq_c128_8_splits": dict(sumsq=(128, 8, 2)),
              "sumsq_c256_8_splits": dict(sumsq=(256, 8, 2)), "sumsq_1_split": dict(sumsq=(256, 1, 2))}
         if m == 12288 and h == 4096:

@@ -118,19 +118,6 @@ def test_warp_specialised_path_matches_reference(m, h, kw):
     _check_against_reference(_kernel(args, **kw), args)
 
 
-@pytest.mark.parametrize("m,h,kw", [
-    (72, 128, dict(stages=2)),                    # one tile
-    (264, 256, dict(num_programs=3, tile_n=64)),  # several tiles per program: both sum buffers
-    (136, 64, dict(num_programs=1, stages=5)),    # 2-step tiles: the summer runs tiles ahead
-])
-def test_summing_warpgroup_matches_the_pre_pass(m, h, kw):
-    """``norms="summer"``: the row norms summed inside the GEMM by a fourth warpgroup."""
-    args = _inputs(m * 5 + h, m, h)
-    out = _kernel(args, norms="summer", **kw)
-    _check_against_reference(out, args)
-    assert _rel_err(out, _kernel(args, **kw)) < 1e-6  # the same products, summed alike
-
-
 @pytest.mark.parametrize("m,h,splits,tile_c", [(72, 256, 1, 128), (200, 256, 4, 64)])
 def test_row_sumsq_kernel(m, h, splits, tile_c):
     """Each split's share of the row sums of squares; rows past M (to m_pad) sum to 0."""
@@ -199,11 +186,6 @@ def test_bad_inputs_raise():
         fc_gemm_folded(e3, h3, wf, eps=1e-6)
     with pytest.raises(ValueError, match="k_splits=3"):
         fc_gemm_folded(e, h, wf, eps=1e-6, k_splits=3)
-    big_e, big_h = jnp.concatenate([e] * 20), jnp.concatenate([h] * 20)
-    with pytest.raises(ValueError, match="needs acc='two'"):
-        fc_gemm_folded(big_e, big_h, wf, eps=1e-6, acc="rescale", norms="summer")
-    with pytest.raises(ValueError, match="norms='producer'"):
-        fc_gemm_folded(big_e, big_h, wf, eps=1e-6, norms="producer")
     with pytest.raises(ValueError, match="acc='one'"):
         fc_gemm_folded(jnp.concatenate([e] * 20), jnp.concatenate([h] * 20), wf, eps=1e-6,
                        acc="one")

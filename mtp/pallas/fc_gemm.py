@@ -19,9 +19,11 @@ the single accumulator is multiplied by ``r_e / r_h`` at the half boundary and b
 ``r_h`` at the end (``r > 0`` always). The ratio is needed before the hidden half is
 read, so the rows' sums of squares come from a small memory-bound kernel that runs
 first (``_row_sumsq``: it reads embed and hidden once, ``4 M H`` bytes, at ~4 TB/s where
-XLA's reduction ran at 1.75; the GEMM takes the rsqrt itself). Summing the squares
-inside the GEMM instead, from the A tiles in shared memory while the wgmma runs, was
-measured 2.4x slower (the consumer's loads stall the tensor-core pipeline; run 9).
+XLA's reduction ran at 1.75; the GEMM takes the rsqrt itself). Every way of summing the
+squares inside the GEMM measured slower than this pre-pass (results/kernels_h200.md): by
+the consumers from the A tiles in shared memory (runs 9 and 27), by the producer (run 29),
+by a fourth warpgroup or from the registers of an RS wgmma (run 30). A fourth warpgroup
+that only synchronised cost nothing; the summing's loads and arithmetic slow the wgmmas.
 
 Rounding moves. Hugging Face rounds the normalised input ``x * r * (1 + w_n)`` to bf16
 and multiplies by ``W``; here ``W * (1 + w_n)`` is rounded to bf16 instead and ``x`` is
@@ -477,9 +479,6 @@ def _plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=Non
     return wg_m, tile_n, stages, num_programs
 
 
-SUMMER_REGS = 72  # the summing warpgroup's registers: 2 x 200 (consumers) + 40 (producer) + 72 = 512
-
-
 def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs, acc, eps,
              tile_k=64, epi_m=64):
     """bf16 [M, H] = r_e * (embed @ W_f[:, :H].T) + r_h * (hidden @ W_f[:, H:].T).
@@ -494,15 +493,6 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
     ``ss_parts`` = ``_row_sumsq(...)``: each consumer sums the splits of its rows and takes
     ``r = rsqrt(ss / H + eps)`` when a tile starts (the ratio must be known at the half
     boundary, before the hidden half is read; see the module docstring).
-
-    ``ss_parts=None`` (``acc="two"`` only): no pre-pass. A fourth warpgroup, the summer,
-    reads each stage's A tile from shared memory as soon as it lands, adds its squares to
-    per-row sums in registers and releases the stage alongside the consumers (``empty``
-    counts three arrivals). With two accumulators the scales are needed only at the
-    tile's end, where the summer hands its sums over through shared memory
-    (``ss_ready`` / ``ss_free``, double-buffered by tile). It has registers of its own, so
-    neither the TMA issue (run 29: the producer summing doubled the kernel's time) nor
-    the wgmma issue (run 27: the consumers summing, 0.71x) waits for it.
     """
     m, h = embed.shape
     dtype = embed.dtype
@@ -512,27 +502,19 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
     n_tiles = h // cta_n
     num_tiles = m_tiles * n_tiles
     kh = h // tile_k  # k steps per half
-    summer = ss_parts is None
-    if summer and not split_m:
-        raise ValueError("the summing warpgroup (no pre-pass) needs acc='two': one rescaled "
-                         "accumulator needs both halves' scales before the hidden half")
-    if not summer and ss_parts.shape[1:] != (2, m_tiles * cta_m):
+    splits = ss_parts.shape[0]
+    if ss_parts.shape[1:] != (2, m_tiles * cta_m):
         raise ValueError(f"ss_parts must be [splits, 2, {m_tiles * cta_m}]; got {ss_parts.shape}")
     epi_m = min(epi_m, wg_m)
     in_tr = swizzle_transforms(tile_k, dtype)
     out_tr = swizzle_transforms(tile_n, dtype)
-    smem = stages * (cta_m + cta_n) * tile_k * 2 + 2 * epi_m * tile_n * 2 + summer * 2 * 2 * cta_m * 4
+    smem = stages * (cta_m + cta_n) * tile_k * 2 + 2 * epi_m * tile_n * 2
     if smem > _SMEM_LIMIT:
         raise ValueError(f"warp-specialised fc kernel needs {smem} bytes of shared memory "
                          f"(wg_m={wg_m}, tile_n={tile_n}, stages={stages}, acc={acc}); "
                          f"the limit is {_SMEM_LIMIT}")
 
-    def kernel(*refs, a_smem, b_smem, o_smem, full, empty, ss_smem=None, ss_ready=None,
-               ss_free=None):
-        if summer:
-            e_ref, h_ref, w_ref, o_ref = refs
-        else:
-            e_ref, h_ref, w_ref, ss_ref, o_ref = refs
+    def kernel(e_ref, h_ref, w_ref, ss_ref, o_ref, a_smem, b_smem, o_smem, full, empty):
         pid = lax.axis_index("p")
         wg = lax.axis_index("wg")
         my_tiles = lax.div(num_tiles - 1 - pid, num_programs) + 1
@@ -574,59 +556,16 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
             def _(j):
                 plgpu.barrier_wait(empty.at[lax.rem(j, stages)])
 
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-
-        if summer:
-            @pl.when(wg == 3)
-            def _summer():
-                plgpu.set_max_registers(SUMMER_REGS, action="decrease")
-                zero = plgpu.layout_cast(jnp.zeros((wg_m,), jnp.float32), row_layout)
-
-                def sq_rows(ref):
-                    x = plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-                    return jnp.sum(x * x, axis=1)
-
-                def tile_body(i, step):
-                    buf = lax.rem(i, 2)
-                    sums = []
-                    for _half in range(2):
-                        def k_body(k, carry):
-                            step, top, bottom = carry
-                            slot = lax.rem(step, stages)
-                            plgpu.barrier_wait(full.at[slot])
-                            top = top + sq_rows(a_smem.at[slot, pl.ds(0, wg_m)])
-                            bottom = bottom + sq_rows(a_smem.at[slot, pl.ds(wg_m, wg_m)])
-                            plgpu.barrier_arrive(empty.at[slot])
-                            return step + 1, top, bottom
-
-                        step, top, bottom = lax.fori_loop(0, kh, k_body, (step, zero, zero))
-                        sums.append((top, bottom))
-
-                    @pl.when(i >= 2)  # the consumers have read this buffer's tile i - 2
-                    def _():
-                        plgpu.barrier_wait(ss_free.at[buf])
-
-                    for j, (top, bottom) in enumerate(sums):
-                        ss_smem.at[buf, j, pl.ds(0, wg_m)][...] = top
-                        ss_smem.at[buf, j, pl.ds(wg_m, wg_m)][...] = bottom
-                    plgpu.barrier_arrive(ss_ready.at[buf])
-                    return step
-
-                lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
-
-                @pl.loop(lax.max(my_tiles - 2, 0), my_tiles)  # observe every phase (as above)
-                def _(i):
-                    plgpu.barrier_wait(ss_free.at[lax.rem(i, 2)])
-
         @pl.when(wg < 2)
         def _consumer():
-            plgpu.set_max_registers(200 if summer else 232, action="increase")
+            plgpu.set_max_registers(232, action="increase")
             if split_m:
                 a_of = lambda slot: a_smem.at[slot, pl.ds(wg * wg_m, wg_m)]
                 b_of = lambda slot: b_smem.at[slot].T
             else:
                 a_of = lambda slot: a_smem.at[slot]
                 b_of = lambda slot: b_smem.at[slot, pl.ds(wg * tile_n, tile_n)].T
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
 
             def run_half(acc_ref, step):
                 def k_body(k, step):
@@ -652,35 +591,19 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
                 col0 = ni * cta_n + (0 if split_m else wg * tile_n)
                 rows = pl.ds(row0, wg_m)
                 bcast = lambda v: lax.broadcast_in_dim(v, (wg_m, tile_n), [0])
-
-                def row_scales():
-                    if not summer:
-                        return (_scale_of(sum(plgpu.load(ss_ref.at[p, j, rows], layout=row_layout,
-                                                         optimized=False)
-                                              for p in range(ss_parts.shape[0])), h, eps)
-                                for j in (0, 1))
-                    buf = lax.rem(i, 2)
-                    plgpu.barrier_wait(ss_ready.at[buf])
-                    ss = [plgpu.load(ss_smem.at[buf, j, pl.ds(wg * wg_m, wg_m)],
-                                     layout=row_layout, optimized=False) for j in (0, 1)]
-                    plgpu.barrier_arrive(ss_free.at[buf])
-                    return (_scale_of(x, h, eps) for x in ss)
+                r_e, r_h = (_scale_of(sum(plgpu.load(ss_ref.at[p, j, rows], layout=row_layout,
+                                                     optimized=False) for p in range(splits)), h, eps)
+                            for j in (0, 1))
 
                 if split_m:
-                    if not summer:  # loaded before the k loop: their latency hides under it
-                        r_e, r_h = row_scales()
-
                     def scope(acc_e, acc_h):
                         s = run_half(acc_e, step)
                         s = run_half(acc_h, s)
-                        e_scale, h_scale = row_scales() if summer else (r_e, r_h)
-                        return s, acc_e[...] * bcast(e_scale) + acc_h[...] * bcast(h_scale)
+                        return s, acc_e[...] * bcast(r_e) + acc_h[...] * bcast(r_h)
 
                     step, out = pl.run_scoped(scope, plgpu.ACC((wg_m, tile_n), jnp.float32),
                                               plgpu.ACC((wg_m, tile_n), jnp.float32))
                 else:
-                    r_e, r_h = row_scales()
-
                     def scope(acc_ref):
                         s = run_half(acc_ref, step)
                         acc_ref[...] = acc_ref[...] * bcast(r_e / r_h)
@@ -706,31 +629,27 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
         out_type=jax.ShapeDtypeStruct((m, h), dtype),
         grid=(num_programs,),
         grid_names=("p",),
-        num_threads=4 if summer else 3,
+        num_threads=3,
         thread_name="wg",
         scratch_types=dict(
             a_smem=plgpu.SMEM((stages, cta_m, tile_k), dtype, transforms=in_tr),
             b_smem=plgpu.SMEM((stages, cta_n, tile_k), dtype, transforms=in_tr),
             o_smem=plgpu.SMEM((2, epi_m, tile_n), dtype, transforms=out_tr),
             full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            empty=plgpu.Barrier(num_arrivals=3 if summer else 2, num_barriers=stages),
-            **(dict(ss_smem=plgpu.SMEM((2, 2, cta_m), jnp.float32),
-                    ss_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2),
-                    ss_free=plgpu.Barrier(num_arrivals=2, num_barriers=2)) if summer else {}),
+            empty=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         ),
     )
-    return call(embed, hidden, w_f, *(() if summer else (ss_parts,)))
+    return call(embed, hidden, w_f, ss_parts)
 
 
 # ------------------------------------------------------------------ entry points
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "wg_m", "tile_n", "k_splits", "stages",
-                                             "num_programs", "small_m", "acc", "sumsq", "reduce",
-                                             "norms"))
+                                             "num_programs", "small_m", "acc", "sumsq", "reduce"))
 def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_splits=None,
                    stages=None, num_programs=None, small_m=SMALL_M, acc="rescale", sumsq=None,
-                   reduce="partials", norms="pre_pass"):
+                   reduce="partials"):
     """The kernel path: ``fc_gemm`` given the folded weight ``fold_fc_weight(...)``.
 
     embed, hidden: [M, H]; w_folded: [H, 2H]; all three the same 16-bit dtype. The tile
@@ -743,9 +662,6 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     the row sum-of-squares kernel that runs before the large-M GEMM. ``reduce``: how the
     split-K path sums its splits (``_splitk``): ``"partials"`` in one XLA fusion after the
     kernel, or ``"cluster"`` inside it (GPU only; measured slower, see ``_splitk``).
-    ``norms``: where the large-M path sums the rows' squares: ``"pre_pass"`` (the row
-    sum-of-squares kernel) or ``"summer"`` (a fourth warpgroup inside the GEMM; needs
-    ``acc="two"``, see ``_ws_gemm``).
     """
     _check_kernel_inputs(embed, hidden, w_folded, small_m)
     m, h = embed.shape
@@ -755,15 +671,11 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
         tn, ks, st = _plan_small(m, h, num_sms(), tile_n, k_splits, stages)
         return _splitk(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st, eps=eps,
                        reduce=reduce)
-    if norms not in ("pre_pass", "summer"):
-        raise ValueError(f"norms={norms!r}: choose 'pre_pass' or 'summer'")
     wm, tn, st, npg = _plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc)
-    ss_parts = None
-    if norms == "pre_pass":
-        tc, sp, sst = _plan_sumsq(m, h, num_sms(), *(sumsq or ()))
-        cta_m = 2 * wm if acc == "two" else wm
-        m_pad = -(-m // cta_m) * cta_m  # rows past M: TMA zero-fill, never stored
-        ss_parts = _row_sumsq(embed, hidden, m_pad=m_pad, tile_c=tc, splits=sp, stages=sst)
+    tc, sp, sst = _plan_sumsq(m, h, num_sms(), *(sumsq or ()))
+    cta_m = 2 * wm if acc == "two" else wm
+    m_pad = -(-m // cta_m) * cta_m  # rows past M: TMA zero-fill, never stored
+    ss_parts = _row_sumsq(embed, hidden, m_pad=m_pad, tile_c=tc, splits=sp, stages=sst)
     return _ws_gemm(embed, hidden, w_folded, ss_parts, wg_m=wm, tile_n=tn, stages=st,
                     num_programs=npg, acc=acc, eps=eps)
 
