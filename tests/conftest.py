@@ -46,7 +46,7 @@ def tiny(request):
     return cfg, random_params(cfg)
 
 
-GEMM_LAYOUTS = ("plain", "padded", "merged", "padded_merged")
+GEMM_LAYOUTS = ("plain", "padded", "merged", "padded_merged", "merged_reduced")
 
 
 @pytest.fixture
@@ -55,13 +55,16 @@ def gemm_layout(request, monkeypatch):
 
     "padded": ``dense``'s small-row padding, every projection of < 8 rows (and so the
     one-row residual stream) padded; "merged": ``dense_columns`` merges projections of
-    one input into one GEMM.
+    one input into one GEMM; "reduced": ``linear`` writes products of 2..4 rows as
+    reductions (a GPU pads only large weights and reduces only small ones, so a tiny
+    test model takes one or the other).
     """
     from mtp.model import layers
 
     padded, merged = request.param in ("padded", "padded_merged"), "merged" in request.param
     monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "1" if padded else "0")
     monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "1" if merged else "0")
+    monkeypatch.setenv("MTP_SMALL_GEMMS_AS_REDUCE", "1" if "reduced" in request.param else "0")
     monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
     monkeypatch.setattr(layers, "PAD_ROWS", 8)
     jax.clear_caches()

@@ -86,6 +86,29 @@ def test_dense_pads_one_row_products_of_large_weights(monkeypatch):
         layers.dense(x, w)
 
 
+def test_linear_writes_few_row_products_of_small_weights_as_reductions(monkeypatch):
+    w = jax.random.normal(jax.random.key(1), (48, 32)).astype(jnp.bfloat16)
+    monkeypatch.setattr(layers, "REDUCE_MAX_WEIGHT", 48 * 32)
+    # A fresh function per call: traces are cached, and the setting is read while tracing.
+    is_dot = lambda x, w=w: "dot_general" in str(jax.make_jaxpr(lambda a: layers.linear(a, w))(x))
+    monkeypatch.setenv("MTP_SMALL_GEMMS_AS_REDUCE", "1")
+    for rows in (2, 3, layers.REDUCE_MAX_ROWS):
+        x = jax.random.normal(jax.random.key(rows), (rows, 1, 32)).astype(jnp.bfloat16)
+        assert not is_dot(x)
+        out = layers.linear(x, w)
+        assert out.shape == (rows, 1, 48) and out.dtype == jnp.bfloat16
+        want = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=1e-2, atol=2e-2)
+    assert is_dot(jnp.ones((1, 32), jnp.bfloat16))  # one row: XLA's own GEMV already reduces
+    assert is_dot(jnp.ones((layers.REDUCE_MAX_ROWS + 1, 32), jnp.bfloat16))
+    assert is_dot(jnp.ones((2, 64), jnp.bfloat16), jnp.ones((48, 64), jnp.bfloat16))  # weight too large
+    monkeypatch.setenv("MTP_SMALL_GEMMS_AS_REDUCE", "0")
+    assert is_dot(jnp.ones((2, 32), jnp.bfloat16))
+    monkeypatch.setenv("MTP_SMALL_GEMMS_AS_REDUCE", "on")
+    with pytest.raises(ValueError, match="MTP_SMALL_GEMMS_AS_REDUCE='on'"):
+        layers.linear(jnp.ones((2, 32)), w)
+
+
 def test_padded_stream_rows(monkeypatch):
     """A one-row step carries its stream padded: large GEMMs take all rows with no pad of
     their own, small ones only the real rows, and the mixers' outputs add back per row."""

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from mtp.config import ModelConfig
-from mtp.pallas.backend import merge_projections, pad_small_gemms, tensor_parallel_mesh
+from mtp.pallas.backend import (merge_projections, pad_small_gemms, small_gemms_as_reduce,
+                                tensor_parallel_mesh)
 
 
 # Plain decode at batch 1 multiplies one row by each weight: a weight stream. On the
@@ -36,8 +37,22 @@ def pads_weight(size: int) -> bool:
     return size > PAD_MIN_WEIGHT
 
 
+REDUCE_MAX_ROWS = 4
+REDUCE_MAX_WEIGHT = 1 << 20
+
+
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w.T`` for a plain HF ``[out, in]`` weight: f32 accumulation, x's dtype out."""
+    """``x @ w.T`` for a plain HF ``[out, in]`` weight: f32 accumulation, x's dtype out.
+
+    A product of 2..``REDUCE_MAX_ROWS`` rows with a weight of at most ``REDUCE_MAX_WEIGHT``
+    elements (a small model's verify) is written as multiply + sum where
+    `backend.small_gemms_as_reduce` says: XLA then emits one reduction kernel, as it does
+    for a one-row product, instead of a Triton GEMM.
+    """
+    rows = math.prod(x.shape[:-1])
+    if 1 < rows <= REDUCE_MAX_ROWS and w.size <= REDUCE_MAX_WEIGHT and small_gemms_as_reduce():
+        f32 = jnp.float32
+        return jnp.sum(x[..., None, :].astype(f32) * w.astype(f32), axis=-1).astype(x.dtype)
     y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 

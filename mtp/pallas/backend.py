@@ -107,6 +107,7 @@ def tensor_parallel_mesh():
 
 PAD_ENV_VAR = "MTP_PAD_SMALL_GEMMS"
 MERGE_ENV_VAR = "MTP_MERGE_PROJECTIONS"
+REDUCE_ENV_VAR = "MTP_SMALL_GEMMS_AS_REDUCE"
 
 
 def _gpu_default_switch(env_var: str) -> bool:
@@ -136,6 +137,14 @@ def merge_projections() -> bool:
     GEMMs' bytes (see ``dense_columns``); ``MTP_MERGE_PROJECTIONS=0`` or ``1`` decides instead.
     """
     return _gpu_default_switch(MERGE_ENV_VAR)
+
+
+def small_gemms_as_reduce() -> bool:
+    """Whether `mtp.model.layers.linear` writes a few-row product with a small weight as a reduction.
+
+    ``MTP_SMALL_GEMMS_AS_REDUCE=0`` or ``1`` decides; unset, on exactly on a GPU (see ``linear``).
+    """
+    return _gpu_default_switch(REDUCE_ENV_VAR)
 
 
 def interpret_forced() -> bool:
