@@ -46,11 +46,15 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
 
     A product of 2..``REDUCE_MAX_ROWS`` rows with a weight of at most ``REDUCE_MAX_WEIGHT``
     elements (a small model's verify) is written as multiply + sum where
-    `backend.small_gemms_as_reduce` says: XLA then emits one reduction kernel, as it does
-    for a one-row product, instead of a Triton GEMM.
+    `backend.small_gemms_as_reduce` says, and not under a tensor-parallel mesh (whose
+    shardings were measured with GEMMs): XLA then emits one reduction kernel, as it does
+    for a one-row product, instead of a Triton GEMM, and fuses its elementwise neighbours
+    into it. The default model's speculative loop at batch 1 ran 1.11x faster at K = 2
+    (results/decode_h200.md, session 14).
     """
     rows = math.prod(x.shape[:-1])
-    if 1 < rows <= REDUCE_MAX_ROWS and w.size <= REDUCE_MAX_WEIGHT and small_gemms_as_reduce():
+    if (1 < rows <= REDUCE_MAX_ROWS and w.size <= REDUCE_MAX_WEIGHT and small_gemms_as_reduce()
+            and tensor_parallel_mesh() is None):
         f32 = jnp.float32
         return jnp.sum(x[..., None, :].astype(f32) * w.astype(f32), axis=-1).astype(x.dtype)
     y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)

@@ -142,7 +142,8 @@ def merge_projections() -> bool:
 def small_gemms_as_reduce() -> bool:
     """Whether `mtp.model.layers.linear` writes a few-row product with a small weight as a reduction.
 
-    ``MTP_SMALL_GEMMS_AS_REDUCE=0`` or ``1`` decides; unset, on exactly on a GPU (see ``linear``).
+    On by default on a GPU, where a small model's verify ran faster so (see ``linear``);
+    ``MTP_SMALL_GEMMS_AS_REDUCE=0`` or ``1`` decides instead (benchmarks flip it to compare).
     """
     return _gpu_default_switch(REDUCE_ENV_VAR)
 
