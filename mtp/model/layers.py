@@ -37,6 +37,10 @@ def pads_weight(size: int) -> bool:
     return size > PAD_MIN_WEIGHT
 
 
+# Where `linear` writes a product as a reduction: what session 14 measured faster (the default
+# model's verify at batch 1, K = 2..4, every weight <= 0.6M elements). Batch 8's verify (16+
+# rows) stays on GEMMs, unmeasured; the 1.38B model's verify compiles to the same kernels either
+# way (its small weights merge into large ones, `dense_columns`; counted by count_kernels.py).
 REDUCE_MAX_ROWS = 4
 REDUCE_MAX_WEIGHT = 1 << 20
 
