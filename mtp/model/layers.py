@@ -38,9 +38,10 @@ def pads_weight(size: int) -> bool:
 
 
 # Where `linear` writes a product as a reduction: what session 14 measured faster (the default
-# model's verify at batch 1, K = 2..4, every weight <= 0.6M elements). Batch 8's verify (16+
-# rows) stays on GEMMs, unmeasured; the 1.38B model's verify compiles to the same kernels either
-# way (its small weights merge into large ones, `dense_columns`; counted by count_kernels.py).
+# model's verify at batch 1, K = 2..4, every weight <= 0.6M elements). At 8 rows and more the
+# reduction, which reads the weight once per row, lost by far (up to 32 rows: batch 8's plain
+# loop 0.73x, its K = 2 speculative loop 0.55x). The 1.38B model's verify compiles to the same
+# kernels either way (its small weights merge into large ones, `dense_columns`; counted).
 REDUCE_MAX_ROWS = 4
 REDUCE_MAX_WEIGHT = 1 << 20
 
