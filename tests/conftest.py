@@ -55,9 +55,10 @@ def gemm_layout(request, monkeypatch):
 
     "padded": ``dense``'s small-row padding, every projection of < 8 rows (and so the
     one-row residual stream) padded; "merged": ``dense_columns`` merges projections of
-    one input into one GEMM; "reduced": ``linear`` writes products of 2..4 rows as
-    reductions (a GPU pads only large weights and reduces only small ones, so a tiny
-    test model takes one or the other).
+    one input into one GEMM; "reduced": ``linear`` writes every product of 2..16 rows as a
+    reduction (a GPU stops at 4 rows; 16 takes in the tests' verifies of 3 sequences, while
+    prefills stay GEMMs). A GPU pads only large weights and reduces only small ones, so a
+    tiny test model takes one or the other.
     """
     from mtp.model import layers
 
@@ -67,6 +68,7 @@ def gemm_layout(request, monkeypatch):
     monkeypatch.setenv("MTP_SMALL_GEMMS_AS_REDUCE", "1" if "reduced" in request.param else "0")
     monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
     monkeypatch.setattr(layers, "PAD_ROWS", 8)
+    monkeypatch.setattr(layers, "REDUCE_MAX_ROWS", 16)
     jax.clear_caches()
     yield request.param
     jax.clear_caches()
