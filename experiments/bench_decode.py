@@ -6,7 +6,8 @@ Part A, a Qwen3-Next-shaped model with random weights (~1.4B parameters, dense F
 ms per plain decode step, per verify step at K = 2, 4, 8, and per propose (one MTP
 draft step), at batch 1 and 8, with ``verify(K)/decode`` and ``propose/decode``; and
 each decode step against its memory-bandwidth floor (weight + KV + state bytes read
-per step / the device copy bandwidth measured in the same run). Random weights give
+per step / the device copy bandwidth measured in the same run), the step both as a
+``fori_loop`` of steps and inside the plain greedy loop itself (``--loop_tokens``). Random weights give
 no meaningful acceptance, so part A reports speed per step only. Each row carries a
 CUPTI kernel count; with ``--decode_only`` the decode step's kernels are also grouped by
 the model source lines (and output shapes) they come from.
@@ -56,6 +57,8 @@ flags.DEFINE_list("spec_ks", ["2", "3", "4", "5", "6"], "Part B: verify widths K
 flags.register_validator("parts", lambda v: set(v) <= {"A", "B"}, "--parts: A, B or both")
 require_ints("batches", 1, what="batch sizes")
 require_ints("spec_ks", 2, MAX_VERIFY_WIDTH, "verify widths K; K = 2 is one draft per step")
+flags.DEFINE_integer("loop_tokens", 64, "Part A: new tokens per sequence of the timed plain greedy loop "
+                     "(`mtp.generation.generate` after a prompt of --context tokens); 0 skips it.", lower_bound=0)
 flags.DEFINE_integer("tp", 1, "Part A: tensor-parallel devices (mtp.sharding). With tp > 1 the step runs the "
                      "XLA references: the Pallas kernels have no shard_map wrapper yet.", lower_bound=1)
 flags.DEFINE_bool("decode_only", False, "Part A: time the plain decode step only (e.g. to compare XLA_FLAGS).")
@@ -269,6 +272,26 @@ def chained_verify_step(cfg: ModelConfig, impl: str):
     return step
 
 
+def greedy_loop_ms(cfg: ModelConfig, params, batch: int, context: int, new_tokens: int, reps: int) -> float:
+    """Median ms per token of the plain greedy loop itself (`generate(speculative=False)`), after
+    a prompt of ``context`` random tokens: the decode step as users run it, in its
+    ``while_loop`` with the loops' compiler options, where part A's own step runs in a
+    ``fori_loop`` under XLA's defaults. With no end-of-text id every sequence makes
+    ``new_tokens``; the prompt's prefill is timed apart and excluded.
+    """
+    from mtp.generation import generate
+    from mtp.speculative import SpecConfig
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, context).tolist() for _ in range(batch)]
+    spec = SpecConfig(max_new_tokens=new_tokens)
+    generate(cfg, params, prompts, spec, speculative=False)  # compile
+    runs = [generate(cfg, params, prompts, spec, speculative=False) for _ in range(reps)]
+    if any(len(t) != new_tokens for r in runs for t in r.tokens):
+        raise RuntimeError(f"the greedy loop did not make {new_tokens} tokens per sequence")
+    return 1e3 * float(np.median([r.decode_s for r in runs])) / new_tokens
+
+
 def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float):
     dtype = jnp.bfloat16
     params = init_params(cfg, jax.random.key(1), dtype)
@@ -300,6 +323,10 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
                                               by_source=FLAGS.decode_only)
         report.add(part="A", what="decode", batch=batch, ms=decode_ms, floor_ms=floor_ms,
                    ratio_to_floor=decode_ms / floor_ms, **prof)
+        if FLAGS.loop_tokens and not mesh:
+            loop_ms = greedy_loop_ms(cfg, params, batch, context, FLAGS.loop_tokens, reps)
+            report.add(part="A", what="plain greedy loop", batch=batch, ms=loop_ms, floor_ms=floor_ms,
+                       ratio_to_floor=loop_ms / floor_ms, ratio_to_decode=loop_ms / decode_ms)
         if FLAGS.decode_only:
             continue
         for k in (2, 4, 8):
@@ -385,6 +412,8 @@ def _markdown(data) -> str:
         elif r["part"] == "A":
             ratio = (f"{r['ratio_to_floor']:.2f}x floor ({r['floor_ms']:.3f} ms)" if "floor_ms" in r
                      else f"{r['ratio_to_decode']:.3f}x decode")
+            if "floor_ms" in r and "ratio_to_decode" in r:
+                ratio += f"; {r['ratio_to_decode']:.3f}x the decode step"
             if "kernel_sum_ms" in r:
                 ratio += f"; {r['kernels']} kernels, {r['kernel_sum_ms']:.3f} ms of kernel time"
             lines.append(f"| A | {r['what']} | {r['batch']} | {r['ms']:.3f} ms | {ratio} |")

@@ -25,6 +25,8 @@ def test_small_run_reports_every_row_and_is_lossless(tmp_path):
     decode = by_what["A", "decode"]
     assert decode["ms"] > 0 and decode["floor_ms"] > 0
     assert abs(decode["ratio_to_floor"] - decode["ms"] / decode["floor_ms"]) < 1e-9
+    loop = by_what["A", "plain greedy loop"]  # the step inside generate's own loop
+    assert loop["ms"] > 0 and abs(loop["ratio_to_floor"] - loop["ms"] / decode["floor_ms"]) < 1e-9
     for what in ("verify K=2", "verify K=4", "verify K=8", "propose (1 draft)"):
         assert by_what["A", what]["ratio_to_decode"] > 0
     plain, spec = by_what["B", "plain"], by_what["B", "spec K=2"]
