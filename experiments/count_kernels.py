@@ -76,7 +76,10 @@ device_description_str: "NVIDIA H200"
 # calls (and each decode loop's while) outside the graphs; the lent H200's driver (580) is CUDA 13.0.
 flags.DEFINE_enum("count", "step", ["step", "greedy_loop", "speculative_loop"],
                   "step: part A's step on the 1.38B model; greedy_loop / speculative_loop: the decode loops "
-                  "of `mtp.speculative` on the shipped default model (their while body: one iteration).")
+                  "of `mtp.speculative` (their while body: one iteration) on --loop_model.")
+flags.DEFINE_enum("loop_model", "default", ["default", "big"],
+                  "--count greedy_loop / speculative_loop: the shipped default model, or part A's 1.38B "
+                  "model (zero weights: only the shapes matter to a compile).")
 flags.DEFINE_integer("spec_k", 3, "--count speculative_loop: the verify width K (K - 1 drafts per iteration).",
                      lower_bound=2, upper_bound=MAX_VERIFY_WIDTH)
 flags.DEFINE_integer("tokens", 1, "Tokens per step: 1 is decode, K a verify of K tokens.", lower_bound=1,
@@ -213,7 +216,7 @@ def compile_only_device(target_config: str):
 
 
 def loop_call(program: str, batch: int, device):
-    """``(jitted loop, args)`` of a decode loop as `mtp.generation.generate` calls it, on the default model.
+    """``(jitted loop, args)`` of a decode loop as `mtp.generation.generate` calls it, on ``--loop_model``.
 
     ``generate`` runs on the CPU up to the loop call, which is caught; its arguments become
     ``ShapeDtypeStruct`` s on ``device`` (static ones, the config and ``SpecConfig``, stay).
@@ -238,7 +241,17 @@ def loop_call(program: str, batch: int, device):
     setattr(generation, program, catch)
     try:
         with jax.default_device(jax.devices("cpu")[0]):
-            cfg, params = load_pretrained("assets/default_model")
+            if FLAGS.loop_model == "big":
+                import jax.numpy as jnp
+
+                from mtp.config import ModelConfig
+                from mtp.model.params import init_params
+
+                cfg = ModelConfig.from_hf(dict(BIG))
+                shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(1), jnp.bfloat16))
+                params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+            else:
+                cfg, params = load_pretrained("assets/default_model")
             generation.generate(cfg, params, [[1, 2, 3, 4, 5]] * batch, spec,
                                 speculative=program == "speculative_loop")
     except Caught:
