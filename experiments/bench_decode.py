@@ -7,8 +7,8 @@ ms per plain decode step, per verify step at K = 2, 4, 8, and per propose (one M
 draft step), at batch 1 and 8, with ``verify(K)/decode`` and ``propose/decode``; and
 each decode step against its memory-bandwidth floor (weight + KV + state bytes read
 per step / the device copy bandwidth measured in the same run), the step both as a
-``fori_loop`` of steps and inside the plain greedy loop itself (``--loop_tokens``). Random weights give
-no meaningful acceptance, so part A reports speed per step only. Each row carries a
+``fori_loop`` of steps and inside the plain greedy loop itself (``--loop_tokens``).
+Random weights give no meaningful acceptance, so part A reports speed per step only. Each row carries a
 CUPTI kernel count; with ``--decode_only`` the decode step's kernels are also grouped by
 the model source lines (and output shapes) they come from.
 

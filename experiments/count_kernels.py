@@ -79,7 +79,8 @@ flags.DEFINE_enum("count", "step", ["step", "greedy_loop", "speculative_loop"],
                   "of `mtp.speculative` (their while body: one iteration) on --loop_model.")
 flags.DEFINE_enum("loop_model", "default", ["default", "big"],
                   "--count greedy_loop / speculative_loop: the shipped default model, or part A's 1.38B "
-                  "model (zero weights: only the shapes matter to a compile).")
+                  "model (zero weights: only the shapes matter to a compile). The prompt has 5 tokens, so "
+                  "paged attention plans fewer splits than at part A's 2048-token context.")
 flags.DEFINE_integer("spec_k", 3, "--count speculative_loop: the verify width K (K - 1 drafts per iteration).",
                      lower_bound=2, upper_bound=MAX_VERIFY_WIDTH)
 flags.DEFINE_integer("tokens", 1, "Tokens per step: 1 is decode, K a verify of K tokens.", lower_bound=1,
