@@ -9,8 +9,8 @@ each decode step against its memory-bandwidth floor (weight + KV + state bytes r
 per step / the device copy bandwidth measured in the same run), the step both as a
 ``fori_loop`` of steps and inside the plain greedy loop itself (``--loop_tokens``).
 Random weights give no meaningful acceptance, so part A reports speed per step only.
-Each row carries a CUPTI kernel count; with ``--decode_only`` the decode step's kernels are also grouped by
-the model source lines (and output shapes) they come from.
+Each row carries a CUPTI kernel count; with ``--decode_only`` the decode step's kernels
+are also grouped by the model source lines (and output shapes) they come from.
 
 Part B, the embedded default model on its evaluation prompts: tokens/s of plain
 greedy vs speculative decoding (drafter prefilled, K = 2..6 at batch 1, 2..4 at 8), with
