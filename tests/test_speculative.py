@@ -288,6 +288,10 @@ def test_decode_loop_graph_options_are_valid_xla_options(monkeypatch):
     assert float(jax.jit(lambda x: x + 1, compiler_options=opts)(1.0)) == 2.0
     with pytest.raises(Exception, match="xla_gpu_no_such_option"):
         jax.jit(lambda x: x + 1, compiler_options={"xla_gpu_no_such_option": "1"})(1.0)
+    monkeypatch.setenv(backend.LOOP_GRAPH_ENV_VAR, "while")  # the graphs, XLA's own scheduling
+    graphs_only = backend.decode_loop_compiler_options()
+    assert graphs_only == {k: v for k, v in opts.items() if k != "xla_gpu_command_buffer_scheduling_mode"}
+    assert float(jax.jit(lambda x: x + 1, compiler_options=graphs_only)(1.0)) == 2.0
     monkeypatch.setenv(backend.LOOP_GRAPH_ENV_VAR, "0")
     assert backend.decode_loop_compiler_options() == {}
     monkeypatch.setenv(backend.LOOP_GRAPH_ENV_VAR, "on")

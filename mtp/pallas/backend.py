@@ -242,13 +242,14 @@ def decode_loop_compiler_options() -> dict[str, str]:
     scheduling lets independent kernels of an iteration overlap. Side by side on the
     H200 (results/decode_h200.md, session 4) this sped the default model's batch-1
     decode loop up by about a fifth. These are GPU fields of XLA's DebugOptions; other
-    backends ignore them. ``MTP_DECODE_LOOP_GRAPH=0`` keeps XLA's defaults; the variable
-    is read when ``mtp.speculative`` is imported.
+    backends ignore them. ``MTP_DECODE_LOOP_GRAPH=0`` keeps XLA's defaults, ``while`` takes
+    the loop graphs with XLA's default scheduling; the variable is read when
+    ``mtp.speculative`` is imported.
     """
     value = os.environ.get(LOOP_GRAPH_ENV_VAR, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{LOOP_GRAPH_ENV_VAR}={value!r}: set it to 0 or 1")
+    if value not in ("0", "1", "while"):
+        raise ValueError(f"{LOOP_GRAPH_ENV_VAR}={value!r}: set it to 0, 1 or while")
     if value == "0":
         return {}
-    return {"xla_gpu_enable_command_buffer": _COMMAND_BUFFER_DEFAULTS + ",WHILE,CONDITIONAL",
-            "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    graphs = {"xla_gpu_enable_command_buffer": _COMMAND_BUFFER_DEFAULTS + ",WHILE,CONDITIONAL"}
+    return graphs if value == "while" else {**graphs, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
