@@ -60,7 +60,7 @@ require_ints("spec_ks", 2, MAX_VERIFY_WIDTH, "verify widths K; K = 2 is one draf
 flags.DEFINE_integer("loop_tokens", 64, "Part A: new tokens per sequence of the timed plain greedy loop "
                      "(`mtp.generation.generate` after a prompt of --context tokens); 0 skips it.", lower_bound=0)
 flags.DEFINE_integer("tp", 1, "Part A: tensor-parallel devices (mtp.sharding). With tp > 1 the step runs the "
-                     "XLA references: the Pallas kernels have no shard_map wrapper yet.", lower_bound=1)
+                     "XLA references (timed that way in session 6, before the kernels ran per shard).", lower_bound=1)
 flags.DEFINE_bool("decode_only", False, "Part A: time the plain decode step only (e.g. to compare XLA_FLAGS).")
 
 BIG = dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=16,
