@@ -219,8 +219,9 @@ def compile_only_device(target_config: str):
 def loop_call(program: str, batch: int, device):
     """``(jitted loop, args)`` of a decode loop as `mtp.generation.generate` calls it, on ``--loop_model``.
 
-    ``generate`` runs on the CPU up to the loop call, which is caught; its arguments become
-    ``ShapeDtypeStruct`` s on ``device`` (static ones, the config and ``SpecConfig``, stay).
+    `generation.prepare_decode` runs on the CPU (pages, caches, prefill); the loop's array
+    arguments become ``ShapeDtypeStruct`` s on ``device`` (static ones, the config and
+    ``SpecConfig``, stay).
     """
     import jax
 
@@ -228,40 +229,24 @@ def loop_call(program: str, batch: int, device):
     from mtp.checkpoint import load_pretrained
     from mtp.speculative import SpecConfig
 
-    class Caught(Exception):
-        pass
-
-    seen = {}
-
-    def catch(*args):
-        seen["args"] = args
-        raise Caught
-
     spec = SpecConfig(verify_width=FLAGS.spec_k, max_new_tokens=128)
-    loop = getattr(generation, program)
-    setattr(generation, program, catch)
-    try:
-        with jax.default_device(jax.devices("cpu")[0]):
-            if FLAGS.loop_model == "big":
-                import jax.numpy as jnp
+    with jax.default_device(jax.devices("cpu")[0]):
+        if FLAGS.loop_model == "big":
+            import jax.numpy as jnp
 
-                from mtp.config import ModelConfig
-                from mtp.model.params import init_params
+            from mtp.config import ModelConfig
+            from mtp.model.params import init_params
 
-                cfg = ModelConfig.from_hf(dict(BIG))
-                shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(1), jnp.bfloat16))
-                params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-            else:
-                cfg, params = load_pretrained("assets/default_model")
-            generation.generate(cfg, params, [[1, 2, 3, 4, 5]] * batch, spec,
-                                speculative=program == "speculative_loop")
-    except Caught:
-        pass
-    finally:
-        setattr(generation, program, loop)
+            cfg = ModelConfig.from_hf(dict(BIG))
+            shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(1), jnp.bfloat16))
+            params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        else:
+            cfg, params = load_pretrained("assets/default_model")
+        call = generation.prepare_decode(cfg, params, [[1, 2, 3, 4, 5]] * batch, spec,
+                                         speculative=program == "speculative_loop")
     on = jax.sharding.SingleDeviceSharding(device)
     shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on) if isinstance(a, jax.Array) else a
-    return loop, [jax.tree.map(shape, a) for a in seen["args"]]
+    return call.loop, [jax.tree.map(shape, a) for a in call.args]
 
 
 def count_loop(device):

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,16 +61,23 @@ def first_from_prefill(out: target.StepOutput, lengths: jax.Array, source: str, 
     return pick_token(logits, temperature, rng), hidden
 
 
-def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], spec: SpecConfig,
-             *, speculative: bool = True, drafter_prefill: bool = True, mtp_quant: str = "bf16",
-             page_size: int = 16, seed: int = 0, draft_vocab=None, mesh: Mesh | None = None) -> GenerationResult:
-    """Generate for a batch of prompts; ``speculative=False`` is plain decoding of the target.
-
-    With ``mesh`` (params already laid out by `mtp.sharding`), the caches are created in
-    their shards on it (`sharding.create_cache`) and the loops run partitioned, traced
-    under ``jax.set_mesh`` so that the Pallas kernels run per shard.
+@dataclasses.dataclass
+class DecodeCall:
+    """A batch after its prefill, its decode loop not yet run: ``loop(*args)`` is the call
+    `generate` makes next. A tool that compiles the loop alone (`experiments/count_kernels.py`)
+    starts from here.
     """
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    loop: Callable  # `speculative.greedy_loop` or `speculative.speculative_loop`, jitted
+    args: tuple
+    prefill_s: float  # wall time to the first token (target + drafter prefill)
+
+
+def prepare_decode(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], spec: SpecConfig,
+                   *, speculative: bool = True, drafter_prefill: bool = True, mtp_quant: str = "bf16",
+                   page_size: int = 16, seed: int = 0, draft_vocab=None, mesh: Mesh | None = None) -> DecodeCall:
+    """Everything `generate` does before its decode loop: pages, caches, the target's prefill
+    and (speculative) the drafter's; the arguments as `generate` documents them."""
+    with _on_mesh(mesh):
         if not prompts:
             raise ValueError("no prompts: generate needs at least one")
         if empty := [i for i, p in enumerate(prompts) if len(p) == 0]:
@@ -105,23 +112,42 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
         first, hidden = first_from_prefill(out, jnp.asarray(lengths), cfg.mtp_hidden_source, spec.temperature, k0)
         budget = jnp.full((b,), spec.max_new_tokens, jnp.int32)
         if not speculative:
-            t1 = _ready_at(first)
-            cache, toks, n = greedy_loop(cfg, params, cache, first, budget, spec, rng)
-            toks = jax.block_until_ready(toks)
-            return GenerationResult(_to_lists(toks, n), None, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
+            return DecodeCall(greedy_loop, (cfg, params, cache, first, budget, spec, rng), _ready_at(first) - t0)
         head_params = quantize_head(params, mtp_quant)
         dcache = new_cache(DrafterCache)
         if drafter_prefill and quant.supports_drafter_prefill(mtp_quant):
             dcache = prefill_drafter(cfg, head_params, dcache, tokens, out.mtp_hidden(cfg.mtp_hidden_source),
                                      zeros, np.maximum(lengths - 1, 0), impl=spec.impl)
-        t1 = _ready_at((first, dcache.rows))
-        cache, dcache, toks, n, metrics = speculative_loop(cfg, head_params, cache, dcache, first, hidden, budget,
-                                                           spec, rng, draft_vocab)
-        toks = jax.block_until_ready(toks)
+        return DecodeCall(speculative_loop, (cfg, head_params, cache, dcache, first, hidden, budget, spec, rng,
+                                             draft_vocab), _ready_at((first, dcache.rows)) - t0)
+
+
+def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], spec: SpecConfig,
+             *, speculative: bool = True, drafter_prefill: bool = True, mtp_quant: str = "bf16",
+             page_size: int = 16, seed: int = 0, draft_vocab=None, mesh: Mesh | None = None) -> GenerationResult:
+    """Generate for a batch of prompts; ``speculative=False`` is plain decoding of the target.
+
+    With ``mesh`` (params already laid out by `mtp.sharding`), the caches are created in
+    their shards on it (`sharding.create_cache`) and the loops run partitioned, traced
+    under ``jax.set_mesh`` so that the Pallas kernels run per shard.
+    """
+    call = prepare_decode(cfg, params, prompts, spec, speculative=speculative, drafter_prefill=drafter_prefill,
+                          mtp_quant=mtp_quant, page_size=page_size, seed=seed, draft_vocab=draft_vocab, mesh=mesh)
+    with _on_mesh(mesh):
+        t1 = time.perf_counter()
+        out = call.loop(*call.args)
+        toks, n = jax.block_until_ready(out[-3:-1] if speculative else out[1:])
         decode_s = time.perf_counter() - t1
-        per_sequence = [AcceptanceStats.from_metrics(metrics, [i]) for i in range(b)]
-        return GenerationResult(_to_lists(toks, n), AcceptanceStats.from_metrics(metrics), per_sequence,
-                                prefill_s=t1 - t0, decode_s=decode_s)
+    if not speculative:
+        return GenerationResult(_to_lists(toks, n), None, prefill_s=call.prefill_s, decode_s=decode_s)
+    metrics = out[-1]
+    per_sequence = [AcceptanceStats.from_metrics(metrics, [i]) for i in range(len(prompts))]
+    return GenerationResult(_to_lists(toks, n), AcceptanceStats.from_metrics(metrics), per_sequence,
+                            prefill_s=call.prefill_s, decode_s=decode_s)
+
+
+def _on_mesh(mesh: Mesh | None):
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 def _ready_at(tree) -> float:

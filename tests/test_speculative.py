@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from mtp.analysis import first_divergence
-from mtp.generation import generate
+from mtp import speculative as speculative_mod
+from mtp.generation import generate, prepare_decode
 from mtp.mtp_head import DrafterCache, draft_step, forward_sequence, prefill_drafter
 from mtp.model import target
 from mtp.model.params import flatten, unflatten
@@ -55,6 +56,18 @@ def test_greedy_speculative_is_token_identical(greedy_reference, name, knobs, qu
     assert s.steps > 0 and 0 <= s.accepted <= s.draft_tokens <= s.steps * spec.num_drafts
     per = s.per_position
     assert all(a >= b for a, b in zip(per, per[1:]))
+
+
+def test_prepare_decode_hands_over_the_loop_generate_runs(greedy_reference):
+    """`prepare_decode` stops where `generate` calls its loop: running that call by hand gives
+    `generate`'s tokens, plain and speculative (what count_kernels compiles is what runs)."""
+    cfg, params, prompts, base = greedy_reference["tiny_dense"]
+    for speculative, loop in ((False, speculative_mod.greedy_loop), (True, speculative_mod.speculative_loop)):
+        call = prepare_decode(cfg, params, prompts, SpecConfig(max_new_tokens=MAX_NEW), speculative=speculative)
+        assert call.loop is loop and call.prefill_s > 0
+        out = call.loop(*call.args)
+        toks, n = out[-3:-1] if speculative else out[1:]
+        assert [t[:k].tolist() for t, k in zip(np.asarray(toks), np.asarray(n))] == base
 
 
 def test_first_divergence_finds_the_flip_and_the_targets_margin(greedy_reference):
