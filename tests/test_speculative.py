@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp.analysis import first_divergence
 from mtp import speculative as speculative_mod
+from mtp.analysis import first_divergence
 from mtp.generation import generate, prepare_decode
 from mtp.mtp_head import DrafterCache, draft_step, forward_sequence, prefill_drafter
 from mtp.model import target
