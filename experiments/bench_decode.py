@@ -59,6 +59,8 @@ require_ints("batches", 1, what="batch sizes")
 require_ints("spec_ks", 2, MAX_VERIFY_WIDTH, "verify widths K; K = 2 is one draft per step")
 flags.DEFINE_integer("loop_tokens", 64, "Part A: new tokens per sequence of the timed plain greedy loop "
                      "(`mtp.generation.generate` after a prompt of --context tokens); 0 skips it.", lower_bound=0)
+flags.DEFINE_bool("loop_profile", False, "Part A: also profile the plain greedy loop's kernels with CUPTI, per "
+                  "token (grouped by model source with --decode_only).")
 flags.DEFINE_integer("tp", 1, "Part A: tensor-parallel devices (mtp.sharding). With tp > 1 the step runs the "
                      "XLA references (timed that way in session 6, before the kernels ran per shard).", lower_bound=1)
 flags.DEFINE_bool("decode_only", False, "Part A: time the plain decode step only (e.g. to compare XLA_FLAGS).")
@@ -116,7 +118,8 @@ def _per_step_ms(step, state, reps, params, steps_per_call, profile=False, by_so
     ms, state = _median_ms(loop, state, reps, params)
     prof = {}
     if profile:
-        prof, state = _kernel_profile(loop, state, params, steps_per_call, by_source=by_source)
+        prof, after = _kernel_profile(loop, (state, params), steps_per_call, by_source=by_source)
+        state = state if after is None else after
     return ms / steps_per_call, state, prof
 
 
@@ -175,30 +178,34 @@ def source_of(where: dict[str, str], kernel: str) -> str:
             or f"? {kernel[:40]}")
 
 
-def _kernel_profile(loop, state, params, steps, top=8, by_source=False):
-    """CUPTI view of one call of the timed, donated ``loop`` of ``steps`` steps, per step:
-    kernel count, summed kernel time and the costliest kernels; and the state after.
+def _kernel_profile(fn, args, steps, top=8, by_source=False):
+    """CUPTI view of one call ``fn(*args)`` that runs ``steps`` steps (or tokens), per step:
+    kernel count, summed kernel time and the costliest kernels; and the call's output
+    (None where it did not run).
 
     Their sum against the in-loop step time tells launch gaps from slow kernels. Profiling
     the timed program itself matters: a single step that is not donated copies the whole
     state, and those copies show up as kernels or not depending on whether XLA recorded
     them into a CUDA graph (session 12). With ``by_source`` the kernels are also grouped by
     the model source line (and output shape) they come from: where a step's time goes, in
-    the model's own terms. The profile is {} where CUPTI is unavailable (a CPU run).
+    the model's own terms. The profile says why it is missing where CUPTI is unavailable
+    (a CPU run).
     """
+    # The call may donate its inputs: keep their shapes to lower the program again afterwards.
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                          if isinstance(a, jax.Array) else a, args)
     after = []
 
-    def call(state, params):
-        after.append(loop(state, params))
+    def call(*a):
+        after.append(fn(*a))
         return after[-1]
 
     try:
-        timings = cupti.kernel_timings(call, (state, params))
+        timings = cupti.kernel_timings(call, args)
     except Exception as e:  # noqa: BLE001 - a profile is optional; say why it is missing
-        return {"profile_error": f"{type(e).__name__}: {e}"[:300]}, (after[-1] if after else state)
-    state = after[-1]
+        return {"profile_error": f"{type(e).__name__}: {e}"[:300]}, (after[-1] if after else None)
     if not timings:
-        return {}, state
+        return {}, after[-1]
     by_name: dict[str, float] = {}
     for name, ms in timings:
         by_name[name] = by_name.get(name, 0.0) + ms / steps
@@ -206,7 +213,7 @@ def _kernel_profile(loop, state, params, steps, top=8, by_source=False):
     out = {"kernels": round(len(timings) / steps, 2), "kernel_sum_ms": sum(ms for _, ms in timings) / steps,
            "top_kernels": [(n[:80], round(ms * 1e3, 1)) for n, ms in worst]}
     if by_source:
-        where = kernel_sources(loop.lower(state, params).compile().as_text())
+        where = kernel_sources(fn.lower(*shapes).compile().as_text())
         groups: dict[str, list] = {}
         for name, ms in timings:
             g = groups.setdefault(source_of(where, name), [0, 0.0])
@@ -214,7 +221,7 @@ def _kernel_profile(loop, state, params, steps, top=8, by_source=False):
             g[1] += ms
         ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])
         out["by_source"] = [(k, round(n / steps, 2), round(ms * 1e3 / steps, 1)) for k, (n, ms) in ranked[:40]]
-    return out, state
+    return out, after[-1]
 
 
 def copy_bandwidth(nbytes: int) -> float:
@@ -272,14 +279,16 @@ def chained_verify_step(cfg: ModelConfig, impl: str):
     return step
 
 
-def greedy_loop_ms(cfg: ModelConfig, params, batch: int, context: int, new_tokens: int, reps: int) -> float:
+def greedy_loop_ms(cfg: ModelConfig, params, batch: int, context: int, new_tokens: int, reps: int,
+                   profile: bool = False, by_source: bool = False) -> tuple[float, dict]:
     """Median ms per token of the plain greedy loop itself (`generate(speculative=False)`), after
     a prompt of ``context`` random tokens: the decode step as users run it, in its
     ``while_loop`` with the loops' compiler options, where part A's own step runs in a
     ``fori_loop`` under XLA's defaults. With no end-of-text id every sequence makes
-    ``new_tokens``; the prompt's prefill is timed apart and excluded.
+    ``new_tokens``; the prompt's prefill is timed apart and excluded. With ``profile``, also
+    `_kernel_profile` of one more run of the loop, per token.
     """
-    from mtp.generation import generate
+    from mtp.generation import generate, prepare_decode
     from mtp.speculative import SpecConfig
 
     rng = np.random.default_rng(0)
@@ -289,7 +298,11 @@ def greedy_loop_ms(cfg: ModelConfig, params, batch: int, context: int, new_token
     runs = [generate(cfg, params, prompts, spec, speculative=False) for _ in range(reps)]
     if any(len(t) != new_tokens for r in runs for t in r.tokens):
         raise RuntimeError(f"the greedy loop did not make {new_tokens} tokens per sequence")
-    return 1e3 * float(np.median([r.decode_s for r in runs])) / new_tokens
+    prof = {}
+    if profile:
+        call = prepare_decode(cfg, params, prompts, spec, speculative=False)
+        prof, _ = _kernel_profile(call.loop, call.args, new_tokens, by_source=by_source)
+    return 1e3 * float(np.median([r.decode_s for r in runs])) / new_tokens, prof
 
 
 def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float):
@@ -324,9 +337,10 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
         report.add(part="A", what="decode", batch=batch, ms=decode_ms, floor_ms=floor_ms,
                    ratio_to_floor=decode_ms / floor_ms, **prof)
         if FLAGS.loop_tokens and not mesh:
-            loop_ms = greedy_loop_ms(cfg, params, batch, context, FLAGS.loop_tokens, reps)
+            loop_ms, loop_prof = greedy_loop_ms(cfg, params, batch, context, FLAGS.loop_tokens, reps,
+                                                profile=FLAGS.loop_profile, by_source=FLAGS.decode_only)
             report.add(part="A", what="plain greedy loop", batch=batch, ms=loop_ms, floor_ms=floor_ms,
-                       ratio_to_floor=loop_ms / floor_ms, ratio_to_decode=loop_ms / decode_ms)
+                       ratio_to_floor=loop_ms / floor_ms, ratio_to_decode=loop_ms / decode_ms, **loop_prof)
         if FLAGS.decode_only:
             continue
         for k in (2, 4, 8):

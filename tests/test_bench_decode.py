@@ -18,7 +18,7 @@ def _run(*args, timeout=600):
 
 def test_small_run_reports_every_row_and_is_lossless(tmp_path):
     proc = _run("--small", "--parts", "A,B", "--batches", "1", "--spec_ks", "2", "--reps", "1",
-                f"--out_dir={tmp_path}")
+                "--loop_profile", f"--out_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     by_what = {(r["part"], r["what"]): r for r in rows}
@@ -27,6 +27,7 @@ def test_small_run_reports_every_row_and_is_lossless(tmp_path):
     assert abs(decode["ratio_to_floor"] - decode["ms"] / decode["floor_ms"]) < 1e-9
     loop = by_what["A", "plain greedy loop"]  # the step inside generate's own loop
     assert loop["ms"] > 0 and abs(loop["ratio_to_floor"] - loop["ms"] / decode["floor_ms"]) < 1e-9
+    assert "CUPTI" in loop["profile_error"]  # on a CPU the loop's profile says why it is missing
     for what in ("verify K=2", "verify K=4", "verify K=8", "propose (1 draft)"):
         assert by_what["A", what]["ratio_to_decode"] > 0
     plain, spec = by_what["B", "plain"], by_what["B", "spec K=2"]
