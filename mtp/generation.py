@@ -64,8 +64,8 @@ def first_from_prefill(out: target.StepOutput, lengths: jax.Array, source: str, 
 @dataclasses.dataclass
 class DecodeCall:
     """A batch after its prefill, its decode loop not yet run: ``loop(*args)`` is the call
-    `generate` makes next. A tool that compiles the loop alone (`experiments/count_kernels.py`)
-    starts from here.
+    `generate` makes next. Tools that compile or profile the loop alone
+    (`experiments/count_kernels.py`, `experiments/bench_decode.py --loop_profile`) start from here.
     """
     loop: Callable  # `speculative.greedy_loop` or `speculative.speculative_loop`, jitted
     args: tuple
