@@ -135,12 +135,14 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
                           mtp_quant=mtp_quant, page_size=page_size, seed=seed, draft_vocab=draft_vocab, mesh=mesh)
     with _on_mesh(mesh):
         t1 = time.perf_counter()
-        out = call.loop(*call.args)
-        toks, n = jax.block_until_ready(out[-3:-1] if speculative else out[1:])
+        if speculative:
+            _cache, _dcache, toks, n, metrics = call.loop(*call.args)
+        else:
+            _cache, toks, n = call.loop(*call.args)
+        toks, n = jax.block_until_ready((toks, n))
         decode_s = time.perf_counter() - t1
     if not speculative:
         return GenerationResult(_to_lists(toks, n), None, prefill_s=call.prefill_s, decode_s=decode_s)
-    metrics = out[-1]
     per_sequence = [AcceptanceStats.from_metrics(metrics, [i]) for i in range(len(prompts))]
     return GenerationResult(_to_lists(toks, n), AcceptanceStats.from_metrics(metrics), per_sequence,
                             prefill_s=call.prefill_s, decode_s=decode_s)
