@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from mtp.model import target
-from mtp.pallas.gdn_step import MAX_STEPS, gdn_step, gdn_step_reference, gdn_steps, gdn_steps_reference, kernel_unsupported
+from mtp.pallas.gdn_step import (MAX_STEPS, _gdn_steps_pallas, default_chunks, gdn_step, gdn_step_reference, gdn_steps,
+                                 gdn_steps_reference, kernel_unsupported)
 from tests.conftest import paged_cache, random_params, tiny_config
 
 
@@ -151,3 +152,42 @@ def test_verify_steps_match_one_step_at_a_time(steps):
         np.testing.assert_allclose(st, want_s, atol=1e-5, rtol=1e-5)
     too_many = jnp.zeros((bsz, MAX_STEPS + 1, mixed.shape[-1]))
     assert "at most" in kernel_unsupported(too_many, merged, merged, state, nk)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_value_columns_split_over_programs(chunks, steps):
+    """A head's state columns over several programs (the norm after the kernel, from the
+    chunks' sums of squares) gives the one-program-per-head results: decode and verify, a
+    masked token, merged projections with padding rows, bf16 activations."""
+    bsz, nk, nv, d = 2, 2, 4, 32
+    ks = jax.random.split(jax.random.key(10 + steps), 6)
+    bf = lambda x: x.astype(jnp.bfloat16)
+    mixed = bf(jax.random.normal(ks[0], (bsz, steps, (2 * nk + nv) * d)))
+    qkvz = jax.random.normal(ks[1], (bsz * steps, 2 * (nk + nv) * d))
+    ba = jax.random.normal(ks[2], (bsz * steps, 2 * nv))
+    merged = bf(jnp.concatenate([jnp.concatenate([qkvz, ba], 1), 1e3 * jnp.ones((2, qkvz.shape[1] + 2 * nv))]))
+    valid = jnp.ones((bsz, steps), bool).at[1, steps - 1].set(False)
+    state = 0.3 * jax.random.normal(ks[3], (bsz, nv, d, d))
+    rest = (jax.random.normal(ks[4], (nv,)), jax.random.normal(ks[5], (nv,)), bf(jnp.linspace(0.5, 1.5, d)))
+    kw = dict(num_k_heads=nk, eps=1e-6, ba_col=qkvz.shape[1])
+    want_y, want_s = gdn_steps_reference(mixed, merged, merged, valid, state, *rest, **kw)
+    y, st = _gdn_steps_pallas(mixed, merged, merged, valid, state, *rest, chunks=chunks, interpret=True, **kw)
+    assert y.shape == want_y.shape and y.dtype == jnp.bfloat16
+    f = lambda x: np.asarray(x, np.float32)
+    np.testing.assert_allclose(f(y), f(want_y), atol=2e-2, rtol=2e-2)  # one bf16 rounding apart at most
+    np.testing.assert_allclose(st, want_s, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(st[1, -1], (st[1, -2] if steps > 1 else state[1]))  # the masked token
+    with pytest.raises(ValueError, match="does not divide"):
+        _gdn_steps_pallas(mixed, merged, merged, valid, state, *rest, chunks=3, interpret=True, **kw)
+
+
+def test_default_chunks_split_only_grids_that_leave_sms_idle(monkeypatch):
+    from mtp.pallas import gdn_step as g
+
+    monkeypatch.setattr(g, "num_sms", lambda: 132)
+    assert default_chunks(32, 128) == 8      # the 1.38B model at batch 1: ~2 programs per SM
+    assert default_chunks(128, 128) == 2     # batch 4
+    assert default_chunks(256, 128) == 1     # batch 8: whole heads
+    assert default_chunks(8, 64) == 4        # at least 16 columns per program
+    assert default_chunks(8, 16) == 1

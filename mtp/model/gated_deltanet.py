@@ -64,15 +64,19 @@ def _qkvz_groups(qkvz: jax.Array, cfg):
     return qkvz.reshape(*qkvz.shape[:-1], nk, 2 * dk + 2 * r * dv), 2 * dk + r * dv
 
 
+def output_gate(qkvz: jax.Array, cfg) -> jax.Array:
+    """``z [.., nv, Dv]``, the output norm's gate, out of ``in_proj_qkvz``'s output."""
+    groups, qkv_width = _qkvz_groups(qkvz, cfg)
+    return groups[..., qkv_width:].reshape(*qkvz.shape[:-1], cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+
+
 def gates(qkvz: jax.Array, ba: jax.Array, cfg) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``z [.., nv, Dv]``, ``b [.., nv]``, ``a [.., nv]`` out of the projections of `project`."""
     lead = qkvz.shape[:-1]
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     r = nv // nk
-    groups, qkv_width = _qkvz_groups(qkvz, cfg)
-    z = groups[..., qkv_width:].reshape(*lead, nv, cfg.linear_value_head_dim)
     ba = ba.reshape(*lead, nk, 2 * r)
-    return z, ba[..., :r].reshape(*lead, nv), ba[..., r:].reshape(*lead, nv)
+    return output_gate(qkvz, cfg), ba[..., :r].reshape(*lead, nv), ba[..., r:].reshape(*lead, nv)
 
 
 @functools.lru_cache(maxsize=16)

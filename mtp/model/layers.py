@@ -250,10 +250,19 @@ def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """The Gated DeltaNet output norm: plain ``w`` scale (not ``1 + w``), then ``silu(z)``."""
+def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float,
+                   sum_sq: jax.Array | None = None) -> jax.Array:
+    """The Gated DeltaNet output norm: plain ``w`` scale (not ``1 + w``), then ``silu(z)``.
+
+    ``sum_sq`` (``x.shape[:-1]``): the rows' sums of squares of ``x`` (in f32), where a
+    kernel that wrote ``x`` in pieces already summed them (`mtp.pallas.gdn_step`).
+    """
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if sum_sq is None:
+        mean_sq = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    else:
+        mean_sq = sum_sq[..., None] / x.shape[-1]
+    y = xf * jax.lax.rsqrt(mean_sq + eps)
     y = w * y.astype(x.dtype)
     return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
 

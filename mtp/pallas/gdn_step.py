@@ -142,11 +142,12 @@ def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, ba_col=0) -> str | N
 
 
 def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref, dtb_ref, w_ref,
-            y_ref, s_out_ref, *, eps):
-    d = w_ref.shape[-1]
+            y_ref, s_out_ref, *sum_sq_ref, eps):
+    """One program: a value head's state columns (all of them, or a chunk: ``sum_sq_ref`` given)."""
+    d = q_ref.shape[-1]
     f32 = jnp.float32
     steps = y_ref.shape[1]
-    s = s_ref[0, 0, 0]  # the state first: its 64 KB are the program's long load
+    s = s_ref[0, 0, 0]  # the state first: its bytes are the program's long load
     scale_a = -jnp.exp(alog_ref[0, 0].astype(f32))
     for t in range(steps):  # verify's few tokens, unrolled; the state stays in registers
         q = l2norm(q_ref[0, t, 0, :].astype(f32)) * (d ** -0.5)
@@ -158,16 +159,19 @@ def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref
         decay = jnp.exp(jnp.where(live, g, 0.0))
         k = jnp.where(live, k, 0.0)
         # Both reads of the old state in one pass: with S' = decay S + k delta^T,
-        # k^T S' needs k^T S and q^T S' = decay q^T S + (q . k) delta.
+        # k^T S' needs k^T S and q^T S' = decay q^T S + (q . k) delta. Every value column is
+        # independent of the others, so a program may own a chunk of them.
         sk = jnp.sum(s * k[:, None], axis=0)
         sq = jnp.sum(s * q[:, None], axis=0)
         delta = (v - decay * sk) * beta
         s = decay * s + k[:, None] * delta[None, :]
         s_out_ref[0, t, 0] = s
-        o = decay * sq + jnp.sum(q * k) * delta
-        # The model's own gated norm, on [1, Dv] rows: Triton lowers 2-D reductions directly.
-        y = gated_rms_norm(o.astype(y_ref.dtype)[None, :], z_ref[pl.ds(t, 1), :], w_ref[...], eps)
-        y_ref[0, t, 0, :] = y[0]
+        o = (decay * sq + jnp.sum(q * k) * delta).astype(y_ref.dtype)
+        if sum_sq_ref:  # a chunk: the norm needs the whole row, so it runs after the kernel
+            y_ref[0, t, 0, :] = o
+            sum_sq_ref[0][0, t, 0, 0] = jnp.sum(jnp.square(o.astype(f32)))
+        else:  # the model's own gated norm, on [1, Dv] rows: Triton lowers 2-D reductions directly
+            y_ref[0, t, 0, :] = gated_rms_norm(o[None, :], z_ref[pl.ds(t, 1), :], w_ref[...], eps)[0]
 
 
 def default_num_warps(programs: int) -> int:
@@ -181,48 +185,77 @@ def default_num_warps(programs: int) -> int:
     return 8 if programs <= num_sms() else 4
 
 
-@functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "ba_col", "num_warps", "interpret"))
+def default_chunks(heads: int, d: int) -> int:
+    """Programs per value head: its state's columns split into this many chunks.
+
+    A grid of one program per head that leaves SMs idle (batch 1: 32 heads on 132 SMs) is
+    latency-bound: each program streams a whole 64 KB state. The columns of a head's state
+    update independently, so such a step splits them over up to 8 programs (one warp each,
+    at least 16 columns), about two programs per SM. The gated norm, which needs a token's
+    whole row, then runs after the kernel as one XLA fusion from the kernel's per-chunk sums
+    of squares. Measured on the H200 (results/kernels_h200.md, run 31), the 1.38B model's
+    layer at batch 1: 2.9 µs in 8 chunks against 5.3 µs whole; at batch 8 (256 heads) 7.7 µs
+    in 4 chunks against ~9.2 whole, which the extra fusion would eat, so larger grids stay whole.
+    """
+    if heads > num_sms():
+        return 1
+    chunks = 1
+    while chunks < 8 and d // (2 * chunks) >= 16 and heads * 2 * chunks <= 2 * num_sms():
+        chunks *= 2
+    return chunks
+
+
+@functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "ba_col", "num_warps", "chunks", "interpret"))
 def _gdn_steps_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
-                      ba_col=0, num_warps=None, interpret=False):
+                      ba_col=0, num_warps=None, chunks=None, interpret=False):
     bsz, t = mixed.shape[:2]
     _, nv, d, _ = state.shape
-    num_warps = num_warps or default_num_warps(bsz * nv)
+    chunks = chunks or default_chunks(bsz * nv, d)
+    if d % chunks:
+        raise ValueError(f"chunks={chunks} does not divide the head dim {d}")
+    num_warps = num_warps or (1 if chunks > 1 else default_num_warps(bsz * nv))
+    dc = d // chunks
     nk = num_k_heads
     r = nv // nk
     # d-wide blocks of all T tokens; the index maps pick each value head's blocks where the
     # projections put them, so z, b and a are never sliced out into arrays of their own.
     # qkvz is per key head [q, k, v x r, z x r]; it and ba may be one merged buffer wider
-    # than either, with token t of sequence i in row i T + t.
+    # than either, with token t of sequence i in row i T + t. Program (i, h, c) owns value
+    # columns c dc ... (c + 1) dc of head h.
     heads = mixed.reshape(bsz, t, nk * (2 + r), d)     # per key head [q, k, v x r]
-    col = lambda off: pl.BlockSpec((1, t, 1, d), lambda i, h, off=off: (i, 0, off(h), 0))
-    z_col = lambda off: pl.BlockSpec((t, d), lambda i, h, off=off: (i, off(h)))
-    scalar = lambda off: pl.BlockSpec((t, 1), lambda i, h, off=off: (i, ba_col + off(h)))
-    per_head = pl.BlockSpec((1, 1), lambda i, h: (h, 0))
+    col = lambda off: pl.BlockSpec((1, t, 1, d), lambda i, h, c, off=off: (i, 0, off(h), 0))
+    scalar = lambda off: pl.BlockSpec((t, 1), lambda i, h, c, off=off: (i, ba_col + off(h)))
+    per_head = pl.BlockSpec((1, 1), lambda i, h, c: (h, 0))
     group = lambda h: (h // r) * (2 + r)     # the value head's key-head group
-    head_state = pl.BlockSpec((1, 1, 1, d, d), lambda i, h: (i, 0, h, 0, 0))
+    head_state = pl.BlockSpec((1, 1, 1, d, dc), lambda i, h, c: (i, 0, h, 0, c))
+    z_col = lambda h: (h // r) * (2 + 2 * r) + 2 + r + h % r  # z of head h, in qkvz's d-blocks
     in_specs = [
         col(group),                          # q of the value head's key head
         col(lambda h: group(h) + 1),         # k
-        col(lambda h: group(h) + 2 + h % r), # v
-        z_col(lambda h: (h // r) * (2 + 2 * r) + 2 + r + h % r),  # z, in qkvz
+        pl.BlockSpec((1, t, 1, dc), lambda i, h, c: (i, 0, group(h) + 2 + h % r, c)),  # v
+        pl.BlockSpec((t, dc), lambda i, h, c: (i, z_col(h) * chunks + c)),             # z, in qkvz
         scalar(lambda h: (h // r) * 2 * r + h % r),             # b, in ba ([b x r, a x r] per group)
         scalar(lambda h: (h // r) * 2 * r + r + h % r),         # a
-        pl.BlockSpec((1, t), lambda i, h: (i, 0)),              # valid
+        pl.BlockSpec((1, t), lambda i, h, c: (i, 0)),           # valid
         head_state,                          # the state, as [B, 1, nv, D, D]
         per_head, per_head,                  # A_log, dt_bias
-        pl.BlockSpec((d,), lambda i, h: (0,)),                  # norm weight
+        pl.BlockSpec((dc,), lambda i, h, c: (c,)),              # norm weight
     ]
-    out_specs = [pl.BlockSpec((1, t, 1, d), lambda i, h: (i, 0, h, 0)),
-                 pl.BlockSpec((1, t, 1, d, d), lambda i, h: (i, 0, h, 0, 0))]
-    return pl.pallas_call(
+    out_specs = [pl.BlockSpec((1, t, 1, dc), lambda i, h, c: (i, 0, h, c)),
+                 pl.BlockSpec((1, t, 1, d, dc), lambda i, h, c: (i, 0, h, 0, c))]
+    out_shape = [jax.ShapeDtypeStruct((bsz, t, nv, d), mixed.dtype),
+                 jax.ShapeDtypeStruct((bsz, t, nv, d, d), jnp.float32)]
+    if chunks > 1:  # each chunk's share of every token's sum of squares
+        out_specs.append(pl.BlockSpec((1, t, 1, 1), lambda i, h, c: (i, 0, h, c)))
+        out_shape.append(jax.ShapeDtypeStruct((bsz, t, nv, chunks), jnp.float32))
+    y, states, *sum_sq = pl.pallas_call(
         functools.partial(_kernel, eps=eps),
-        grid=(bsz, nv),
+        grid=(bsz, nv, chunks),
         in_specs=in_specs,
         out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct((bsz, t, nv, d), mixed.dtype),
-                   jax.ShapeDtypeStruct((bsz, t, nv, d, d), jnp.float32)],
+        out_shape=out_shape,
         # One step (decode): the new state overwrites the old one in place (each program
-        # reads its (b, h) block before writing it). Without this, a decode loop that carries
+        # reads its (b, h, c) block before writing it). Without this, a decode loop that carries
         # the state copied the kernel's output into the carry every step: a device memcpy of
         # 2 MB per layer (`experiments/count_kernels.py --loop`). T > 1 (verify) writes every
         # step's state, a new buffer.
@@ -231,6 +264,20 @@ def _gdn_steps_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, 
         **triton_compiler_params(interpret, num_warps),
     )(heads, heads, heads, qkvz, ba, ba, valid.astype(jnp.int32), state.astype(jnp.float32)[:, None],
       a_log[:, None], dt_bias[:, None], norm_w)
+    if sum_sq:  # chunks: y holds o; the gated norm as the model computes it, from the chunks' sums
+        # Added one by one, not `jnp.sum`: elementwise adds fuse into the norm's kernel, where a
+        # reduction would be a kernel of its own.
+        total = functools.reduce(jnp.add, [sum_sq[0][..., c] for c in range(chunks)])
+        y = gated_rms_norm(y, _z_of(qkvz, bsz, t, nk, nv, d), norm_w, eps, sum_sq=total)
+    return y, states
+
+
+def _z_of(qkvz, bsz, t, nk, nv, d):
+    """``z [B, T, nv, D]`` out of the ``in_proj_qkvz`` rows, as the model slices it."""
+    from mtp.model import gated_deltanet as gdn  # imports this module: so here, not at the top
+
+    heads = HeadShape(nk, nv, d, d)
+    return gdn.output_gate(qkvz[:bsz * t, :heads.qkvz_width].reshape(bsz, t, heads.qkvz_width), heads)
 
 
 def gdn_steps(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
