@@ -228,3 +228,23 @@ def test_model_decode_and_verify_through_the_triton_form(monkeypatch):
                                      decode_steps=2, verify=3, model="default", page=16)
     (want, ref_cache), (got, cache) = runs["reference"], runs["interpret"]
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("nq,splits,gated", [(1, 34, True), (3, 5, False), (4, 1, True)])
+def test_merge_kernel_matches_its_reference(nq, splits, gated):
+    """The splits' merge as one kernel (Triton, interpreted) against the XLA definition: empty
+    splits (-inf) and padding rows past Q G ignored, the gate, the [B, Q, Hq, D] layout."""
+    b, hq, hkv, d, rows = 2, 8, 2, 128, 16
+    ks = jax.random.split(jax.random.key(nq + splits), 4)
+    o_part = jax.random.normal(ks[0], (b, hkv, splits, rows, d)).astype(jnp.bfloat16)
+    lse = 3 * jax.random.normal(ks[1], (b, hkv, splits, rows))
+    lse = jnp.where(jax.random.uniform(ks[2], lse.shape) < 0.2, -jnp.inf, lse)  # empty splits
+    lse = lse.at[0, 1, :, 0].set(-jnp.inf)  # a row no split saw: zeros out
+    q = jnp.zeros((b, nq, hq, d), jnp.bfloat16)
+    gate = jax.random.normal(ks[3], q.shape).astype(jnp.bfloat16) if gated else None
+    got = pa.merge_splits(o_part, lse, q, gate, interpret=True)
+    want = pa.merge_splits_reference(o_part, lse, q, gate)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-2, rtol=1e-2)
+    np.testing.assert_array_equal(np.asarray(got[0, 0, hq // hkv]), 0)  # row 0 of KV head 1
+    assert float(jnp.abs(want.astype(jnp.float32)).mean()) > 0.05

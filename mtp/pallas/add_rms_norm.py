@@ -79,6 +79,14 @@ def kernel_pays(y) -> bool:
     return y.size == y.shape[-1]
 
 
+def num_warps(h: int) -> int:
+    """Warps per row: 8 for the 1.38B model's 2048-wide rows, where the kernel took 1.73 µs
+    against 2.30 at 4 warps (and XLA's add + norm 2.85) on the H200, one row padded to two
+    (results/decode_h200.md, session 16; 2 warps 2.08, 16 warps 1.79). Narrower rows (the
+    default model's 384) keep the 4 they were measured with (session 11)."""
+    return 8 if h >= 2048 else 4
+
+
 def _kernel(x_ref, y_ref, w_ref, s_ref, h_ref, *, real_rows, eps):
     width = x_ref.shape[-1]
     pieces, sum_sq = [], jnp.zeros((1,), jnp.float32)
@@ -112,7 +120,7 @@ def _add_rms_norm_pallas(x, y, w, *, eps, interpret=False):
         out_specs=[row, row],
         out_shape=[jax.ShapeDtypeStruct(x2.shape, x.dtype)] * 2,
         interpret=interpret,
-        **triton_compiler_params(interpret, num_warps=4),
+        **triton_compiler_params(interpret, num_warps=num_warps(h)),
     )(x2, y2, w)
     return s.reshape(x.shape), normed.reshape(x.shape)
 

@@ -6,8 +6,9 @@ into the paged KV cache. In the 1.38B decode step XLA runs that as 7 kernels per
 layer (`experiments/count_kernels.py --list`: the key norm's reduction, the key's RoPE, a
 select, the query's norm and RoPE, a slice, two page writes), each a few µs inside a CUDA
 graph. Here one program per ``(token, head)`` reads its head's columns of the GEMM output in
-place, normalises and rotates them, and stores q, or writes k and v into their page slot
-over the old cache (aliased), so nothing else runs and nothing is copied. Counted: the
+place, normalises and rotates them, and stores q (and copies its output gate out, for the
+attention's merge kernel), or writes k and v into their page slot over the old cache
+(aliased), so nothing else runs and nothing is copied. Counted: the
 1.38B step's loop body goes from 208 to 183 launches at batch 1, the default model's plain
 loop from 105 to 96 (results/decode_h200.md, session 10).
 
@@ -69,7 +70,7 @@ def kernel_unsupported(columns, k_pages, rope_positions, cfg: ModelConfig) -> st
 
 
 def _kernel(pos_ref, slot_ref, write_ref, table_ref, qg_ref, k_ref, v_ref, wq_ref, wk_ref, _k_in, _v_in,
-            q_ref, k_pages_ref, v_pages_ref, *, cfg: ModelConfig, starts):
+            q_ref, gate_ref, k_pages_ref, v_pages_ref, *, cfg: ModelConfig, starts):
     f32 = jnp.float32
     d, hq, half = cfg.head_dim, cfg.num_attention_heads, cfg.rotary_dim // 2
     dtype = q_ref.dtype
@@ -101,6 +102,9 @@ def _kernel(pos_ref, slot_ref, write_ref, table_ref, qg_ref, k_ref, v_ref, wq_re
     @pl.when(h < hq)
     def _query():
         normed_rotated(qg_ref, starts[0] + h * 2 * d, wq_ref, into(q_ref, 0, h))
+        # The gate too, as its own array: the attention's merge kernel takes it, and a
+        # custom call's sliced operand would be a copy of its own (a kernel, in XLA).
+        gate_ref[0, h, :] = qg_ref[0, pl.ds(starts[0] + h * 2 * d + d, d)]
 
     @pl.when(h >= hq)
     def _key_value():
@@ -126,21 +130,21 @@ def _attn_prologue_pallas(rows, q_norm_w, k_norm_w, rope_positions, slots, k_pag
     token = pl.BlockSpec((1, 1), lambda r, h: (r, 0))
     whole = lambda a: pl.BlockSpec(a.shape, lambda r, h: (0,) * a.ndim)
     row = lambda a: pl.BlockSpec((1, a.shape[1]), lambda r, h: (r, 0))
-    q, k_pages, v_pages = pl.pallas_call(
+    q, gate, k_pages, v_pages = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg, starts=starts),
         grid=(b * t, hq + hkv),
         in_specs=[token, token, token, pl.BlockSpec((1, block_tables.shape[1]), lambda r, h: (r // t, 0)),
                   *(row(a) for a in rows), whole(q_norm_w), whole(k_norm_w), whole(k_pages), whole(v_pages)],
-        out_specs=[pl.BlockSpec((1, hq, d), lambda r, h: (r, 0, 0)), whole(k_pages), whole(v_pages)],
-        out_shape=[jax.ShapeDtypeStruct((b * t, hq, d), rows[0].dtype),
+        out_specs=[pl.BlockSpec((1, hq, d), lambda r, h: (r, 0, 0))] * 2 + [whole(k_pages), whole(v_pages)],
+        out_shape=[jax.ShapeDtypeStruct((b * t, hq, d), rows[0].dtype)] * 2 + [
                    jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        input_output_aliases={9: 1, 10: 2},  # the pages are written in place
+        input_output_aliases={9: 2, 10: 3},  # the pages are written in place
         interpret=interpret,
         **triton_compiler_params(interpret, num_warps=1),
     )(per_token(rope_positions), per_token(slots), per_token(write), block_tables.astype(jnp.int32), *rows,
       q_norm_w, k_norm_w, k_pages, v_pages)
-    return q.reshape(b, t, hq, d), k_pages, v_pages
+    return q.reshape(b, t, hq, d), gate.reshape(b, t, hq, d), k_pages, v_pages
 
 
 def attn_prologue(columns, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages, block_tables, write,
@@ -150,13 +154,10 @@ def attn_prologue(columns, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v
     Inputs the kernel cannot take (``kernel_unsupported``, a prefill among them) and traces
     under a tensor-parallel mesh go to the reference. No autodiff rule: training has no cache.
     """
-    from mtp.model import layers  # imports mtp.pallas: so here, not at the top
-
     def kernel(interpret):
-        q, kp, vp = _attn_prologue_pallas(
+        return _attn_prologue_pallas(
             tuple(c.rows for c in columns), q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages,
             block_tables, write, cfg=cfg, starts=tuple(c.start for c in columns), interpret=interpret)
-        return q, layers.query_and_gate(columns[0], rope_positions.shape, cfg)[1], kp, vp
 
     args = (columns, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages, block_tables, write)
     return run_triton_op("attn_prologue", impl, lambda: kernel_unsupported(columns, k_pages, rope_positions, cfg),

@@ -10,7 +10,9 @@ streaming the layer's weights (results/decode_h200.md). Here one program per
     S = exp(g) S;  S += k (beta (v - k^T S));  o = q^T S
     y = silu(z) * w * rmsnorm(o)
 
-and writes ``y`` (the out projection's input) and the new state. A verify of T <= 8 tokens
+and writes ``y`` (the out projection's input) and the new state. Where one program per head
+leaves SMs idle (batch 1), a head's value columns are split over several programs instead
+(``default_chunks``) and the norm, which needs the whole row, runs after them. A verify of T <= 8 tokens
 per sequence is one call too: each program keeps its state in registers across the T tokens
 and writes the state after every one (verify keeps the accepted one), where XLA ran the
 step token by token (results/decode_h200.md, session 8: 363 -> 232 kernels at K = 4).
@@ -193,9 +195,11 @@ def default_chunks(heads: int, d: int) -> int:
     update independently, so such a step splits them over up to 8 programs (one warp each,
     at least 16 columns), about two programs per SM. The gated norm, which needs a token's
     whole row, then runs after the kernel as one XLA fusion from the kernel's per-chunk sums
-    of squares. Measured on the H200 (results/kernels_h200.md, run 31), the 1.38B model's
-    layer at batch 1: 2.9 µs in 8 chunks against 5.3 µs whole; at batch 8 (256 heads) 7.7 µs
-    in 4 chunks against ~9.2 whole, which the extra fusion would eat, so larger grids stay whole.
+    of squares. Measured on the H200 (results/decode_h200.md, session 16), the 1.38B model's
+    layer at batch 1: 2.9 µs in 8 chunks of one warp against ~5.3 µs whole (in the model 3.4 µs
+    plus 1.2 for the norm's fusion, against 5.5: the loop 1.010x, the default model's
+    speculative loop 1.042x); at batch 8 (256 heads) 7.7 µs in 4 chunks against ~9.2 whole,
+    which the extra fusion would eat, so larger grids stay whole.
     """
     if heads > num_sms():
         return 1

@@ -11,10 +11,10 @@ reading each KV head's pages exactly once at close to copy bandwidth:
 * The sequence is split across programs (flash-decoding): grid
   ``(splits, Hkv, B)``, each program walks a contiguous range of KV tiles with
   an online softmax and writes an unnormalised-free partial (its normalised
-  output in bf16 plus a log2-sum-exp per row). A small XLA epilogue merges the
-  splits, applies the optional sigmoid output gate and restores the
-  ``[B, Q, Hq, D]`` layout; that epilogue reads ``splits * 64 * D`` values per
-  KV head, a few percent of the KV bytes.
+  output in bf16 plus a log2-sum-exp per row). A small kernel (``merge_splits``)
+  merges the splits, applies the optional sigmoid output gate and restores the
+  ``[B, Q, Hq, D]`` layout; it reads ``splits * Q * G * D`` values per KV head,
+  a few percent of the KV bytes.
 * KV tiles of ``block_kv`` tokens are gathered page by page with TMA straight
   into swizzled shared memory (one copy per page, all completing on one
   barrier), ``stages`` tiles in flight, so the copy engine keeps streaming
@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
-from mtp.pallas.backend import (TENSOR_AXIS, num_sms, resolve_impl, swizzle_transforms,
+from mtp.pallas.backend import (TENSOR_AXIS, interpret_forced, num_sms, resolve_impl, swizzle_transforms,
                                 tensor_parallel_mesh, triton_compiler_params)
 
 _ROWS = 64  # wgmma's M: query rows (G heads x Q queries, zero-padded) per program.
@@ -316,7 +316,9 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, scale
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
     o_part, lse_part = call(qr, k_pages, v_pages, bt, lengths.astype(jnp.int32))
-    return _merge_splits(o_part, lse_part, q, gate)
+    if interpret_forced():  # Pallas' GPU interpreter runs no Triton block specs: the definition
+        return merge_splits_reference(o_part, lse_part, q, gate)
+    return merge_splits(o_part, lse_part, q, gate)
 
 
 # ------------------------------------------------------------------ Triton-lowered form
@@ -354,7 +356,7 @@ def paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, *, scale=
     are recorded into them, session 12.) The work is split as in the Mosaic
     kernel: programs ``(B, Hkv, splits)``, each over a contiguous run of pages with an
     online softmax, the ``Q * G`` query rows of a KV head stacked as the rows of one dot
-    (padded to a power of two >= 16), and the same partials merged by ``_merge_splits``.
+    (padded to a power of two >= 16), and the same partials merged by ``merge_splits``.
     ``interpret``: Pallas' interpreter (CPU tests).
     """
     why = triton_unsupported(q, k_pages)
@@ -418,11 +420,17 @@ def paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, *, scale=
         interpret=interpret,
         **triton_compiler_params(interpret, num_warps=4, num_stages=2),
     )(qr, k_pages, v_pages, block_tables.astype(jnp.int32), lengths.astype(jnp.int32))
-    return _merge_splits(o_part, lse_part, q, gate)
+    return merge_splits(o_part, lse_part, q, gate, interpret=interpret)
 
 
-def _merge_splits(o_part, lse_part, q, gate):
-    """Combines the per-split partials (log2 domain) and applies the output gate."""
+def merge_splits_reference(o_part, lse_part, q, gate):
+    """Combines the per-split partials (log2 domain) and applies the output gate: the definition.
+
+    o_part: ``[B, Hkv, S, R, D]`` (each split's normalised output, rows ``r = i G + g`` past
+    ``Q G`` ignored); lse_part: ``[B, Hkv, S, R]`` (its log2-sum-exp, -inf for an empty split
+    or row); q: the queries ``[B, Q, Hq, D]`` (their shape and dtype); gate: None or
+    ``[B, Q, Hq, D]``. Returns ``[B, Q, Hq, D]`` in q's dtype.
+    """
     b, nq, hq, d = q.shape
     hkv = o_part.shape[1]
     g = hq // hkv
@@ -437,6 +445,59 @@ def _merge_splits(o_part, lse_part, q, gate):
     if gate is not None:
         o = o * jax.nn.sigmoid(gate.astype(jnp.float32))
     return o.astype(q.dtype)
+
+
+_MERGE_COLUMNS = 64  # head-dim columns per merge program
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def merge_splits(o_part, lse_part, q, gate, *, interpret=False):
+    """`merge_splits_reference` as one kernel, for both forms of the paged attention.
+
+    XLA ran the merge as three kernels (the splits' maximum, the weighted sum, the gate
+    and the layout), ~4.5 µs a layer at batch 1 on the H200 (results/decode_h200.md,
+    session 16), where their data is a few KB. Here one program per (sequence, KV head,
+    query row, 64 columns) walks the splits with a running maximum (the online form of the
+    reference's two passes; one rounding apart), applies the gate and writes its row in the
+    ``[B, Q, Hq, D]`` layout. Pallas' Triton lowering: every load a power of two, which a
+    split count (about one per SM) is not, so the splits are a static loop.
+    """
+    b, nq, hq, d = q.shape
+    _, hkv, num_splits, _, _ = o_part.shape
+    g = hq // hkv
+    dc = min(d, _MERGE_COLUMNS)
+    f32 = jnp.float32
+
+    def kernel(o_ref, lse_ref, *rest):
+        gate_ref, out_ref = rest if gate is not None else (None, *rest)
+        m = jnp.full((), _MASKED_M, f32)
+        denom = jnp.zeros((), f32)
+        acc = jnp.zeros((dc,), f32)
+        for split in range(num_splits):
+            lse = lse_ref[0, 0, split, 0]
+            m_new = jnp.maximum(m, lse)
+            alpha, w = jnp.exp2(m - m_new), jnp.exp2(lse - m_new)  # w = 0 for an empty split
+            denom = denom * alpha + w
+            acc = acc * alpha + w * o_ref[0, 0, split, 0, :].astype(f32)
+            m = m_new
+        out = acc / jnp.where(denom == 0, 1.0, denom)
+        if gate_ref is not None:
+            out = out * jax.nn.sigmoid(gate_ref[0, 0, 0, :].astype(f32))
+        out_ref[0, 0, 0, :] = out.astype(out_ref.dtype)
+
+    # Program (bi, h, r, c): query i = r // G of KV head h's group, head h G + r % G.
+    row = pl.BlockSpec((1, 1, 1, dc), lambda bi, h, r, c: (bi, r // g, h * g + r % g, c))
+    in_specs = [pl.BlockSpec((1, 1, num_splits, 1, dc), lambda bi, h, r, c: (bi, h, 0, r, c)),
+                pl.BlockSpec((1, 1, num_splits, 1), lambda bi, h, r, c: (bi, h, 0, r))]
+    return pl.pallas_call(
+        kernel,
+        grid=(b, hkv, nq * g, d // dc),
+        in_specs=in_specs + ([row] if gate is not None else []),
+        out_specs=row,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=interpret,
+        **triton_compiler_params(interpret, num_warps=1),
+    )(o_part, lse_part, *(() if gate is None else (gate,)))
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, gate=None,
