@@ -178,6 +178,14 @@ def source_of(where: dict[str, str], kernel: str) -> str:
             or f"? {kernel[:40]}")
 
 
+def abstract(tree, sharding=None):
+    """``tree`` with its arrays (and array shapes) as ``ShapeDtypeStruct`` s, on ``sharding`` or
+    where each array is; other leaves (static arguments) as they are. What lowers a program
+    without its buffers: ones a call donated, or none at all (a deviceless compile)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding or a.sharding)
+                        if isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) else a, tree)
+
+
 def _kernel_profile(fn, args, steps, top=8, by_source=False):
     """CUPTI view of one call ``fn(*args)`` that runs ``steps`` steps (or tokens), per step:
     kernel count, summed kernel time and the costliest kernels; and the call's output
@@ -192,8 +200,7 @@ def _kernel_profile(fn, args, steps, top=8, by_source=False):
     (a CPU run).
     """
     # The call may donate its inputs: keep their shapes to lower the program again afterwards.
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-                          if isinstance(a, jax.Array) else a, args)
+    shapes = abstract(args)
     after = []
 
     def call(*a):

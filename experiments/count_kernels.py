@@ -41,6 +41,7 @@ model source line they come from.
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import os
 import re
@@ -49,8 +50,8 @@ import time
 
 from absl import app, flags
 
-from experiments.bench_decode import (BIG, chained_verify_step, kernel_sources, random_cache,  # and its flags
-                                      source_of)
+from experiments.bench_decode import (BIG, abstract, chained_verify_step, kernel_sources,  # and its flags
+                                      random_cache, source_of)
 from mtp.speculative import MAX_VERIFY_WIDTH
 
 H200_TARGET = """\
@@ -244,9 +245,7 @@ def loop_call(program: str, batch: int, device):
             cfg, params = load_pretrained("assets/default_model")
         call = generation.prepare_decode(cfg, params, [[1, 2, 3, 4, 5]] * batch, spec,
                                          speculative=program == "speculative_loop")
-    on = jax.sharding.SingleDeviceSharding(device)
-    shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on) if isinstance(a, jax.Array) else a
-    return call.loop, [jax.tree.map(shape, a) for a in call.args]
+    return call.loop, abstract(call.args, jax.sharding.SingleDeviceSharding(device))
 
 
 def count_loop(device):
@@ -315,7 +314,7 @@ def main(argv):
     from mtp.model.params import count_params, init_params
 
     on = jax.sharding.SingleDeviceSharding(device)
-    place = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), tree)
+    place = functools.partial(abstract, sharding=on)
     cfg = ModelConfig.from_hf(dict(BIG))
     params = place(jax.eval_shape(lambda: init_params(cfg, jax.random.key(1), jnp.bfloat16)))
     print(f"target {device.device_kind} ({device.core_count} SMs), jax {jax.__version__}, "
