@@ -230,11 +230,11 @@ def test_model_decode_and_verify_through_the_triton_form(monkeypatch):
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("nq,splits,gated", [(1, 34, True), (3, 5, False), (4, 1, True)])
-def test_merge_kernel_matches_its_reference(nq, splits, gated):
+@pytest.mark.parametrize("nq,splits,gated,d", [(1, 34, True, 128), (3, 5, False, 32), (4, 1, True, 192)])
+def test_merge_kernel_matches_its_reference(nq, splits, gated, d):
     """The splits' merge as one kernel (Triton, interpreted) against the XLA definition: empty
     splits (-inf) and padding rows past Q G ignored, the gate, the [B, Q, Hq, D] layout."""
-    b, hq, hkv, d, rows = 2, 8, 2, 128, 16
+    b, hq, hkv, rows = 2, 8, 2, 16
     ks = jax.random.split(jax.random.key(nq + splits), 4)
     o_part = jax.random.normal(ks[0], (b, hkv, splits, rows, d)).astype(jnp.bfloat16)
     lse = 3 * jax.random.normal(ks[1], (b, hkv, splits, rows))
@@ -248,3 +248,5 @@ def test_merge_kernel_matches_its_reference(nq, splits, gated):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-2, rtol=1e-2)
     np.testing.assert_array_equal(np.asarray(got[0, 0, hq // hkv]), 0)  # row 0 of KV head 1
     assert float(jnp.abs(want.astype(jnp.float32)).mean()) > 0.05
+    with pytest.raises(ValueError, match="head dim 96"):
+        pa.merge_splits(jnp.zeros((b, hkv, splits, rows, 96)), lse, jnp.zeros((b, nq, hq, 96)), None, interpret=True)

@@ -466,6 +466,8 @@ def merge_splits(o_part, lse_part, q, gate, *, interpret=False):
     _, hkv, num_splits, _, _ = o_part.shape
     g = hq // hkv
     dc = min(d, _MERGE_COLUMNS)
+    if d % dc:  # both attention forms take head dims that are multiples of 64 or powers of two
+        raise ValueError(f"head dim {d} is not a multiple of the merge's {dc} columns")
     f32 = jnp.float32
 
     def kernel(o_ref, lse_ref, *rest):
