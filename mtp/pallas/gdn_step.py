@@ -144,8 +144,9 @@ def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, ba_col=0) -> str | N
 
 
 def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref, dtb_ref, w_ref,
-            y_ref, s_out_ref, *sum_sq_ref, eps):
-    """One program: a value head's state columns (all of them, or a chunk: ``sum_sq_ref`` given)."""
+            y_ref, s_out_ref, *chunk_sum_sq, eps):
+    """One program: a value head's state columns, all of them or a chunk (``chunk_sum_sq``: the
+    output ref of each token's sum of squares over the chunk's columns)."""
     d = q_ref.shape[-1]
     f32 = jnp.float32
     steps = y_ref.shape[1]
@@ -169,9 +170,9 @@ def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref
         s = decay * s + k[:, None] * delta[None, :]
         s_out_ref[0, t, 0] = s
         o = (decay * sq + jnp.sum(q * k) * delta).astype(y_ref.dtype)
-        if sum_sq_ref:  # a chunk: the norm needs the whole row, so it runs after the kernel
+        if chunk_sum_sq:  # a chunk: the norm needs the whole row, so it runs after the kernel
             y_ref[0, t, 0, :] = o
-            sum_sq_ref[0][0, t, 0, 0] = jnp.sum(jnp.square(o.astype(f32)))
+            chunk_sum_sq[0][0, t, 0, 0] = jnp.sum(jnp.square(o.astype(f32)))
         else:  # the model's own gated norm, on [1, Dv] rows: Triton lowers 2-D reductions directly
             y_ref[0, t, 0, :] = gated_rms_norm(o[None, :], z_ref[pl.ds(t, 1), :], w_ref[...], eps)[0]
 
