@@ -200,7 +200,7 @@ def _kernel_profile(fn, args, steps, top=8, by_source=False):
     (a CPU run).
     """
     # The call may donate its inputs: keep their shapes to lower the program again afterwards.
-    shapes = abstract(args)
+    shapes = abstract(args) if by_source else None
     after = []
 
     def call(*a):
