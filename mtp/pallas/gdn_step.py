@@ -197,10 +197,11 @@ def default_chunks(heads: int, d: int) -> int:
     at least 16 columns), about two programs per SM. The gated norm, which needs a token's
     whole row, then runs after the kernel as one XLA fusion from the kernel's per-chunk sums
     of squares. Measured on the H200 (results/decode_h200.md, session 16), the 1.38B model's
-    layer at batch 1: 2.9 µs in 8 chunks of one warp against ~5.3 µs whole (in the model 3.4 µs
-    plus 1.2 for the norm's fusion, against 5.5: the loop 1.010x, the default model's
-    speculative loop 1.042x); at batch 8 (256 heads) 7.7 µs in 4 chunks against ~9.2 whole,
-    which the extra fusion would eat, so larger grids stay whole.
+    layer at batch 1: 2.9 µs in 8 chunks of one warp against 6.3 µs whole in the same probe
+    (which adds a small convert of its inputs; in the model 3.4 µs plus 1.2 for the norm's
+    fusion, against 5.5: the loop 1.010x, the default model's speculative loop 1.042x); at
+    batch 8 (256 heads) 7.7 µs in 4 chunks against 10.2 whole (9.3 in run 15 of
+    results/kernels_h200.md), which the extra fusion would mostly eat, so larger grids stay whole.
     """
     if heads > num_sms():
         return 1
