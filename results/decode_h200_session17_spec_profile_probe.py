@@ -11,6 +11,9 @@ from mtp.generation import generate, prepare_decode
 from mtp.speculative import SpecConfig
 
 ks = [int(k) for k in (sys.argv[1:] or ["2"])]
+if jax.default_backend() == "gpu":  # CUPTI on before any CUDA graph exists, or the loops' kernels go untraced
+    from experiments import cupti
+    cupti.start()
 ckpt = "assets/default_model"
 cfg, params = load_pretrained(ckpt)
 tok = Tokenizer.load(f"{ckpt}/tokenizer.json")

@@ -42,3 +42,25 @@ def test_bad_flags_stop_the_run_by_name(tmp_path):
     proc = _run("--small", "--spec_ks", "2,1", "--batches", "0", f"--out_dir={tmp_path}", timeout=120)
     assert proc.returncode != 0 and "--spec_ks: integers 2..8" in proc.stderr
     assert not (tmp_path / "results.json").exists()
+
+
+def test_a_loop_profile_missing_its_graphs_kernels_says_why():
+    """CUPTI traces a CUDA graph only if it was on before the graph was built; a profile that
+    recorded fewer kernels than steps must say so rather than report a near-empty step."""
+    code = """
+import jax, jax.numpy as jnp
+from experiments import bench_decode, cupti
+fn, args = jax.jit(lambda x: x + 1), (jnp.ones(2),)
+for n in (3, 48):
+    cupti.kernel_timings = lambda f, a, n=n: (f(*a), [("k", 1e-3)] * n)[1]
+    prof, after = bench_decode._kernel_profile(fn, args, 16)
+    assert float(after[0]) == 2.0
+    if n == 3:
+        assert "cupti.start" in prof["profile_error"] and "kernels" not in prof, prof
+    else:
+        assert prof["kernels"] == 3.0 and "profile_error" not in prof, prof
+print("checked")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0 and "checked" in proc.stdout, proc.stderr[-3000:]
