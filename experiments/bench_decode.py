@@ -7,7 +7,10 @@ ms per plain decode step, per verify step at K = 2, 4, 8, and per propose (one M
 draft step), at batch 1 and 8, with ``verify(K)/decode`` and ``propose/decode``; and
 each decode step against its memory-bandwidth floor (weight + KV + state bytes read
 per step / the device copy bandwidth measured in the same run), the step both as a
-``fori_loop`` of steps and inside the plain greedy loop itself (``--loop_tokens``).
+``fori_loop`` of steps and inside the plain greedy loop itself (``--loop_tokens``). A step's
+time is the slope between two calls of different lengths (`_per_step_slope`), which drops
+what a call costs once; each row also gives the shorter call's time per step, that cost
+included.
 Random weights give no meaningful acceptance, so part A reports speed per step only.
 Each row carries a CUPTI kernel count; with ``--decode_only`` the decode step's kernels
 are also grouped by the model source lines (and output shapes) they come from.
@@ -49,7 +52,8 @@ flags.DEFINE_bool("small", False, "Tiny shapes, for checking the script on a CPU
 flags.DEFINE_integer("context", 2048, "KV positions already in the cache per sequence (part A).", lower_bound=1)
 flags.DEFINE_integer("reps", 20, "Timed repetitions per measurement (median reported).", lower_bound=1)
 flags.DEFINE_list("parts", ["A", "B"], "Which parts to run.")
-flags.DEFINE_integer("steps_per_call", 16, "Part A: steps run back to back inside one call.", lower_bound=1)
+flags.DEFINE_integer("steps_per_call", 16, "Part A: steps run back to back inside the shorter of the two timed "
+                     "calls (the longer runs 4x as many; a step is the difference over the difference).", lower_bound=1)
 flags.DEFINE_list("batches", ["1", "8"], "Batch sizes to run.")
 flags.DEFINE_list("spec_ks", ["2", "3", "4", "5", "6"], "Part B: verify widths K of the speculative runs "
                   "(batch 8 runs those up to 4).")
@@ -105,22 +109,51 @@ def _median_ms(fn, state, reps, *args):
     return 1e3 * float(np.median(times)), state
 
 
-def _per_step_ms(step, state, reps, params, steps_per_call, profile=False, by_source=False):
-    """Median ms of one ``step`` when ``steps_per_call`` of them run back to back on device,
-    the state after, and (with ``profile``) `_kernel_profile` of that same program per step.
+def _per_step_slope(calls, reps):
+    """``(ms a step, ms a step of the shorter call whole)`` from ``{steps: call}``, two calls that
+    run different numbers of steps; ``call()`` runs once and returns its wall seconds.
 
-    The decode loop runs its steps inside one ``while_loop``, so the number that
-    matters excludes the host's dispatch and sync of a call; a ``fori_loop`` of
-    steps per call amortises them the same way.
+    A call also costs something once: the host's dispatch and sync and, on a GPU, XLA's update of
+    the call's CUDA graphs for its buffers, which move between calls (they are donated). For
+    the 1.38B step that was ~1.7 ms a call, 0.1 ms a step of a 16-step call (results/decode_h200.md,
+    session 17). The slope between the two calls' medians, timed interleaved, drops it: what a
+    step costs inside a loop that runs on, as a decode does.
     """
-    loop = jax.jit(lambda c, p: jax.lax.fori_loop(0, steps_per_call, lambda _, c: step(c, p), c),
-                   donate_argnums=0)
-    ms, state = _median_ms(loop, state, reps, params)
+    times = {n: [] for n in calls}
+    for _ in range(reps):
+        for n, call in calls.items():
+            times[n].append(call())
+    (n1, t1), (n2, t2) = sorted((n, float(np.median(ts))) for n, ts in times.items())
+    return 1e3 * (t2 - t1) / (n2 - n1), 1e3 * t1 / n1
+
+
+def _per_step_ms(step, state, reps, params, steps_per_call, profile=False, by_source=False):
+    """ms of one ``step`` run back to back on device (`_per_step_slope` over ``fori_loop``s of
+    ``steps_per_call`` and 4x as many steps), the same for the shorter call whole, the state
+    after, and (with ``profile``) `_kernel_profile` of the shorter program, per step.
+    """
+    def loop_of(n):
+        return jax.jit(lambda c, p: jax.lax.fori_loop(0, n, lambda _, c: step(c, p), c), donate_argnums=0)
+
+    loops = {n: loop_of(n) for n in (steps_per_call, 4 * steps_per_call)}
+    box = [state]
+
+    def timed(fn):
+        def call():
+            t = time.perf_counter()
+            box[0] = jax.block_until_ready(fn(box[0], params))
+            return time.perf_counter() - t
+        return call
+
+    calls = {n: timed(fn) for n, fn in loops.items()}
+    for call in calls.values():  # compiles, then a warm call
+        call(), call()
+    ms, ms_call = _per_step_slope(calls, reps)
     prof = {}
     if profile:
-        prof, after = _kernel_profile(loop, (state, params), steps_per_call, by_source=by_source)
-        state = state if after is None else after
-    return ms / steps_per_call, state, prof
+        prof, after = _kernel_profile(loops[steps_per_call], (box[0], params), steps_per_call, by_source=by_source)
+        box[0] = box[0] if after is None else after
+    return ms, ms_call, box[0], prof
 
 
 _HLO_LINE = re.compile(r"^\s*%?([\w.-]+) = (\S+) .*?stack_frame_id=(\d+)")
@@ -290,12 +323,12 @@ def chained_verify_step(cfg: ModelConfig, impl: str):
 
 
 def greedy_loop_ms(cfg: ModelConfig, params, batch: int, context: int, new_tokens: int, reps: int,
-                   profile: bool = False, by_source: bool = False) -> tuple[float, dict]:
-    """Median ms per token of the plain greedy loop itself (`generate(speculative=False)`), after
-    a prompt of ``context`` random tokens: the decode step as users run it, in its
-    ``while_loop`` with the loops' compiler options, where part A's own step runs in a
-    ``fori_loop`` under XLA's defaults. With no end-of-text id every sequence makes
-    ``new_tokens``; the prompt's prefill is timed apart and excluded. With ``profile``, also
+                   profile: bool = False, by_source: bool = False) -> tuple[float, float, dict]:
+    """ms a token of the plain greedy loop itself (`generate(speculative=False)`), after a prompt
+    of ``context`` random tokens: the decode step as users run it, in its ``while_loop`` with the
+    loops' compiler options. `_per_step_slope` over runs of ``new_tokens`` and twice as many
+    tokens, and the ``new_tokens`` run whole, per token; with no end-of-text id every sequence
+    makes them all; the prompt's prefill is timed apart and excluded. With ``profile``, also
     `_kernel_profile` of one more run of the loop, per token.
     """
     from mtp.generation import generate, prepare_decode
@@ -303,16 +336,25 @@ def greedy_loop_ms(cfg: ModelConfig, params, batch: int, context: int, new_token
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, context).tolist() for _ in range(batch)]
-    spec = SpecConfig(max_new_tokens=new_tokens)
-    generate(cfg, params, prompts, spec, speculative=False)  # compile
-    runs = [generate(cfg, params, prompts, spec, speculative=False) for _ in range(reps)]
-    if any(len(t) != new_tokens for r in runs for t in r.tokens):
-        raise RuntimeError(f"the greedy loop did not make {new_tokens} tokens per sequence")
+    specs = {n: SpecConfig(max_new_tokens=n) for n in (new_tokens, 2 * new_tokens)}
+
+    def timed(n):
+        def call():
+            r = generate(cfg, params, prompts, specs[n], speculative=False)
+            if any(len(t) != n for t in r.tokens):
+                raise RuntimeError(f"the greedy loop did not make {n} tokens per sequence")
+            return r.decode_s
+        return call
+
+    calls = {n: timed(n) for n in specs}
+    for call in calls.values():  # compiles
+        call()
+    ms, ms_call = _per_step_slope(calls, reps)
     prof = {}
     if profile:
-        call = prepare_decode(cfg, params, prompts, spec, speculative=False)
+        call = prepare_decode(cfg, params, prompts, specs[new_tokens], speculative=False)
         prof, _ = _kernel_profile(call.loop, call.args, new_tokens, by_source=by_source)
-    return 1e3 * float(np.median([r.decode_s for r in runs])) / new_tokens, prof
+    return ms, ms_call, prof
 
 
 def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float):
@@ -342,21 +384,23 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
 
         verify_step = chained_verify_step(cfg, impl)
         state = (cache, jnp.ones((batch, 1), jnp.int32))
-        decode_ms, state, prof = _per_step_ms(verify_step, state, reps, params, n, profile=not mesh,
-                                              by_source=FLAGS.decode_only)
-        report.add(part="A", what="decode", batch=batch, ms=decode_ms, floor_ms=floor_ms,
+        decode_ms, call_ms, state, prof = _per_step_ms(verify_step, state, reps, params, n, profile=not mesh,
+                                                       by_source=FLAGS.decode_only)
+        report.add(part="A", what="decode", batch=batch, ms=decode_ms, ms_whole_call=call_ms, floor_ms=floor_ms,
                    ratio_to_floor=decode_ms / floor_ms, **prof)
         if FLAGS.loop_tokens and not mesh:
-            loop_ms, loop_prof = greedy_loop_ms(cfg, params, batch, context, FLAGS.loop_tokens, reps,
-                                                profile=FLAGS.loop_profile, by_source=FLAGS.decode_only)
-            report.add(part="A", what="plain greedy loop", batch=batch, ms=loop_ms, floor_ms=floor_ms,
-                       ratio_to_floor=loop_ms / floor_ms, ratio_to_decode=loop_ms / decode_ms, **loop_prof)
+            loop_ms, call_ms, loop_prof = greedy_loop_ms(cfg, params, batch, context, FLAGS.loop_tokens, reps,
+                                                         profile=FLAGS.loop_profile, by_source=FLAGS.decode_only)
+            report.add(part="A", what="plain greedy loop", batch=batch, ms=loop_ms, ms_whole_call=call_ms,
+                       floor_ms=floor_ms, ratio_to_floor=loop_ms / floor_ms, ratio_to_decode=loop_ms / decode_ms,
+                       **loop_prof)
         if FLAGS.decode_only:
             continue
         for k in (2, 4, 8):
             state = (state[0], jnp.ones((batch, k), jnp.int32))
-            ms, state, prof = _per_step_ms(verify_step, state, reps, params, n, profile=True)
-            report.add(part="A", what=f"verify K={k}", batch=batch, ms=ms, ratio_to_decode=ms / decode_ms, **prof)
+            ms, call_ms, state, prof = _per_step_ms(verify_step, state, reps, params, n, profile=True)
+            report.add(part="A", what=f"verify K={k}", batch=batch, ms=ms, ms_whole_call=call_ms,
+                       ratio_to_decode=ms / decode_ms, **prof)
         del state
         dcache = random_cache(cfg, batch, context, 16, dtype, jax.random.key(3))
         dc = DrafterCache.create(cfg, batch, dcache.kv.num_pages, 16, dcache.block_tables.shape[1], dtype).replace(
@@ -371,8 +415,9 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
             d, logits, h = draft_step(cfg, p, d, tok, h, d.last_pair_key, jnp.ones((batch,), bool), impl)
             return d.replace(rows=d.rows - 1), jnp.argmax(logits, -1).astype(jnp.int32), h.astype(dtype)
 
-        ms, pstate, prof = _per_step_ms(propose, (dc, one, hidden), reps, params, n, profile=True)
-        report.add(part="A", what="propose (1 draft)", batch=batch, ms=ms, ratio_to_decode=ms / decode_ms, **prof)
+        ms, call_ms, pstate, prof = _per_step_ms(propose, (dc, one, hidden), reps, params, n, profile=True)
+        report.add(part="A", what="propose (1 draft)", batch=batch, ms=ms, ms_whole_call=call_ms,
+                   ratio_to_decode=ms / decode_ms, **prof)
         del pstate, dc
 
 
@@ -440,7 +485,8 @@ def _markdown(data) -> str:
                 ratio += f"; {r['ratio_to_decode']:.3f}x the decode step"
             if "kernel_sum_ms" in r:
                 ratio += f"; {r['kernels']} kernels, {r['kernel_sum_ms']:.3f} ms of kernel time"
-            lines.append(f"| A | {r['what']} | {r['batch']} | {r['ms']:.3f} ms | {ratio} |")
+            whole = f" ({r['ms_whole_call']:.3f} with the call's own cost)" if "ms_whole_call" in r else ""
+            lines.append(f"| A | {r['what']} | {r['batch']} | {r['ms']:.3f} ms{whole} | {ratio} |")
         else:
             acc = f", mean acc. len {r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else ""
             same = (f", identical at the verify's width={r['identical_to_plain_same_width']}"
