@@ -10,10 +10,19 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+ENV = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+
+
 def _run(*args, timeout=600):
     cmd = [sys.executable, "experiments/bench_decode.py", *args]
-    return subprocess.run(cmd, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
-                                              "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def _check_in_subprocess(code: str):
+    """Run ``code`` (which imports bench_decode's internals and prints "checked") in its own process."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "checked" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_small_run_reports_every_row_and_is_lossless(tmp_path):
@@ -61,6 +70,20 @@ for n in (3, 48):
         assert prof["kernels"] == 3.0 and "profile_error" not in prof, prof
 print("checked")
 """
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
-    assert proc.returncode == 0 and "checked" in proc.stdout, proc.stderr[-3000:]
+    _check_in_subprocess(code)
+
+
+def test_a_step_is_the_slope_between_two_calls():
+    """A call's own cost (dispatch, sync, CUDA-graph updates) cancels; the shorter call's per-step
+    time keeps it. Calls of 16 and 64 steps at 1 ms a step plus 1.7 ms a call, with jitter."""
+    code = """
+import itertools
+from experiments import bench_decode
+jitter = itertools.cycle([0.0, 2e-5, -1e-5])
+calls = {n: (lambda n=n: n * 1e-3 + 1.7e-3 + next(jitter)) for n in (64, 16)}
+ms, whole = bench_decode._per_step_slope(calls, reps=9)
+assert abs(ms - 1.0) < 1e-3, ms
+assert abs(whole - (1.0 + 1.7 / 16)) < 2e-3, whole
+print("checked")
+"""
+    _check_in_subprocess(code)
