@@ -352,8 +352,8 @@ def greedy_loop_ms(cfg: ModelConfig, params, batch: int, context: int, new_token
     ms, ms_call = _per_step_slope(calls, reps)
     prof = {}
     if profile:
-        call = prepare_decode(cfg, params, prompts, specs[new_tokens], speculative=False)
-        prof, _ = _kernel_profile(call.loop, call.args, new_tokens, by_source=by_source)
+        decode = prepare_decode(cfg, params, prompts, specs[new_tokens], speculative=False)
+        prof, _ = _kernel_profile(decode.loop, decode.args, new_tokens, by_source=by_source)
     return ms, ms_call, prof
 
 
