@@ -124,6 +124,10 @@ def _per_step_slope(calls, reps):
         for n, call in calls.items():
             times[n].append(call())
     (n1, t1), (n2, t2) = sorted((n, float(np.median(ts))) for n, ts in times.items())
+    if t2 <= t1:
+        raise RuntimeError(f"a call of {n2} steps ran no slower than one of {n1} ({1e3 * t2:.3f} vs "
+                           f"{1e3 * t1:.3f} ms): the timing noise exceeds the steps' own time; raise --reps "
+                           "or --steps_per_call")
     return 1e3 * (t2 - t1) / (n2 - n1), 1e3 * t1 / n1
 
 

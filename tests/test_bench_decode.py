@@ -26,8 +26,10 @@ def _check_in_subprocess(code: str):
 
 
 def test_small_run_reports_every_row_and_is_lossless(tmp_path):
-    proc = _run("--small", "--parts", "A,B", "--batches", "1", "--spec_ks", "2", "--reps", "1",
-                "--loop_profile", f"--out_dir={tmp_path}")
+    # Part A times a step as the slope between calls of 128 and 512 steps (`_per_step_slope`): on
+    # this model and a CPU a step is ~0.05 ms, so the calls must differ by more than their jitter.
+    proc = _run("--small", "--parts", "A,B", "--batches", "1", "--spec_ks", "2", "--reps", "3",
+                "--steps_per_call", "128", "--loop_profile", f"--out_dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     by_what = {(r["part"], r["what"]): r for r in rows}
@@ -84,6 +86,12 @@ calls = {n: (lambda n=n: n * 1e-3 + 1.7e-3 + next(jitter)) for n in (64, 16)}
 ms, whole = bench_decode._per_step_slope(calls, reps=9)
 assert abs(ms - 1.0) < 1e-3, ms
 assert abs(whole - (1.0 + 1.7 / 16)) < 2e-3, whole
+flat = {16: lambda: 0.02, 64: lambda: 0.02}  # noise as large as the steps: no time to report
+try:
+    bench_decode._per_step_slope(flat, reps=3)
+    raise AssertionError("a slope of zero was reported")
+except RuntimeError as e:
+    assert "no slower" in str(e), e
 print("checked")
 """
     _check_in_subprocess(code)
