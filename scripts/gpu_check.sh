@@ -19,7 +19,7 @@ tests=(tests/test_kernels_in_model.py tests/test_pallas_gdn_step.py tests/test_p
        tests/test_pallas_fc_gemm.py tests/test_pallas_add_rms_norm.py
        tests/test_pallas_paged_attention.py::test_triton_form_matches_reference
        tests/test_pallas_paged_attention.py::test_merge_kernel_matches_its_reference)
-if [[ -n "${SMALL:-}" ]]; then small=(--small); reps=2; kernel=interpret; batches=1; tests=(tests/test_pallas_conv_step.py); fi
+if [[ -n "${SMALL:-}" ]]; then small=(--small --steps_per_call=128); reps=2; kernel=interpret; batches=1; tests=(tests/test_pallas_conv_step.py); fi
 ngpu=$($PY -c "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))")
 mkdir -p "$OUT"
 summary=()
