@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# One call's worth of GPU checks: the kernels compile and pass the model's tests, then each kernel
-# that `auto` leaves on its reference (`backend.OPT_IN`) off and on, interleaved twice
-# (`experiments/ab_decode.py`): in the decode step (1.38B model, part A) and in the real decode
-# loops (the default model, part B: plain and speculative K = 2, batch 1); and tensor parallelism
-# when the machine has two GPUs. (The loops'
-# CUDA-graph options, measured in sessions 4-5: `MTP_DECODE_LOOP_GRAPH=0` turns them off.) Each part
-# writes under $OUT/<part>/; a summary table ends the output. For the lent H200 (nothing installed,
-# run from the repository root):
+# The GPU checks, in three parts: `tests` (the kernels compile and pass their own and the model's
+# tests), `ab` (each kernel that `auto` leaves on its reference, `backend.OPT_IN`, off and on,
+# interleaved twice by `experiments/ab_decode.py`: in the decode step, 1.38B model, part A, and in the
+# real decode loops, the default model, part B: plain and speculative K = 2, batch 1) and `tp` (tensor
+# parallelism, when the machine has two GPUs). (The loops' CUDA-graph options, measured in sessions
+# 4-5: `MTP_DECODE_LOOP_GRAPH=0` turns them off.) Each part writes under $OUT/<part>/; a summary table
+# ends the output. On one H200 the tests took 7 minutes (session 17) and the A/B about 5, more than one
+# 10-minute device call, so run them as two (nothing installed there, from the repository root):
 #
-#     PYTHONPATH=. bash scripts/gpu_check.sh            # about 9 minutes on one H200
+#     PYTHONPATH=. PARTS=tests bash scripts/gpu_check.sh
+#     PYTHONPATH=. PARTS=ab,tp bash scripts/gpu_check.sh
 #     SMALL=1 OUT=/tmp/gpu_check bash scripts/gpu_check.sh   # tiny shapes: checks the script on a CPU
 set -uo pipefail
 OUT=${OUT:?set OUT to an output directory}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
+PARTS=,${PARTS:-tests,ab,tp},
+for part in ${PARTS//,/ }; do
+  [[ $part == @(tests|ab|tp) ]] || { echo "PARTS: unknown part '$part' (tests, ab, tp)" >&2; exit 2; }
+done
+want() { [[ $PARTS == *,$1,* ]]; }
 small=(); reps=7; kernel=pallas; batches=1,8
 tests=(tests/test_kernels_in_model.py tests/test_pallas_gdn_step.py tests/test_pallas_conv_step.py tests/test_pallas_attn_prologue.py
        tests/test_pallas_fc_gemm.py tests/test_pallas_add_rms_norm.py
@@ -38,15 +44,15 @@ print("; ".join(f"B={r['batch']} {r['ms']:.3f} ms ({r['ratio_to_floor']:.2f}x fl
 EOF
 }
 
-run tests $PY -m pytest -p no:cacheprovider "${tests[@]}"
-for op in $($PY -c "from mtp.pallas.backend import OPT_IN; print(*OPT_IN)"); do
+want tests && run tests $PY -m pytest -p no:cacheprovider "${tests[@]}"
+want ab && for op in $($PY -c "from mtp.pallas.backend import OPT_IN; print(*OPT_IN)"); do
   run "ab_$op" $PY experiments/ab_decode.py --rounds 2 --out_dir "$OUT/ab_$op" \
       --old_env "MTP_KERNELS=$op=reference" --new_env "MTP_KERNELS=$op=$kernel" \
       --bench="${small[*]} --parts A --batches $batches --decode_only --reps $reps" \
       --bench="${small[*]} --parts B --batches 1 --spec_ks 2 --reps $reps"
   summary+=("$(cat "$OUT/ab_$op/ab.md" 2>/dev/null)")
 done
-if (( ngpu >= 2 )); then
+if want tp && (( ngpu >= 2 )); then
   for tp in 1 2; do
     run "tp$tp" env MTP_KERNELS=reference $PY experiments/bench_decode.py --parts A --batches 1,8 \
         --decode_only --reps $reps --tp $tp --out_dir "$OUT/tp$tp"
