@@ -75,6 +75,10 @@ BIG = dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hid
            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
            linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=0, tie_word_embeddings=True,
            num_nextn_predict_layers=1, max_position_embeddings=32768)
+# ``--small``: the same architecture at toy sizes, for checking the script on a CPU.
+SMALL = dict(BIG, vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
+             intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+             linear_value_head_dim=16)
 
 
 class Report:
@@ -512,12 +516,7 @@ def main(argv):
     if jax.default_backend() == "gpu":
         cupti.start()  # before any loop's CUDA graph exists, or its profile would miss the graph's kernels
     if "A" in FLAGS.parts:
-        raw = dict(BIG)
-        if FLAGS.small:
-            raw.update(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
-                       intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4,
-                       linear_key_head_dim=16, linear_value_head_dim=16)
-        cfg = ModelConfig.from_hf(raw)
+        cfg = ModelConfig.from_hf(SMALL if FLAGS.small else BIG)
         bw = copy_bandwidth((1 << 30) if not FLAGS.small else (1 << 22))
         _guarded(report, "A", part_a, report, cfg, FLAGS.context if not FLAGS.small else 64, FLAGS.reps, bw)
     if "B" in FLAGS.parts:

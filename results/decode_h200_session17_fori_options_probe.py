@@ -3,17 +3,13 @@ options, with WHILE/CONDITIONAL command buffers, and with those plus CONCURRENT 
 import sys, time
 import jax, jax.numpy as jnp
 from experiments import cupti
-from experiments.bench_decode import BIG, chained_verify_step, random_cache, _per_step_slope
+from experiments.bench_decode import BIG, SMALL, chained_verify_step, random_cache, _per_step_slope
 from mtp.config import ModelConfig
 from mtp.model.params import init_params
 from mtp.pallas import backend
 
 small = len(sys.argv) > 1 and sys.argv[1] == "small"
-raw = dict(BIG)
-if small:
-    raw.update(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
-               intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4,
-               linear_key_head_dim=16, linear_value_head_dim=16)
+raw = SMALL if small else BIG
 cfg = ModelConfig.from_hf(raw)
 params = init_params(cfg, jax.random.key(1), jnp.bfloat16)
 step = chained_verify_step(cfg, "auto")

@@ -1,19 +1,17 @@
 """Probe: why part A's proxy step (a fori_loop of chained steps) runs slower than the greedy loop's step.
-Variants of the same fori_loop, interleaved: its trip count, unroll=2, and the decode loops' compiler options."""
+Variants of the same fori_loop, interleaved: its trip count, unroll=2, and the decode loops' compiler options.
+(Run in session 17 on 1dfead6, where `greedy_loop_ms` timed one 64-token call whole: the 1.031 ms recorded
+is that figure; with today's bench_decode it prints the slope and the whole-call figure.)"""
 import statistics, sys, time
 import jax, jax.numpy as jnp
 from experiments import cupti
-from experiments.bench_decode import BIG, chained_verify_step, random_cache, _kernel_profile
+from experiments.bench_decode import BIG, SMALL, chained_verify_step, random_cache, _kernel_profile
 from mtp.config import ModelConfig
 from mtp.model.params import init_params
 from mtp.pallas import backend
 
 small = len(sys.argv) > 1 and sys.argv[1] == "small"
-raw = dict(BIG)
-if small:
-    raw.update(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
-               intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4,
-               linear_key_head_dim=16, linear_value_head_dim=16)
+raw = SMALL if small else BIG
 if jax.default_backend() == "gpu":
     cupti.start()
 cfg = ModelConfig.from_hf(raw)
@@ -51,6 +49,6 @@ for name, (fn, n) in variants.items():
           f"{prof.get('profile_error', '')[:80]}", flush=True)
 from experiments.bench_decode import greedy_loop_ms
 del state
-loop_ms, prof = greedy_loop_ms(cfg, params, 1, 64 if small else 2048, 64, 5, profile=not small)
-print(f"greedy loop: {loop_ms:.4f} ms a token; kernels {prof.get('kernels')}, kernel time "
+loop_ms, loop_whole_ms, prof = greedy_loop_ms(cfg, params, 1, 64 if small else 2048, 64, 5, profile=not small)
+print(f"greedy loop: {loop_ms:.4f} ms a token by slope ({loop_whole_ms:.4f} whole, 64 tokens); kernels {prof.get('kernels')}, kernel time "
       f"{prof.get('kernel_sum_ms', float('nan')):.4f} ms a token", flush=True)
