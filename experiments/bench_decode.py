@@ -113,9 +113,10 @@ def _median_ms(fn, state, reps, *args):
     return 1e3 * float(np.median(times)), state
 
 
-def _per_step_slope(calls, reps):
+def _per_step_slope(calls, reps, warmup=1):
     """``(ms a step, ms a step of the shorter call whole)`` from ``{steps: call}``, two calls that
-    run different numbers of steps; ``call()`` runs once and returns its wall seconds.
+    run different numbers of steps; ``call()`` runs once and returns its wall seconds. Each
+    call first runs ``warmup`` times untimed (its compile among them).
 
     A call also costs something once: the host's dispatch and sync and, on a GPU, XLA's update of
     the call's CUDA graphs for its buffers, which move between calls (they are donated). For
@@ -123,6 +124,9 @@ def _per_step_slope(calls, reps):
     session 17). The slope between the two calls' medians, timed interleaved, drops it: what a
     step costs inside a loop that runs on, as a decode does.
     """
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
     times = {n: [] for n in calls}
     for _ in range(reps):
         for n, call in calls.items():
@@ -153,10 +157,7 @@ def _per_step_ms(step, state, reps, params, steps_per_call, profile=False, by_so
             return time.perf_counter() - t
         return call
 
-    calls = {n: timed(fn) for n, fn in loops.items()}
-    for call in calls.values():  # compiles, then a warm call
-        call(), call()
-    ms, ms_call = _per_step_slope(calls, reps)
+    ms, ms_call = _per_step_slope({n: timed(fn) for n, fn in loops.items()}, reps, warmup=2)
     prof = {}
     if profile:
         prof, after = _kernel_profile(loops[steps_per_call], (box[0], params), steps_per_call, by_source=by_source)
@@ -252,8 +253,6 @@ def _kernel_profile(fn, args, steps, top=8, by_source=False):
         timings = cupti.kernel_timings(call, args)
     except Exception as e:  # noqa: BLE001 - a profile is optional; say why it is missing
         return {"profile_error": f"{type(e).__name__}: {e}"[:300]}, (after[-1] if after else None)
-    if not timings:
-        return {}, after[-1]
     if len(timings) < steps:
         return {"profile_error": f"CUPTI saw {len(timings)} kernels for {steps} steps: a CUDA graph built "
                                  "before the first CUPTI session is not traced (cupti.start)"}, after[-1]
@@ -354,10 +353,7 @@ def greedy_loop_ms(cfg: ModelConfig, params, batch: int, context: int, new_token
             return r.decode_s
         return call
 
-    calls = {n: timed(n) for n in specs}
-    for call in calls.values():  # compiles
-        call()
-    ms, ms_call = _per_step_slope(calls, reps)
+    ms, ms_call = _per_step_slope({n: timed(n) for n in specs}, reps)
     prof = {}
     if profile:
         decode = prepare_decode(cfg, params, prompts, specs[new_tokens], speculative=False)
@@ -513,9 +509,9 @@ def _markdown(data) -> str:
 def main(argv):
     del argv
     report = Report(pathlib.Path(FLAGS.out_dir))
-    if jax.default_backend() == "gpu":
-        cupti.start()  # before any loop's CUDA graph exists, or its profile would miss the graph's kernels
-    if "A" in FLAGS.parts:
+    if "A" in FLAGS.parts:  # the part that profiles
+        if jax.default_backend() == "gpu":
+            cupti.start()  # before any loop's CUDA graph exists, or its profile would miss the graph's kernels
         cfg = ModelConfig.from_hf(SMALL if FLAGS.small else BIG)
         bw = copy_bandwidth((1 << 30) if not FLAGS.small else (1 << 22))
         _guarded(report, "A", part_a, report, cfg, FLAGS.context if not FLAGS.small else 64, FLAGS.reps, bw)
