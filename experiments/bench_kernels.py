@@ -201,7 +201,8 @@ def fc_variants(m, h):
     if m >= 2048:
         v = {"two_acc_64x2_s5": dict(acc="two"), "sumsq_c128_s3": dict(sumsq=(128, None, 3)),
              "sumsq_c128_8_splits": dict(sumsq=(128, 8, 2)),
-             "sumsq_c256_8_splits": dict(sumsq=(256, 8, 2)), "sumsq_1_split": dict(sumsq=(256, 1, 2))}
+             "sumsq_c256_8_splits": dict(sumsq=(256, 8, 2)), "sumsq_1_split": dict(sumsq=(256, 1, 2)),
+             "stacked_64x256": dict(split="m"), "stacked_64x256_s3": dict(split="m", stages=3)}
         if m == 12288 and h == 4096:
             v.update({"rescale_s3": dict(stages=3), "rescale_n64_s6": dict(tile_n=64, stages=6)})
         return v

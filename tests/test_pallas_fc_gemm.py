@@ -118,6 +118,21 @@ def test_warp_specialised_path_matches_reference(m, h, kw):
     _check_against_reference(_kernel(args, **kw), args)
 
 
+@pytest.mark.parametrize("split", ["m", "n"])
+def test_warp_specialised_consumer_splits(split):
+    """The consumers' tiles stacked or side by side; compiled with one rescaled accumulator on a
+    GPU (the model's form), interpreted with two elsewhere. At 64 x 256 per consumer the
+    epilogue stores in 32-row chunks (the stage ring leaves no room for 64)."""
+    m, h = 264, 512
+    args = _inputs(m + len(split), m, h)
+    if not ON_GPU:
+        _check_against_reference(_kernel(args, split=split, num_programs=3), args)
+        return
+    w_f = fold_fc_weight(*args[2:])
+    out = fc_gemm_folded(args[0], args[1], w_f, eps=1e-6, acc="rescale", split=split)
+    _check_against_reference(out, args)
+
+
 @pytest.mark.parametrize("m,h,splits,tile_c", [(72, 256, 1, 128), (200, 256, 4, 64)])
 def test_row_sumsq_kernel(m, h, splits, tile_c):
     """Each split's share of the row sums of squares; rows past M (to m_pad) sum to 0."""
@@ -186,6 +201,9 @@ def test_bad_inputs_raise():
         fc_gemm_folded(e3, h3, wf, eps=1e-6)
     with pytest.raises(ValueError, match="k_splits=3"):
         fc_gemm_folded(e, h, wf, eps=1e-6, k_splits=3)
+    with pytest.raises(ValueError, match="split='k'"):
+        fc_gemm_folded(jnp.concatenate([e] * 20), jnp.concatenate([h] * 20), wf, eps=1e-6,
+                       split="k")
     with pytest.raises(ValueError, match="acc='one'"):
         fc_gemm_folded(jnp.concatenate([e] * 20), jnp.concatenate([h] * 20), wf, eps=1e-6,
                        acc="one")
@@ -248,9 +266,11 @@ def test_plans():
     assert fcmod._plan_small(8, 4096, 132) == (256, 8, 3)  # the measured bucket
     assert fcmod._plan_small(8, 4096, 132, stages=4) == (128, 4, 4)  # an explicit plan is kept
     assert fcmod._plan_small(8, 2048, 132)[1] == 8
-    wm, tn, st, npg = fcmod._plan_large(12288, 4096, 132)
-    assert (wm, tn) == (64, 128) and npg == 132
-    assert fcmod._plan_large(12288, 4096, 132, acc="rescale")[:3] == (128, 128, 4)
+    wm, tn, st, npg, split = fcmod._plan_large(12288, 4096, 132)
+    assert (wm, tn, split) == (64, 128, "m") and npg == 132
+    assert fcmod._plan_large(12288, 4096, 132, acc="rescale") == (128, 128, 4, 132, "n")
+    assert fcmod._plan_large(12288, 4096, 132, acc="rescale", split="m")[:2] == (64, 256)
+    assert fcmod._plan_large(2048, 2048, 132, acc="rescale", split="m")[3] == 128  # 16 x 8 tiles
     assert fcmod._plan_large(130, 128, 132)[3] == 2
 
 

@@ -461,13 +461,22 @@ def _row_sumsq(embed, hidden, *, m_pad, tile_c, splits, stages):
 
 
 def _plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=None,
-                num_programs=None, acc="two"):
-    """(wg_m, tile_n, stages, programs): each consumer warpgroup owns a wg_m x tile_n tile."""
+                num_programs=None, acc="two", split=None):
+    """(wg_m, tile_n, stages, programs, split): each consumer warpgroup owns a wg_m x tile_n tile.
+
+    ``split``: how the two consumers share the CTA tile, ``"n"`` (side by side, CTA
+    ``wg_m x 2 tile_n``) or ``"m"`` (stacked, CTA ``2 wg_m x tile_n``, both reading the
+    whole B tile). Defaults: ``acc="two"`` 64x128 stacked (two accumulators fit only
+    that small), ``acc="rescale"`` 128x128 side by side.
+    """
     if acc not in ("two", "rescale"):
         raise ValueError(f"acc={acc!r}: choose 'two' or 'rescale'")
-    wg_m = wg_m or (64 if acc == "two" else 128)
-    tile_n = tile_n or 128
-    cta_m, cta_n = (2 * wg_m, tile_n) if acc == "two" else (wg_m, 2 * tile_n)
+    split = split or ("m" if acc == "two" else "n")
+    if split not in ("m", "n"):
+        raise ValueError(f"split={split!r}: choose 'm' or 'n'")
+    wg_m = wg_m or (128 if (acc, split) == ("rescale", "n") else 64)
+    tile_n = tile_n or (256 if (acc, split) == ("rescale", "m") else 128)
+    cta_m, cta_n = (2 * wg_m, tile_n) if split == "m" else (wg_m, 2 * tile_n)
     while h % cta_n:
         tile_n //= 2
         cta_n //= 2
@@ -476,19 +485,19 @@ def _plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=Non
     stages = stages or (5 if acc == "two" else 4)
     tiles = (-(-m // cta_m)) * (h // cta_n)
     num_programs = min(num_programs or num_sms, tiles)
-    return wg_m, tile_n, stages, num_programs
+    return wg_m, tile_n, stages, num_programs, split
 
 
-def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs, acc, eps,
-             tile_k=64, epi_m=64):
+def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs, acc, split,
+             eps, tile_k=64):
     """bf16 [M, H] = r_e * (embed @ W_f[:, :H].T) + r_h * (hidden @ W_f[:, H:].T).
 
     Persistent and warp-specialised: warpgroup 2 is the TMA producer, warpgroups 0 and 1
-    consume. ``acc="two"``: each consumer keeps two f32 accumulators (embed half, hidden
-    half) for a ``wg_m x tile_n`` tile, the CTA tile is ``2 wg_m x tile_n``.
-    ``acc="rescale"``: one accumulator, multiplied by
-    ``r_e / r_h`` at the half boundary and by ``r_h`` at the end, so a consumer can own a
-    larger tile (CTA ``wg_m x 2 tile_n``). Pallas' GPU interpreter cannot store to an
+    consume, each a ``wg_m x tile_n`` tile (``split``: see ``_plan_large``). ``acc="two"``:
+    each consumer keeps two f32 accumulators (embed half, hidden half). ``acc="rescale"``:
+    one accumulator, multiplied by ``r_e / r_h`` at the half boundary and by ``r_h`` at the
+    end, so a consumer can own a larger tile. The epilogue stores a consumer's tile
+    through shared memory in chunks of up to 64 rows, as wide as the stage ring leaves room for. Pallas' GPU interpreter cannot store to an
     accumulator, so only ``"two"`` runs in CPU tests. The row scales come from
     ``ss_parts`` = ``_row_sumsq(...)``: each consumer sums the splits of its rows and takes
     ``r = rsqrt(ss / H + eps)`` when a tile starts (the ratio must be known at the half
@@ -496,7 +505,7 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
     """
     m, h = embed.shape
     dtype = embed.dtype
-    split_m = acc == "two"
+    split_m = split == "m"
     cta_m, cta_n = (2 * wg_m, tile_n) if split_m else (wg_m, 2 * tile_n)
     m_tiles = -(-m // cta_m)
     n_tiles = h // cta_n
@@ -505,13 +514,17 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
     splits = ss_parts.shape[0]
     if ss_parts.shape[1:] != (2, m_tiles * cta_m):
         raise ValueError(f"ss_parts must be [splits, 2, {m_tiles * cta_m}]; got {ss_parts.shape}")
-    epi_m = min(epi_m, wg_m)
+    ring = stages * (cta_m + cta_n) * tile_k * 2
+    # A WGMMA-layout tile splits into 64-row blocks only; columns split down to 64.
+    epi_m, epi_n = min(64, wg_m), tile_n
+    while epi_n > 64 and ring + 2 * epi_m * epi_n * 2 > _SMEM_LIMIT:
+        epi_n //= 2
+    smem = ring + 2 * epi_m * epi_n * 2
     in_tr = swizzle_transforms(tile_k, dtype)
-    out_tr = swizzle_transforms(tile_n, dtype)
-    smem = stages * (cta_m + cta_n) * tile_k * 2 + 2 * epi_m * tile_n * 2
+    out_tr = swizzle_transforms(epi_n, dtype)
     if smem > _SMEM_LIMIT:
         raise ValueError(f"warp-specialised fc kernel needs {smem} bytes of shared memory "
-                         f"(wg_m={wg_m}, tile_n={tile_n}, stages={stages}, acc={acc}); "
+                         f"(wg_m={wg_m}, tile_n={tile_n}, stages={stages}, acc={acc}, split={split}); "
                          f"the limit is {_SMEM_LIMIT}")
 
     def kernel(e_ref, h_ref, w_ref, ss_ref, o_ref, a_smem, b_smem, o_smem, full, empty):
@@ -595,7 +608,7 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
                                                      optimized=False) for p in range(splits)), h, eps)
                             for j in (0, 1))
 
-                if split_m:
+                if acc == "two":
                     def scope(acc_e, acc_h):
                         s = run_half(acc_e, step)
                         s = run_half(acc_h, s)
@@ -613,12 +626,13 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
                     step, out = pl.run_scoped(scope, plgpu.ACC((wg_m, tile_n), jnp.float32))
                 out = out.astype(dtype)
                 for j in range(wg_m // epi_m):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    o_smem[wg] = out[j * epi_m:(j + 1) * epi_m] if wg_m > epi_m else out
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(
-                        o_smem.at[wg],
-                        o_ref.at[pl.ds(row0 + j * epi_m, epi_m), pl.ds(col0, tile_n)])
+                    for c in range(tile_n // epi_n):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        o_smem[wg] = out[j * epi_m:(j + 1) * epi_m, c * epi_n:(c + 1) * epi_n]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            o_smem.at[wg], o_ref.at[pl.ds(row0 + j * epi_m, epi_m),
+                                                    pl.ds(col0 + c * epi_n, epi_n)])
                 return step
 
             lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
@@ -634,7 +648,7 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
         scratch_types=dict(
             a_smem=plgpu.SMEM((stages, cta_m, tile_k), dtype, transforms=in_tr),
             b_smem=plgpu.SMEM((stages, cta_n, tile_k), dtype, transforms=in_tr),
-            o_smem=plgpu.SMEM((2, epi_m, tile_n), dtype, transforms=out_tr),
+            o_smem=plgpu.SMEM((2, epi_m, epi_n), dtype, transforms=out_tr),
             full=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             empty=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         ),
@@ -646,10 +660,10 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "wg_m", "tile_n", "k_splits", "stages",
-                                             "num_programs", "small_m", "acc", "sumsq", "reduce"))
+                                             "num_programs", "small_m", "acc", "split", "sumsq", "reduce"))
 def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_splits=None,
-                   stages=None, num_programs=None, small_m=SMALL_M, acc="rescale", sumsq=None,
-                   reduce="partials"):
+                   stages=None, num_programs=None, small_m=SMALL_M, acc="rescale", split=None,
+                   sumsq=None, reduce="partials"):
     """The kernel path: ``fc_gemm`` given the folded weight ``fold_fc_weight(...)``.
 
     embed, hidden: [M, H]; w_folded: [H, 2H]; all three the same 16-bit dtype. The tile
@@ -658,7 +672,8 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     accumulator per consumer (``acc="rescale"``: 128x256 CTA tiles, measured 13-15%
     faster than ``acc="two"`` on the H200, results/kernels_h200.md run 3). Pallas' GPU
     interpreter cannot store to an accumulator, so interpret mode needs ``acc="two"``
-    (``fc_gemm(impl="interpret")`` passes it). ``sumsq``: ``(tile_c, splits, stages)`` of
+    (``fc_gemm(impl="interpret")`` passes it). ``split``: how the two consumer warpgroups
+    share a CTA tile (``_plan_large``). ``sumsq``: ``(tile_c, splits, stages)`` of
     the row sum-of-squares kernel that runs before the large-M GEMM. ``reduce``: how the
     split-K path sums its splits (``_splitk``): ``"partials"`` in one XLA fusion after the
     kernel, or ``"cluster"`` inside it (GPU only; measured slower, see ``_splitk``).
@@ -671,13 +686,14 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
         tn, ks, st = _plan_small(m, h, num_sms(), tile_n, k_splits, stages)
         return _splitk(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st, eps=eps,
                        reduce=reduce)
-    wm, tn, st, npg = _plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc)
+    wm, tn, st, npg, sm = _plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc,
+                                      split)
     tc, sp, sst = _plan_sumsq(m, h, num_sms(), *(sumsq or ()))
-    cta_m = 2 * wm if acc == "two" else wm
+    cta_m = 2 * wm if sm == "m" else wm
     m_pad = -(-m // cta_m) * cta_m  # rows past M: TMA zero-fill, never stored
     ss_parts = _row_sumsq(embed, hidden, m_pad=m_pad, tile_c=tc, splits=sp, stages=sst)
     return _ws_gemm(embed, hidden, w_folded, ss_parts, wg_m=wm, tile_n=tn, stages=st,
-                    num_programs=npg, acc=acc, eps=eps)
+                    num_programs=npg, acc=acc, split=sm, eps=eps)
 
 
 def _kernel_wins(m: int, h: int) -> bool:
