@@ -176,6 +176,8 @@ def bench_fc(m, h, reps, variants=None):
                      .astype(jnp.bfloat16))
     t_ours, method = _time(ours, our_sets, reps)
     t_dot, _ = _time(dot_fn, xs, reps)
+    if method == "cupti":  # XLA's autotuner picks the dot's kernel per compile: which one it was
+        res["xla_dot_kernels"] = [name for name, _ in cupti.kernel_timings(dot_fn, xs[0])]
     t_ref, _ = _time(ref_fn, ref_sets, reps)
     res.update(t_ours=t_ours, t_xla_dot=t_dot, t_xla_unfused=t_ref, timing=method)
     # Where "ours" spends its time (M > 64): the row sum-of-squares kernel alone, beside
@@ -202,7 +204,7 @@ def fc_variants(m, h):
         v = {"two_acc_64x2_s5": dict(acc="two"), "sumsq_c128_s3": dict(sumsq=(128, None, 3)),
              "sumsq_c128_8_splits": dict(sumsq=(128, 8, 2)),
              "sumsq_c256_8_splits": dict(sumsq=(256, 8, 2)), "sumsq_1_split": dict(sumsq=(256, 1, 2)),
-             "stacked_64x256": dict(split="m"), "stacked_64x256_s3": dict(split="m", stages=3)}
+             "side_by_side_128x128": dict(split="n"), "stacked_64x256_s3": dict(stages=3)}
         if m == 12288 and h == 4096:
             v.update({"rescale_s3": dict(stages=3), "rescale_n64_s6": dict(tile_n=64, stages=6)})
         return v
@@ -540,6 +542,8 @@ def render(results):
                 desc = (f"{_fmt_us(t)} µs ({r['t_xla_dot'] / t:.2f}x XLA dot), rel err {v['rel_err']:.1e}"
                         if isinstance(t, float) else v.get("error", "fail")[:120])
                 var_lines.append(f"* M={r['M']}, H={r['H']}, {k[8:]}: {desc}")
+        if r.get("xla_dot_kernels"):
+            var_lines.append(f"* M={r['M']}, H={r['H']}, XLA dot's kernels: {', '.join(r['xla_dot_kernels'])}")
         for k, what in (("t_row_sumsq_kernel", "the row sum-of-squares kernel alone"),
                         ("t_row_rsqrt_xla", "XLA's row-rsqrt reduction alone (replaced)")):
             if isinstance(r.get(k), float):

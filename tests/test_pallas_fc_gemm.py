@@ -268,8 +268,8 @@ def test_plans():
     assert fcmod._plan_small(8, 2048, 132)[1] == 8
     wm, tn, st, npg, split = fcmod._plan_large(12288, 4096, 132)
     assert (wm, tn, split) == (64, 128, "m") and npg == 132
-    assert fcmod._plan_large(12288, 4096, 132, acc="rescale") == (128, 128, 4, 132, "n")
-    assert fcmod._plan_large(12288, 4096, 132, acc="rescale", split="m")[:2] == (64, 256)
+    assert fcmod._plan_large(12288, 4096, 132, acc="rescale") == (64, 256, 4, 132, "m")
+    assert fcmod._plan_large(12288, 4096, 132, acc="rescale", split="n")[:2] == (128, 128)
     assert fcmod._plan_large(2048, 2048, 132, acc="rescale", split="m")[3] == 128  # 16 x 8 tiles
     assert fcmod._plan_large(130, 128, 132)[3] == 2
 

@@ -36,14 +36,18 @@ Two kernels (Mosaic GPU, Hopper):
 * M > 64 (drafter prefill, compute-bound): a persistent warp-specialised GEMM. Its
   structure follows JAX's ``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``
   (one TMA producer warpgroup and two consumer warpgroups that each own half of a
-  ``tile_m x 2 tile_n`` output tile, 128x128x64 tiles per warpgroup, 4 stages), but the
+  128x256 output tile, 4 stages of 64-wide k steps), but the
   producer loop is written by hand here so that it can take the A tile from ``embed``
   or from ``hidden`` depending on the reduction step (no ``[M, 2H]`` concat, and
   no bubble at the half boundary or between output tiles: the stage ring runs
   across all tiles a program owns). ``w`` stays in its ``[N, K]`` layout: the B tile
   is a ``(2 tile_n, tile_k)`` slab of ``W_f`` used through a transposed view. The
   consumer keeps one wgmma in flight (``wgmma_wait(1)``) and releases a stage as soon
-  as the wgmma that read it has finished.
+  as the wgmma that read it has finished. The consumers' halves are stacked (64x256
+  each, both reading the whole B tile: one 64x256 wgmma reads less shared memory than
+  two 64x128 halves of a 128x128 one); side by side (128x128 each) measured 0.3-0.5%
+  slower at all four benchmark shapes, 128-wide k steps (2 stages) 1.35-1.59x slower
+  (results/kernels_h200.md, run 31).
   Pallas' GPU interpreter cannot store to an accumulator, so in interpret mode (CPU
   tests) the consumers instead keep two f32 accumulators (embed half, hidden half) for a
   64x128 tile each (``acc="two"``, 128x128 CTA tiles; same producer and stage ring);
@@ -466,15 +470,15 @@ def _plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=Non
 
     ``split``: how the two consumers share the CTA tile, ``"n"`` (side by side, CTA
     ``wg_m x 2 tile_n``) or ``"m"`` (stacked, CTA ``2 wg_m x tile_n``, both reading the
-    whole B tile). Defaults: ``acc="two"`` 64x128 stacked (two accumulators fit only
-    that small), ``acc="rescale"`` 128x128 side by side.
+    whole B tile). Defaults: ``acc="two"`` 64x128 (two accumulators fit only that
+    small), ``acc="rescale"`` 64x256; both stacked.
     """
     if acc not in ("two", "rescale"):
         raise ValueError(f"acc={acc!r}: choose 'two' or 'rescale'")
-    split = split or ("m" if acc == "two" else "n")
+    split = split or "m"
     if split not in ("m", "n"):
         raise ValueError(f"split={split!r}: choose 'm' or 'n'")
-    wg_m = wg_m or (128 if (acc, split) == ("rescale", "n") else 64)
+    wg_m = wg_m or (128 if (acc, split) == ("rescale", "n") else 64)  # n: 128x128 each
     tile_n = tile_n or (256 if (acc, split) == ("rescale", "m") else 128)
     cta_m, cta_n = (2 * wg_m, tile_n) if split == "m" else (wg_m, 2 * tile_n)
     while h % cta_n:
