@@ -34,6 +34,7 @@ import functools
 import json
 import math
 import os
+import re
 import statistics
 import time
 import traceback
@@ -176,8 +177,9 @@ def bench_fc(m, h, reps, variants=None):
                      .astype(jnp.bfloat16))
     t_ours, method = _time(ours, our_sets, reps)
     t_dot, _ = _time(dot_fn, xs, reps)
-    if method == "cupti":  # XLA's autotuner picks the dot's kernel per compile: which one it was
-        res["xla_dot_kernels"] = [name for name, _ in cupti.kernel_timings(dot_fn, xs[0])]
+    # XLA's autotuner picks the dot's tiles per compile (kernels_h200.md, runs 18 and 31).
+    res["xla_dot_config"] = re.findall(r'"triton_gemm_config":\{[^}]*\}|custom_call_target="__cublas[\w$]*"',
+                                       dot_fn.lower(*xs[0]).compile().as_text())
     t_ref, _ = _time(ref_fn, ref_sets, reps)
     res.update(t_ours=t_ours, t_xla_dot=t_dot, t_xla_unfused=t_ref, timing=method)
     # Where "ours" spends its time (M > 64): the row sum-of-squares kernel alone, beside
@@ -542,8 +544,8 @@ def render(results):
                 desc = (f"{_fmt_us(t)} µs ({r['t_xla_dot'] / t:.2f}x XLA dot), rel err {v['rel_err']:.1e}"
                         if isinstance(t, float) else v.get("error", "fail")[:120])
                 var_lines.append(f"* M={r['M']}, H={r['H']}, {k[8:]}: {desc}")
-        if r.get("xla_dot_kernels"):
-            var_lines.append(f"* M={r['M']}, H={r['H']}, XLA dot's kernels: {', '.join(r['xla_dot_kernels'])}")
+        if r.get("xla_dot_config"):
+            var_lines.append(f"* M={r['M']}, H={r['H']}, XLA dot's GEMM: {'; '.join(r['xla_dot_config'])}")
         for k, what in (("t_row_sumsq_kernel", "the row sum-of-squares kernel alone"),
                         ("t_row_rsqrt_xla", "XLA's row-rsqrt reduction alone (replaced)")):
             if isinstance(r.get(k), float):
