@@ -121,12 +121,14 @@ def test_warp_specialised_path_matches_reference(m, h, kw):
 @pytest.mark.parametrize("split", ["m", "n"])
 def test_warp_specialised_consumer_splits(split):
     """The consumers' tiles stacked or side by side; compiled with one rescaled accumulator on a
-    GPU (the model's form), interpreted with two elsewhere. At 64 x 256 per consumer the
-    epilogue stores in 32-row chunks (the stage ring leaves no room for 64)."""
+    GPU (the model's form), interpreted with two elsewhere. At 256 columns per consumer and 4
+    stages the epilogue stores 128 columns at a time (the stage ring leaves no room for 256)."""
     m, h = 264, 512
     args = _inputs(m + len(split), m, h)
     if not ON_GPU:
-        _check_against_reference(_kernel(args, split=split, num_programs=3), args)
+        tile_n = 256 if split == "m" else 128
+        _check_against_reference(_kernel(args, split=split, tile_n=tile_n, stages=4, num_programs=3),
+                                 args)
         return
     w_f = fold_fc_weight(*args[2:])
     out = fc_gemm_folded(args[0], args[1], w_f, eps=1e-6, acc="rescale", split=split)

@@ -501,8 +501,9 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
     each consumer keeps two f32 accumulators (embed half, hidden half). ``acc="rescale"``:
     one accumulator, multiplied by ``r_e / r_h`` at the half boundary and by ``r_h`` at the
     end, so a consumer can own a larger tile. The epilogue stores a consumer's tile
-    through shared memory in chunks of up to 64 rows, as wide as the stage ring leaves room for. Pallas' GPU interpreter cannot store to an
-    accumulator, so only ``"two"`` runs in CPU tests. The row scales come from
+    through shared memory in chunks of up to 64 rows, as wide as the stage ring leaves
+    room for. Pallas' GPU interpreter cannot store to an accumulator, so only ``"two"``
+    runs in CPU tests. The row scales come from
     ``ss_parts`` = ``_row_sumsq(...)``: each consumer sums the splits of its rows and takes
     ``r = rsqrt(ss / H + eps)`` when a tile starts (the ratio must be known at the half
     boundary, before the hidden half is read; see the module docstring).
