@@ -273,6 +273,12 @@ def test_plans():
     assert fcmod._plan_large(12288, 4096, 132, acc="rescale") == (64, 256, 4, 132, "m")
     assert fcmod._plan_large(12288, 4096, 132, acc="rescale", split="n")[:2] == (128, 128)
     assert fcmod._plan_large(2048, 2048, 132, acc="rescale", split="m")[3] == 128  # 16 x 8 tiles
+    # A drafter-prefill chunk: narrower tiles (with deeper rings) until they about fill 132 SMs.
+    assert fcmod._plan_large(512, 2048, 132, acc="rescale")[:4] == (64, 64, 6, 128)
+    assert fcmod._plan_large(1024, 2048, 132, acc="rescale")[:4] == (64, 128, 6, 128)
+    assert fcmod._plan_large(512, 4096, 132, acc="rescale")[:4] == (64, 128, 6, 128)
+    assert fcmod._plan_large(1024, 4096, 132, acc="rescale")[:4] == (64, 256, 4, 128)
+    assert fcmod._plan_large(128, 256, 132, acc="rescale")[:2] == (64, 64)  # never below 64 columns
     assert fcmod._plan_large(130, 128, 132)[3] == 2
 
 

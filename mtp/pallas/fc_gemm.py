@@ -479,16 +479,19 @@ def _plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=Non
     if split not in ("m", "n"):
         raise ValueError(f"split={split!r}: choose 'm' or 'n'")
     wg_m = wg_m or (128 if (acc, split) == ("rescale", "n") else 64)  # n: 128x128 each
-    tile_n = tile_n or (256 if (acc, split) == ("rescale", "m") else 128)
+    auto_n = tile_n is None and (acc, split) == ("rescale", "m")
+    tile_n = tile_n or (256 if auto_n else 128)
     cta_m, cta_n = (2 * wg_m, tile_n) if split == "m" else (wg_m, 2 * tile_n)
-    while h % cta_n:
+    m_tiles = -(-m // cta_m)
+    # A drafter-prefill chunk (512-1024 rows) has too few 256-wide tiles to fill the chip:
+    # narrower ones until there are about as many tiles as SMs (run 32).
+    while h % cta_n or (auto_n and tile_n > 64 and m_tiles * (h // cta_n) < 0.9 * num_sms):
         tile_n //= 2
         cta_n //= 2
     if tile_n < 8:
         raise ValueError(f"H={h} must be a multiple of 16")
-    stages = stages or (5 if acc == "two" else 4)
-    tiles = (-(-m // cta_m)) * (h // cta_n)
-    num_programs = min(num_programs or num_sms, tiles)
+    stages = stages or (5 if acc == "two" else 4 if tile_n > 128 else 6)
+    num_programs = min(num_programs or num_sms, m_tiles * (h // cta_n))
     return wg_m, tile_n, stages, num_programs, split
 
 
