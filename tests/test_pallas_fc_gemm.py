@@ -274,15 +274,21 @@ def test_plans():
     assert fcmod._plan_large(12288, 4096, 132, acc="rescale", split="n")[:2] == (128, 128)
     assert fcmod._plan_large(2048, 2048, 132, acc="rescale", split="m")[3] == 128  # 16 x 8 tiles
     # A drafter-prefill chunk: narrower tiles (with deeper rings) until they about fill 132 SMs.
-    assert fcmod._plan_large(512, 2048, 132, acc="rescale")[:4] == (64, 64, 6, 128)
+    assert fcmod._plan_large(512, 2048, 132, acc="rescale")[:4] == (64, 64, 8, 128)
     assert fcmod._plan_large(1024, 2048, 132, acc="rescale")[:4] == (64, 128, 6, 128)
     assert fcmod._plan_large(512, 4096, 132, acc="rescale")[:4] == (64, 128, 6, 128)
     assert fcmod._plan_large(1024, 4096, 132, acc="rescale")[:4] == (64, 256, 4, 128)
     assert fcmod._plan_large(128, 256, 132, acc="rescale")[:2] == (64, 64)  # never below 64 columns
+    assert fcmod._plan_large(2048, 2048, 132, acc="rescale", split="n")[2] == 4  # explicit: as before
+    # The row sums' pre-pass: 8 splits of 128 columns over a chunk's few row blocks, else 4 of 256.
+    assert fcmod._plan_sumsq(512, 2048, 132) == fcmod._plan_sumsq(1024, 4096, 132) == (128, 8, 2)
+    assert fcmod._plan_sumsq(2048, 2048, 132) == (256, 4, 2)
+    assert fcmod._plan_sumsq(512, 2048, 132, splits=2) == (256, 2, 2)  # an explicit plan is kept
     assert fcmod._plan_large(130, 128, 132)[3] == 2
 
 
 def test_auto_rule():
     assert fcmod._kernel_wins(2048, 4096) and fcmod._kernel_wins(12288, 2048)
-    assert not fcmod._kernel_wins(8, 4096) and not fcmod._kernel_wins(512, 4096)
+    assert fcmod._kernel_wins(512, 2048)  # a drafter-prefill chunk at batch 1
+    assert not fcmod._kernel_wins(8, 4096) and not fcmod._kernel_wins(256, 4096)
     assert not fcmod._kernel_wins(2052, 4096)  # not a multiple of 8: the kernel cannot take it

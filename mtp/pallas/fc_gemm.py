@@ -384,19 +384,23 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
 
 
 def _plan_sumsq(m: int, h: int, num_sms: int, tile_c=None, splits=None, stages=None):
-    """(tile_c, splits, stages): about two programs per SM, and at most 4 splits.
+    """(tile_c, splits, stages): about two programs per SM, and at most 4 splits (8 of
+    128 columns where there are 16 row blocks or fewer).
 
     Splits add programs where M is short, but each split is one more partial the GEMM
     loads per tile: 8 or 16 splits measured 3-6% slower end to end than 4 at M = 2048,
-    H = 2048 (results/kernels_h200.md, run 9).
+    H = 2048 (results/kernels_h200.md, run 9; equal in run 32). A drafter-prefill chunk of
+    512-1024 rows has only 8-16 row blocks: 8 splits of 128 columns were 0.7-2% faster
+    there than 4 of 256 (run 32).
     """
-    tile_c = tile_c or 256
+    row_blocks = -(-m // SUMSQ_ROWS)
+    few_rows = row_blocks <= 16 and splits is None
+    tile_c = tile_c or (128 if few_rows else 256)
     while h % tile_c:
         tile_c //= 2
     if splits is None:
         splits = 1
-        row_blocks = -(-m // SUMSQ_ROWS)
-        while (row_blocks * splits < 2 * num_sms and splits < 4
+        while (row_blocks * splits < 2 * num_sms and splits < (8 if few_rows else 4)
                and h % (2 * splits * tile_c) == 0):
             splits *= 2
     if h % (splits * tile_c):
@@ -484,13 +488,14 @@ def _plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=Non
     cta_m, cta_n = (2 * wg_m, tile_n) if split == "m" else (wg_m, 2 * tile_n)
     m_tiles = -(-m // cta_m)
     # A drafter-prefill chunk (512-1024 rows) has too few 256-wide tiles to fill the chip:
-    # narrower ones until there are about as many tiles as SMs (run 32).
+    # narrower ones, with deeper rings, until there are about as many tiles as SMs (run 32:
+    # at 64 columns 8 stages beat 6 and 4; at 128, 6 and 4 were within 3% either way).
     while h % cta_n or (auto_n and tile_n > 64 and m_tiles * (h // cta_n) < 0.9 * num_sms):
         tile_n //= 2
         cta_n //= 2
     if tile_n < 8:
         raise ValueError(f"H={h} must be a multiple of 16")
-    stages = stages or (5 if acc == "two" else 4 if tile_n > 128 else 6)
+    stages = stages or (5 if acc == "two" else {64: 8, 128: 6}.get(tile_n, 4) if auto_n else 4)
     num_programs = min(num_programs or num_sms, m_tiles * (h // cta_n))
     return wg_m, tile_n, stages, num_programs, split
 
@@ -708,15 +713,17 @@ def _kernel_wins(m: int, h: int) -> bool:
     """Where ``impl="auto"`` takes the kernel on a GPU (results/kernels_h200.md).
 
     Measured against XLA's norm + concat + dot: M = 2048 and 12288 at H = 2048 and 4096
-    1.06-1.15x (kernel; runs 9-12, 23-24). At M <= 32 the op alone is 1.13-1.25x with the
+    1.06-1.15x (kernel; runs 9-12, 23-24, 31); M = 512 and 1024 1.03-1.17x (run 32), and a
+    drafter-prefill chunk end to end (``append_rows`` of the 1.38B-shaped model, 512 rows a
+    sequence, batch 1 / 2 / 4) 1.07-1.15x. At M <= 32 the op alone is 1.13-1.25x with the
     L2 cold (runs 23-25) except M = 8, H = 4096 (0.99-1.02x), but in the 1.38B model's
     propose step the kernel was not faster (session 11: 0.302 vs 0.297 ms per draft, one run
-    each; results/decode_h200.md), so small M keeps the reference; M in (32, 2048) was not
-    measured (reference). The kernel needs M to be a multiple of 8 (the model's prefill
-    chunks are multiples of 64).
+    each; results/decode_h200.md), so small M keeps the reference; M in (32, 512), the
+    carry's tail appends, was not measured (reference). The kernel needs M to be a multiple
+    of 8 (the model's prefill chunks are multiples of 64).
     """
     del h
-    return m >= 2048 and m % 8 == 0
+    return m >= 512 and m % 8 == 0
 
 
 def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=None):
