@@ -38,6 +38,7 @@ from absl import app, flags, logging
 
 from experiments import cupti
 from experiments.cli import require_ints
+from experiments.model_shapes import BIG, SMALL
 from mtp import analysis, sharding
 from mtp.cache.state import TargetCache
 from mtp.config import ModelConfig
@@ -68,18 +69,6 @@ flags.DEFINE_bool("loop_profile", False, "Part A: also profile the plain greedy 
 flags.DEFINE_integer("tp", 1, "Part A: tensor-parallel devices (mtp.sharding). With tp > 1 the step runs the "
                      "XLA references (timed that way in session 6, before the kernels ran per shard).", lower_bound=1)
 flags.DEFINE_bool("decode_only", False, "Part A: time the plain decode step only (e.g. to compare XLA_FLAGS).")
-
-BIG = dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, num_hidden_layers=16,
-           full_attention_interval=4, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-           partial_rotary_factor=0.25, rope_theta=10000000.0, intermediate_size=5632,
-           linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-           linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=0, tie_word_embeddings=True,
-           num_nextn_predict_layers=1, max_position_embeddings=32768)
-# ``--small``: the same architecture at toy sizes, for checking the script on a CPU.
-SMALL = dict(BIG, vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
-             intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-             linear_value_head_dim=16)
-
 
 class Report:
     def __init__(self, out: pathlib.Path):

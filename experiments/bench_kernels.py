@@ -11,6 +11,10 @@ among input sets whose total exceeds the L2, and the table says so.
 ops (XLA fusions, Mosaic GPU kernels, Triton kernels, and mixes) timed by wall clock per
 call and by CUPTI per kernel; the difference per op is what the graph adds around each.
 
+``--only prefill`` times the fc op where the model runs it: one drafter-prefill chunk
+(``mtp_head.append_rows``, 512 rows a sequence, batch 1, 2 and 4, the 1.38B-shaped model of
+``bench_decode.py``) with the fc kernel and with XLA's fc.
+
 ``--only gdn`` checks and times the fused Gated DeltaNet decode step against XLA running
 the model's own functions. Besides the kernels, ``--only gemv`` times XLA's own small-row GEMMs on the decode
 model's projection shapes, as is and with the rows zero-padded: the measurement
@@ -23,7 +27,7 @@ product, with the down GEMM after or beside it, and in the FFN layer (which neig
 slower than alone).
 
   PYTHONPATH=. python3 experiments/bench_kernels.py --out_dir $OUT [--quick]
-      [--only fc|pa|gemv|merged|ffn_chain|gemm_context|gdn|chain]
+      [--only fc|prefill|pa|gemv|merged|ffn_chain|gemm_context|gdn|chain]
 
 Writes ``kernels.json`` and ``kernels.md`` under ``--out_dir``.
 """
@@ -46,7 +50,10 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from mtp.config import ModelConfig
 from mtp.model import layers
+from mtp.model.params import init_params
+from mtp.mtp_head import PREFILL_CHUNK, DrafterCache, append_rows, quantize_head
 from mtp.pallas import fc_gemm as fcmod
 from mtp.pallas import gdn_step as gdnmod
 from mtp.pallas import paged_attention as pamod
@@ -54,6 +61,7 @@ from mtp.pallas.backend import num_sms
 
 from experiments import cupti
 from experiments.cli import require_ints
+from experiments.model_shapes import BIG, SMALL
 from experiments.gemm_probe import ffn_program, gate_up_contexts, per_kernel_us
 
 FLAGS = flags.FLAGS
@@ -61,8 +69,8 @@ flags.DEFINE_bool("quick", False, "Correctness plus the goal shapes only.")
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_kernels"), "Where results go.")
 flags.DEFINE_integer("reps", 30, "Timed calls per variant.", lower_bound=1)
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens.", lower_bound=1)
-flags.DEFINE_enum("only", "all", ["all", "fc", "pa", "gemv", "merged", "ffn_chain", "gemm_context", "gdn",
-                                   "chain"],
+flags.DEFINE_enum("only", "all", ["all", "fc", "prefill", "pa", "gemv", "merged", "ffn_chain", "gemm_context",
+                                   "gdn", "chain"],
                   "Which kernels to check and time (gemv, merged, ffn_chain: XLA's few-row GEMMs; see above).")
 flags.DEFINE_list("gemv_rows", ["1"], "Small-row GEMMs: the row counts M to time.")
 flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.", lower_bound=1)
@@ -226,6 +234,49 @@ def fc_variants(m, h):
                   "n256_k16_s3": dict(tile_n=256, k_splits=16, stages=3),
                   "n256_k4_s3": dict(tile_n=256, k_splits=4, stages=3)})
     return v
+
+
+# ------------------------------------------------------------------ drafter prefill (the fc op in use)
+
+
+@functools.cache
+def _prefill_model():
+    """The benchmark model (``model_shapes.BIG``, or ``SMALL`` with --small), random bf16 weights,
+    the fc weight folded as at load."""
+    cfg = ModelConfig.from_hf(SMALL if FLAGS.small else BIG)
+    params = quantize_head(init_params(cfg, jax.random.key(1), jnp.bfloat16), "bf16", fold_fc=True)
+    return cfg, params
+
+
+def bench_prefill(batch, rows, reps, page=16):
+    """One drafter-prefill chunk, ``mtp_head.append_rows``, with the fc kernel and with XLA's fc.
+
+    The fc op where the model runs it: ``rows`` pair keys a sequence (``PREFILL_CHUNK``), so
+    M = batch x rows, followed by the layer's input norm, the k/v projections, k norm, RoPE
+    and the page writes, which both paths share. Two interleaved rounds; the drafter K and V
+    the two paths write must agree to bf16 precision.
+    """
+    cfg, params = _prefill_model()
+    blocks = rows // page + 1
+    dcache = DrafterCache.create(cfg, batch, batch * blocks, page, blocks, jnp.bfloat16)
+    dcache = dcache.replace(block_tables=jnp.arange(batch * blocks, dtype=jnp.int32).reshape(batch, blocks))
+    sets = []
+    for s in range(4):
+        k1, k2 = jax.random.split(jax.random.key(10 + s))
+        tokens = jax.random.randint(k1, (batch, rows), 0, cfg.vocab_size, jnp.int32)
+        hiddens = (2.0 * jax.random.normal(k2, (batch, rows, cfg.hidden_size))).astype(jnp.bfloat16)
+        sets.append((dcache, tokens, hiddens, jnp.zeros((batch,), jnp.int32), jnp.full((batch,), rows, jnp.int32)))
+    # Jitted here without donation, so that every timed call can reuse its cache.
+    fns = {impl: jax.jit(lambda dc, nt, hs, fk, n, impl=impl: append_rows(cfg, params, dc, nt, hs, fk, n,
+                                                                          impl=impl))
+           for impl in ("reference", "pallas")}
+    ref, ker = (fns[impl](*sets[0]).kv for impl in ("reference", "pallas"))
+    res = {"B": batch, "rows": rows, "M": batch * rows,
+           "rel_err_k": _rel_err(ker.k[0], ref.k[0]), "rel_err_v": _rel_err(ker.v[0], ref.v[0])}
+    for rnd in range(2):
+        for impl, key in (("reference", "t_xla_fc"), ("pallas", "t_fc_kernel")):
+            res.setdefault(key, []).append(_time(fns[impl], sets, reps)[0])
+    return res
 
 
 # ------------------------------------------------------------------ small-row GEMMs (decode)
@@ -565,6 +616,14 @@ def render(results):
                 tb(tx), tb(tj) if tj else "-", f"{tj / r['t_ours']:.2f}x" if tj else "-",
                 f"{tx / r['t_ours']:.2f}x" if isinstance(tx, float) else "-"]
 
+    if results.get("prefill"):
+        lines += _table(
+            "drafter prefill chunk (`mtp_head.append_rows`): the fc kernel vs XLA's fc, two rounds",
+            ["B", "rows", "M", "K, V rel err", "XLA fc µs", "fc kernel µs", "kernel / XLA fc (speed)"],
+            results["prefill"], lambda r: [r["B"], r["rows"], r["M"]],
+            lambda r: [f"{r['rel_err_k']:.1e}, {r['rel_err_v']:.1e}",
+                       " / ".join(_fmt_us(t) for t in r["t_xla_fc"]), " / ".join(_fmt_us(t) for t in r["t_fc_kernel"]),
+                       " / ".join(f"{a / b:.2f}x" for a, b in zip(r["t_xla_fc"], r["t_fc_kernel"]))])
     lines += _table("paged attention (TB/s = K+V bytes read / time)",
                     ["B", "ctx", "Q", "Hq,Hkv,D", "rel err", "ours µs", "ours TB/s", "XLA ref TB/s",
                      "JAX Pallas TB/s", "ours / JAX", "ours / XLA"], results["pa"],
@@ -732,7 +791,7 @@ def main(_):
     if FLAGS.only == "chain":
         results["chain"] = _safe(bench_chain, 48, reps)
         save()
-    if FLAGS.only in ("pa", "gemv", "merged", "ffn_chain", "gemm_context", "gdn", "chain"):
+    if FLAGS.only in ("pa", "prefill", "gemv", "merged", "ffn_chain", "gemm_context", "gdn", "chain"):
         fc_shapes = []
     if FLAGS.small and FLAGS.only in ("all", "fc"):
         fc_shapes = [(8, 256), (200, 256)]
@@ -748,6 +807,15 @@ def main(_):
         results["fc"].append(r)
         print(json.dumps(r, default=str), flush=True)
         save()
+    if FLAGS.only in ("all", "prefill"):
+        for batch in (1,) if FLAGS.small else (1, 2, 4):
+            rows = 128 if FLAGS.small else PREFILL_CHUNK
+            logging.info("drafter prefill chunk B=%d x %d rows", batch, rows)
+            r = _safe(bench_prefill, batch, rows, reps)
+            r.update(B=batch, rows=rows, M=batch * rows)
+            results.setdefault("prefill", []).append(r)
+            print(json.dumps(r, default=str), flush=True)
+            save()
     save()
     print(render(results), flush=True)
 

@@ -33,5 +33,12 @@ def test_small_run_checks_and_times_every_row(tmp_path):
         assert isinstance(row["xla_dot_config"], list)  # empty on a CPU: no autotuned GEMM
     assert fc[1]["t_row_sumsq_kernel"] > 0  # the big-M path's pre-pass, timed alone
     assert [r["what"] for r in results["gemv"]] == ["tiny", "tiny"]
+    # The fc op where the model runs it: a drafter-prefill chunk with the kernel and with XLA's fc.
+    (prefill,) = results["prefill"]
+    assert "error" not in prefill, prefill
+    assert (prefill["B"], prefill["M"]) == (1, 128)
+    assert prefill["rel_err_k"] < 1e-2 and prefill["rel_err_v"] < 1e-2
+    assert len(prefill["t_xla_fc"]) == len(prefill["t_fc_kernel"]) == 2  # two interleaved rounds
+    assert min(prefill["t_xla_fc"] + prefill["t_fc_kernel"]) > 0
     report = (tmp_path / "kernels.md").read_text()
-    assert "### fc GEMM" in report and "small-row GEMMs" in report
+    assert "### fc GEMM" in report and "small-row GEMMs" in report and "drafter prefill chunk" in report
