@@ -273,7 +273,7 @@ def bench_prefill(batch, rows, reps, page=16):
     ref, ker = (fns[impl](*sets[0]).kv for impl in ("reference", "pallas"))
     res = {"B": batch, "rows": rows, "M": batch * rows,
            "rel_err_k": _rel_err(ker.k[0], ref.k[0]), "rel_err_v": _rel_err(ker.v[0], ref.v[0])}
-    for rnd in range(2):
+    for _ in range(2):
         for impl, key in (("reference", "t_xla_fc"), ("pallas", "t_fc_kernel")):
             res.setdefault(key, []).append(_time(fns[impl], sets, reps)[0])
     return res
@@ -812,7 +812,8 @@ def main(_):
             rows = 128 if FLAGS.small else PREFILL_CHUNK
             logging.info("drafter prefill chunk B=%d x %d rows", batch, rows)
             r = _safe(bench_prefill, batch, rows, reps)
-            r.update(B=batch, rows=rows, M=batch * rows)
+            if "error" in r:
+                r.update(B=batch, rows=rows, M=batch * rows)
             results.setdefault("prefill", []).append(r)
             print(json.dumps(r, default=str), flush=True)
             save()
