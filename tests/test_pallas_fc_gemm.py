@@ -292,3 +292,4 @@ def test_auto_rule():
     assert fcmod._kernel_wins(512, 2048)  # a drafter-prefill chunk at batch 1
     assert not fcmod._kernel_wins(8, 4096) and not fcmod._kernel_wins(256, 4096)
     assert not fcmod._kernel_wins(2052, 4096)  # not a multiple of 8: the kernel cannot take it
+    assert not fcmod._kernel_wins(2048, 384)  # the shipped default's width: never measured

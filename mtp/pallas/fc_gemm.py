@@ -719,11 +719,12 @@ def _kernel_wins(m: int, h: int) -> bool:
     L2 cold (runs 23-25) except M = 8, H = 4096 (0.99-1.02x), but in the 1.38B model's
     propose step the kernel was not faster (session 11: 0.302 vs 0.297 ms per draft, one run
     each; results/decode_h200.md), so small M keeps the reference; M in (32, 512), the
-    carry's tail appends, was not measured (reference). The kernel needs M to be a multiple
-    of 8 (the model's prefill chunks are multiples of 64).
+    carry's tail appends, was not measured (reference). Every measurement was at H = 2048 or
+    4096; a narrower model (the shipped default, H = 384: 24 tiles at M = 512, 96 at 2048)
+    keeps the reference, unmeasured. The kernel needs M to be a multiple of 8 (the model's
+    prefill chunks are multiples of 64).
     """
-    del h
-    return m >= 512 and m % 8 == 0
+    return m >= 512 and m % 8 == 0 and h >= 2048
 
 
 def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=None):
