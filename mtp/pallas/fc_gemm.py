@@ -468,6 +468,12 @@ def _row_sumsq(embed, hidden, *, m_pad, tile_c, splits, stages):
 # ------------------------------------------------------------------ large M: warp-specialised
 
 
+def _cta_shape(wg_m: int, tile_n: int, split: str) -> tuple[int, int]:
+    """(rows, columns) of a program's output tile: its two consumers' ``wg_m x tile_n`` tiles,
+    stacked (``split="m"``) or side by side (``"n"``)."""
+    return (2 * wg_m, tile_n) if split == "m" else (wg_m, 2 * tile_n)
+
+
 def _plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=None,
                 num_programs=None, acc="two", split=None):
     """(wg_m, tile_n, stages, programs, split): each consumer warpgroup owns a wg_m x tile_n tile.
@@ -485,7 +491,7 @@ def _plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=Non
     wg_m = wg_m or (128 if (acc, split) == ("rescale", "n") else 64)  # n: 128x128 each
     auto_n = tile_n is None and (acc, split) == ("rescale", "m")
     tile_n = tile_n or (256 if auto_n else 128)
-    cta_m, cta_n = (2 * wg_m, tile_n) if split == "m" else (wg_m, 2 * tile_n)
+    cta_m, cta_n = _cta_shape(wg_m, tile_n, split)
     m_tiles = -(-m // cta_m)
     # A drafter-prefill chunk (512-1024 rows) has too few 256-wide tiles to fill the chip:
     # narrower ones, with deeper rings, until there are about as many tiles as SMs (run 32:
@@ -519,7 +525,7 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
     m, h = embed.shape
     dtype = embed.dtype
     split_m = split == "m"
-    cta_m, cta_n = (2 * wg_m, tile_n) if split_m else (wg_m, 2 * tile_n)
+    cta_m, cta_n = _cta_shape(wg_m, tile_n, split)
     m_tiles = -(-m // cta_m)
     n_tiles = h // cta_n
     num_tiles = m_tiles * n_tiles
@@ -702,7 +708,7 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     wm, tn, st, npg, sm = _plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc,
                                       split)
     tc, sp, sst = _plan_sumsq(m, h, num_sms(), *(sumsq or ()))
-    cta_m = 2 * wm if sm == "m" else wm
+    cta_m = _cta_shape(wm, tn, sm)[0]
     m_pad = -(-m // cta_m) * cta_m  # rows past M: TMA zero-fill, never stored
     ss_parts = _row_sumsq(embed, hidden, m_pad=m_pad, tile_c=tc, splits=sp, stages=sst)
     return _ws_gemm(embed, hidden, w_folded, ss_parts, wg_m=wm, tile_n=tn, stages=st,
