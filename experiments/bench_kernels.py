@@ -728,7 +728,7 @@ def main(_):
                     for nq in (1, 4):
                         if (b, ctx, nq, hq, hkv, d) not in pa_shapes:
                             pa_shapes.append((b, ctx, nq, hq, hkv, d))
-        fc_shapes += [(m, h) for h in (2048, 4096) for m in (1, 8, 32, 2048, 12288)
+        fc_shapes += [(m, h) for h in (2048, 4096) for m in (1, 8, 32, 512, 1024, 2048, 12288)
                       if (m, h) not in fc_shapes]
     if not run_pa:
         pa_shapes = []
