@@ -11,9 +11,10 @@ among input sets whose total exceeds the L2, and the table says so.
 ops (XLA fusions, Mosaic GPU kernels, Triton kernels, and mixes) timed by wall clock per
 call and by CUPTI per kernel; the difference per op is what the graph adds around each.
 
-``--only prefill`` times the fc op where the model runs it: one drafter-prefill chunk
-(``mtp_head.append_rows``, 512 rows a sequence, batch 1, 2 and 4, the 1.38B-shaped model of
-``bench_decode.py``) with the fc kernel and with XLA's fc.
+``--only prefill`` times the fc op where the model runs it: one drafter append
+(``mtp_head.append_rows`` on the 1.38B-shaped model of ``bench_decode.py``, batch 1, 2 and 4)
+with the fc kernel and with XLA's fc, at each ``--prefill_rows`` a sequence: a full
+prefill chunk (512) and the smaller buckets a carry's tail append takes (64, 128, 256).
 
 ``--only gdn`` checks and times the fused Gated DeltaNet decode step against XLA running
 the model's own functions. Besides the kernels, ``--only gemv`` times XLA's own small-row GEMMs on the decode
@@ -53,7 +54,7 @@ import numpy as np
 from mtp.config import ModelConfig
 from mtp.model import layers
 from mtp.model.params import init_params
-from mtp.mtp_head import PREFILL_CHUNK, DrafterCache, append_rows, quantize_head
+from mtp.mtp_head import APPEND_BUCKETS, PREFILL_CHUNK, DrafterCache, append_rows, quantize_head
 from mtp.pallas import fc_gemm as fcmod
 from mtp.pallas import gdn_step as gdnmod
 from mtp.pallas import paged_attention as pamod
@@ -78,6 +79,9 @@ flags.DEFINE_integer("gemv_rotate_mb", None, "Small-row GEMMs: rotate the weight
                      "many MB in all, at most 256 copies (default: 4x L2, at most 16); a decode step of the 1.38B "
                      "model streams ~2800 MB between two reads of one weight.", lower_bound=1)
 flags.DEFINE_integer("fc_max_m", None, "fc GEMM: only the rows with M up to this (default: all).", lower_bound=1)
+flags.DEFINE_list("prefill_rows", [str(c) for c in APPEND_BUCKETS],
+                  "Drafter prefill: rows a sequence per append_rows call (a full chunk is "
+                  f"{PREFILL_CHUNK}; a carry's tail append takes the smallest bucket that holds it).")
 flags.DEFINE_list("fc_shapes", None, "fc GEMM: only these M:H rows, e.g. 32:4096,2048:4096 (default: all).")
 flags.DEFINE_list("pa_batches", None, "Paged attention: only these batch sizes (default: all).")
 flags.DEFINE_string("pa_heads", None, "Paged attention: only this (Hq,Hkv,D), e.g. 16,2,256.")
@@ -88,6 +92,7 @@ flags.DEFINE_bool("small", False, "fc and gemv only, tiny shapes (Pallas interpr
 require_ints("gemv_rows", 1, what="row counts")
 require_ints("pa_batches", 1, what="batch sizes")
 require_ints("gdn_warps", 1, 32, what="warps per program")
+require_ints("prefill_rows", 1, PREFILL_CHUNK, what="rows a sequence per drafter append")
 
 L2_BYTES = 50 * 2**20
 ROTATE_BYTES = 4 * L2_BYTES
@@ -728,7 +733,7 @@ def main(_):
                     for nq in (1, 4):
                         if (b, ctx, nq, hq, hkv, d) not in pa_shapes:
                             pa_shapes.append((b, ctx, nq, hq, hkv, d))
-        fc_shapes += [(m, h) for h in (2048, 4096) for m in (1, 8, 32, 512, 1024, 2048, 12288)
+        fc_shapes += [(m, h) for h in (2048, 4096) for m in (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 12288)
                       if (m, h) not in fc_shapes]
     if not run_pa:
         pa_shapes = []
@@ -808,8 +813,8 @@ def main(_):
         print(json.dumps(r, default=str), flush=True)
         save()
     if FLAGS.only in ("all", "prefill"):
-        for batch in (1,) if FLAGS.small else (1, 2, 4):
-            rows = 128 if FLAGS.small else PREFILL_CHUNK
+        cases = [(1, 128)] if FLAGS.small else [(b, int(r)) for r in FLAGS.prefill_rows for b in (1, 2, 4)]
+        for batch, rows in cases:
             logging.info("drafter prefill chunk B=%d x %d rows", batch, rows)
             r = _safe(bench_prefill, batch, rows, reps)
             if "error" in r:

@@ -290,6 +290,9 @@ def test_plans():
 def test_auto_rule():
     assert fcmod._kernel_wins(2048, 4096) and fcmod._kernel_wins(12288, 2048)
     assert fcmod._kernel_wins(512, 2048)  # a drafter-prefill chunk at batch 1
-    assert not fcmod._kernel_wins(8, 4096) and not fcmod._kernel_wins(256, 4096)
-    assert not fcmod._kernel_wins(2052, 4096)  # not a multiple of 8: the kernel cannot take it
+    assert fcmod._kernel_wins(64, 2048) and fcmod._kernel_wins(256, 4096)  # a carry's tail appends
+    assert not fcmod._kernel_wins(32, 4096) and not fcmod._kernel_wins(8, 2048)  # the propose step
     assert not fcmod._kernel_wins(2048, 384)  # the shipped default's width: never measured
+    # Rows the kernel cannot take go to the reference whatever the rule says.
+    x = jax.ShapeDtypeStruct((2052, 4096), jnp.bfloat16)
+    assert "multiple of 8" in fcmod.kernel_unsupported(x, x, jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16))

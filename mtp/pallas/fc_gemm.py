@@ -718,19 +718,22 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
 def _kernel_wins(m: int, h: int) -> bool:
     """Where ``impl="auto"`` takes the kernel on a GPU (results/kernels_h200.md).
 
-    Measured against XLA's norm + concat + dot: M = 2048 and 12288 at H = 2048 and 4096
-    1.06-1.15x (kernel; runs 9-12, 23-24, 31); M = 512 and 1024 1.03-1.17x (run 32), and a
-    drafter-prefill chunk end to end (``append_rows`` of the 1.38B-shaped model, 512 rows a
-    sequence, batch 1 / 2 / 4) 1.07-1.15x. At M <= 32 the op alone is 1.13-1.25x with the
-    L2 cold (runs 23-25) except M = 8, H = 4096 (0.99-1.02x), but in the 1.38B model's
-    propose step the kernel was not faster (session 11: 0.302 vs 0.297 ms per draft, one run
-    each; results/decode_h200.md), so small M keeps the reference; M in (32, 512), the
-    carry's tail appends, was not measured (reference). Every measurement was at H = 2048 or
-    4096; a narrower model (the shipped default, H = 384: 24 tiles at M = 512, 96 at 2048)
-    keeps the reference, unmeasured. The kernel needs M to be a multiple of 8 (the model's
-    prefill chunks are multiples of 64).
+    What decides is the fc op where the model runs it, a drafter append
+    (``append_rows`` of the 1.38B-shaped model, CUPTI kernel time of the whole call, L2
+    evicted): with the kernel it ran 1.10-1.42x faster at every bucket and batch measured,
+    64-512 rows a sequence at batch 1, 2 and 4, M = 64..2048 (run 33; 512 rows at batch 1-4
+    1.08-1.16x in run 32 too). The op alone is not always faster there: against XLA's norm
+    + concat + dot it is 1.24-1.32x at M = 64 (split-K) and from M = 512 (runs 9-12,
+    23-24, 31-32), but 0.87-0.97x at M = 128 and 256 (run 33), where the chunk still ran
+    1.28-1.42x faster: XLA's fc costs more inside the chunk than alone. At M <= 32 the op
+    alone is 1.13-1.25x (runs 23-25) but in the 1.38B model's propose step the kernel was
+    not faster (session 11: 0.302 vs 0.297 ms per draft; results/decode_h200.md), so the
+    propose step keeps the reference. Every measurement was at H = 2048 or 4096; a
+    narrower model (the shipped default, H = 384) keeps the reference, unmeasured. Above
+    64 rows the kernel needs M to be a multiple of 8 (``kernel_unsupported``; appends are
+    multiples of 64).
     """
-    return m >= 512 and m % 8 == 0 and h >= 2048
+    return m >= 64 and h >= 2048
 
 
 def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=None):
