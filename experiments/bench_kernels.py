@@ -223,11 +223,16 @@ def fc_variants(m, h):
         if m == 12288 and h == 4096:
             v.update({"rescale_s3": dict(stages=3), "rescale_n64_s6": dict(tile_n=64, stages=6)})
         return v
-    if m > fcmod.SMALL_M:  # a drafter-prefill chunk (512 rows a sequence): fewer tiles than SMs by default
+    if m > fcmod.SPLITK_MAX_M:  # a drafter-prefill chunk (512 rows a sequence): fewer tiles than SMs by default
         return {"n256": dict(tile_n=256), "n128_s4": dict(tile_n=128, stages=4), "n128_s6": dict(tile_n=128, stages=6),
                 "n64_s4": dict(tile_n=64, stages=4), "n64_s6": dict(tile_n=64, stages=6),
                 "n64_s8": dict(tile_n=64, stages=8), "sumsq_c128_8_splits": dict(sumsq=(128, 8, 2))}
-    # The split-K path (M <= 64): the in-cluster reduction beside the default partials
+    if m > 64:  # a carry's tail append: the split-K stream (its plan and others) beside the GEMM's
+        splitk = dict(small_m=fcmod.SPLITK_MAX_M)
+        return {"gemm": dict(small_m=64), "splitk": splitk,
+                **{f"splitk_k{k}": dict(splitk, k_splits=k) for k in (2, 4, 8, 16) if h % (k // 2 * 64) == 0},
+                **({"splitk_n64": dict(splitk, tile_n=64), "splitk_n128": dict(splitk, tile_n=128)} if m <= 128 else {})}
+    # The split-K path (M <= 64, the propose step): the in-cluster reduction beside the default partials
     # form, and plan alternatives (tile_n, K splits, stages).
     v = {"cluster": dict(reduce="cluster"), "s3": dict(stages=3), "s4": dict(stages=4)}
     if h == 2048:

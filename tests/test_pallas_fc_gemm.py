@@ -58,9 +58,9 @@ def _check_against_reference(out, args, eps=1e-6):
     assert _rel_err(out, swapped) > 0.3
 
 
-@pytest.mark.parametrize("m,h", [(1, 256), (5, 128), (64, 128), (136, 128), (264, 256)])
+@pytest.mark.parametrize("m,h", [(1, 256), (5, 128), (64, 128), (120, 128), (136, 128), (264, 256)])
 def test_fc_gemm_interpret_matches_reference(m, h):
-    """The public op: M <= 64 takes the split-K stream, larger M the warp-specialised GEMM."""
+    """The public op: M <= 128 takes the split-K stream, larger M the warp-specialised GEMM."""
     args = _inputs(m + h, m, h)
     _check_against_reference(fc_gemm(*args, eps=1e-6, impl="interpret"), args)
 
@@ -69,9 +69,12 @@ def test_fc_gemm_interpret_matches_reference(m, h):
     (3, 256, dict(k_splits=2)),
     (3, 256, dict(k_splits=4, stages=2)),
     (17, 128, dict(tile_n=64, stages=1)),
+    (136, 128, dict(small_m=256, k_splits=2, stages=2)),  # three 64-row blocks in one program
+    (256, 256, dict(small_m=256, tile_n=64, k_splits=4, stages=2)),
 ])
 def test_split_k_path_matches_reference(m, h, kw):
-    """The propose path: rows past M are TMA zero-fill; each split stays in one half."""
+    """The propose path, and above 64 rows a carry's tail append: rows past M are TMA
+    zero-fill; each split stays in one half."""
     args = _inputs(m * 31 + h, m, h)
     _check_against_reference(_kernel(args, **kw), args)
 
@@ -99,6 +102,19 @@ def test_split_k_compiled_forms_match_reference(m, h, kw):
         assert _rel_err(clustered, out) < 4e-3
 
 
+def test_split_k_plan_above_64_rows():
+    """Above 64 rows the columns narrow (accumulator <= 128 x 128) and the ring fits shared memory."""
+    assert fcmod._plan_small(64, 2048, 132) == (128, 8, 6)  # the propose plan, unchanged
+    for m in (128, 192, 256):
+        tile_n, _, stages = fcmod._plan_small(m, 2048, 132)
+        tile_m = fcmod._splitk_rows(m)
+        assert tile_m * tile_n <= 128 * 128
+        assert fcmod._splitk_smem(tile_m, tile_n, stages) <= fcmod._SMEM_LIMIT
+        assert fcmod._splitk_smem(tile_m, tile_n, stages + 1) > fcmod._SMEM_LIMIT or stages == 6
+    with pytest.raises(ValueError, match="at most 256 rows"):
+        _kernel(_inputs(0, 8, 128), small_m=512)
+
+
 def test_cluster_reduction_limits():
     e, hd, ne, nh, w = _inputs(0, 4, 2048)
     with pytest.raises(ValueError, match="k_splits <= 8"):
@@ -108,7 +124,7 @@ def test_cluster_reduction_limits():
 
 
 @pytest.mark.parametrize("m,h,kw", [
-    (72, 128, dict(stages=2)),                      # one tile, M not a tile multiple
+    (72, 128, dict(stages=2, small_m=64)),          # one tile, M not a tile multiple
     (200, 256, dict(num_programs=2, stages=3)),     # persistent: several tiles per program,
     (264, 256, dict(num_programs=3, tile_n=64, sumsq=(64, 4, 2))),  # the ring wraps across tiles
     (96, 256, dict(small_m=32)),                    # the big-M kernel below the default threshold
@@ -203,26 +219,27 @@ def test_bad_inputs_raise():
         fc_gemm_folded(e3, h3, wf, eps=1e-6)
     with pytest.raises(ValueError, match="k_splits=3"):
         fc_gemm_folded(e, h, wf, eps=1e-6, k_splits=3)
+    big = [jnp.concatenate([x] * 40) for x in (e, h)]  # 160 rows: the warp-specialised GEMM
     with pytest.raises(ValueError, match="split='k'"):
-        fc_gemm_folded(jnp.concatenate([e] * 20), jnp.concatenate([h] * 20), wf, eps=1e-6,
-                       split="k")
+        fc_gemm_folded(*big, wf, eps=1e-6, split="k")
     with pytest.raises(ValueError, match="acc='one'"):
-        fc_gemm_folded(jnp.concatenate([e] * 20), jnp.concatenate([h] * 20), wf, eps=1e-6,
-                       acc="one")
+        fc_gemm_folded(*big, wf, eps=1e-6, acc="one")
 
 
 def test_inputs_the_kernels_cannot_take_go_to_the_reference():
     """f32 inputs, or a large M that is not a multiple of 8: the reference, bit for bit."""
     e, h, ne, nh, w = _inputs(6, 72, 64)
+    e2, h2 = (jnp.concatenate([x, x])[:138] for x in (e, h))
     cases = [tuple(x.astype(jnp.float32) for x in (e, h, ne, nh, w)),  # not a 16-bit dtype
-             (e[:70], h[:70], ne, nh, w)]                               # M = 70 > 64, not 8k
+             (e2, h2, ne, nh, w)]                                       # M = 138 > 128, not 8k
     for args in cases:
         assert fcmod.kernel_unsupported(args[0], args[1], args[4])
         out = fc_gemm(*args, eps=1e-6, impl="interpret")
         want = fc_gemm(*args, eps=1e-6, impl="reference")
         np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
     assert fcmod.kernel_unsupported(e, h, w) is None
-    assert fcmod.kernel_unsupported(e[:5], h[:5], w) is None  # the split-K path takes any M <= 64
+    assert fcmod.kernel_unsupported(e[:5], h[:5], w) is None  # the split-K path takes any M <= 128
+    assert fcmod.kernel_unsupported(e[:70], h[:70], w) is None
 
 
 def test_auto_on_cpu_is_the_reference():

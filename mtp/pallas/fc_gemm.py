@@ -33,7 +33,7 @@ precision (relative error ~1e-3..1e-2 of the output norm), not bit for bit.
 
 Two kernels (Mosaic GPU, Hopper):
 
-* M > 64 (drafter prefill, compute-bound): a persistent warp-specialised GEMM. Its
+* M > 128 (drafter prefill, compute-bound): a persistent warp-specialised GEMM. Its
   structure follows JAX's ``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``
   (one TMA producer warpgroup and two consumer warpgroups that each own half of a
   128x256 output tile, 4 stages of 64-wide k steps), but the
@@ -52,15 +52,17 @@ Two kernels (Mosaic GPU, Hopper):
   tests) the consumers instead keep two f32 accumulators (embed half, hidden half) for a
   64x128 tile each (``acc="two"``, 128x128 CTA tiles; same producer and stage ring);
   on the H200 that form measured 13% slower (results/kernels_h200.md, run 3).
-* M <= 64 (batched propose, a weight stream): M sits in one 64-row tile (rows past M
-  are TMA zero-fill, never materialised) and the 2H reduction is split across
+* M <= 128 (batched propose, a carry's short tail append: a weight stream): M sits in one
+  64- or 128-row tile (rows past M are TMA zero-fill, never materialised) and the 2H reduction is split across
   programs (split-K, each split inside one half) so that >= ~128 programs stream
   ``W_f``; each streams ``(tile_n, 64)`` weight tiles through a ``stages``-deep TMA
   pipeline with one wgmma in flight, and sums its input tiles' squares meanwhile (its
   share of the row norms). The f32 partials (``splits x M x H``) and shares are summed
   and scaled by ``r`` in one XLA loop fusion: two kernels in all. Reducing the splits
   inside the kernel, in a thread-block cluster, is built (``reduce="cluster"``) but
-  measured slower (see ``_splitk``).
+  measured slower (see ``_splitk``). At 128 rows it was 1.04-1.35x faster alone than the
+  GEMM's plan (32-64 tiles of 128 x 64 for 132 SMs) and than XLA's norm + concat + dot; at
+  192-256 rows (64-column tiles, 3-5 stages) it lost to both (results/kernels_h200.md, run 33).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mtp.pallas.backend import interpret_forced, num_sms, resolve_impl, swizzle_transforms
 
-SMALL_M = 64  # at most this many rows take the split-K weight-streaming kernel
+SMALL_M = 128  # by default at most this many rows take the split-K weight-streaming kernel (run 33)
+SPLITK_MAX_M = 256  # the most rows the split-K kernel can hold (64-row blocks in one warpgroup)
 _SMEM_LIMIT = 232_448 - 2048  # bytes per block, less headroom for Mosaic's own scratch
 
 
@@ -192,10 +195,14 @@ def _plan_small(m: int, h: int, num_sms: int, tile_n=None, k_splits=None, stages
     at H >= 4096 and 1 < M <= 16, 256-column tiles over 8 splits with 3 stages
     (results/kernels_h200.md, runs 24-25, L2 cold, M = 8: 1.00-1.02x XLA's norm + concat +
     dot against 0.93-0.95x with the default plan; at M = 1 and 32 the default is faster).
+    Above 64 rows the program's row tile grows in 64-row blocks, so the columns narrow to
+    keep its f32 accumulator at 128 x 128 (128 registers a thread) and the ring shrinks to
+    what shared memory holds.
     """
     if h >= 4096 and 1 < m <= 16 and (tile_n, k_splits, stages) == (None, None, None):
         tile_n, k_splits, stages = 256, 8, 3
-    tile_n = tile_n or 128
+    tile_m = _splitk_rows(m)
+    tile_n = tile_n or (128 if tile_m <= 128 else 64)
     while h % tile_n:
         tile_n //= 2
     if k_splits is None:
@@ -206,8 +213,25 @@ def _plan_small(m: int, h: int, num_sms: int, tile_n=None, k_splits=None, stages
             k_splits *= 2
     if k_splits % 2 or h % ((k_splits // 2) * 64):
         raise ValueError(f"k_splits={k_splits} must be even and split H={h} into 64-column tiles")
-    stages = stages or 6
+    if stages is None:
+        stages = 6
+        while stages > 2 and _splitk_smem(tile_m, tile_n, stages) > _SMEM_LIMIT:
+            stages -= 1
     return tile_n, k_splits, stages
+
+
+def _splitk_rows(m: int) -> int:
+    """The split-K program's row tile: M rounded up to 64-row blocks (rows past M are zero-fill)."""
+    return 64 * -(-m // 64)
+
+
+def _splitk_smem(tile_m: int, tile_n: int, stages: int, cluster: bool = False, tile_k: int = 64) -> int:
+    """Shared memory of a split-K program: its ring, its f32 partial, (cluster) a bf16 slab,
+    and what Mosaic GPU adds beyond ``_SMEM_LIMIT``'s headroom (the pipeline's barriers,
+    the row shares and alignment: ~3.1 KB at 128-256 rows by the deviceless compile of
+    ``.venv-aot``, which rejected a ring 40 bytes over the limit)."""
+    return (stages * (tile_m + tile_n) * tile_k * 2 + tile_m * tile_n * 4
+            + (tile_m * REDUCE_COLS * 2 if cluster else 0) + 2048)
 
 
 def _cluster_sync():
@@ -231,17 +255,19 @@ def _cluster_sync():
 
 
 def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k=64):
-    """The propose path (M <= 64): ``fc_gemm`` as a split-K weight stream.
+    """The propose path and short appends (M <= 128 by default, up to 256): ``fc_gemm`` as a
+    split-K weight stream.
 
     Programs own ``tile_n`` output columns and one of ``k_splits`` reduction chunks, each
     inside one half (embed for split s < S/2). A program streams ``(tile_n, tile_k)``
-    weight tiles and the matching ``(64, tile_k)`` input tiles through a ``stages``-deep
+    weight tiles and the matching ``(tile_m, tile_k)`` input tiles (M rounded up to 64-row
+    blocks) through a ``stages``-deep
     TMA pipeline (rows past M are zero-fill) with one wgmma in flight, and, while the
     wgmma runs, sums the squares of the input tile's rows: its split's share of the row
     norms, so no separate pass over the inputs is needed.
 
     ``reduce="partials"`` (the default): the kernel writes the partials ``[S, M, H]`` and
-    shares ``[S, 64]`` and one XLA loop fusion finishes. ``reduce="cluster"`` (GPU only;
+    shares ``[S, tile_m]`` and one XLA loop fusion finishes. ``reduce="cluster"`` (GPU only;
     Pallas' interpreter has no clusters): the K splits of a column tile form one
     thread-block cluster; after a cluster barrier, block r reads every peer's f32 partial
     of its 32-column slabs and the peers' shares through distributed shared memory and
@@ -252,7 +278,7 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
     """
     m, h = embed.shape
     dtype = embed.dtype
-    tile_m = SMALL_M
+    tile_m = _splitk_rows(m)
     per_half = k_splits // 2
     chunk = h // per_half  # reduction columns per program
     nk = chunk // tile_k
@@ -347,11 +373,11 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
         plgpu.wait_smem_to_gmem(0)
         _cluster_sync()  # no block leaves while a peer may still read its shared memory
 
-    smem = (stages * (tile_m + tile_n) * tile_k * 2 + tile_m * tile_n * 4
-            + (tile_m * REDUCE_COLS * 2 if cluster else 0))
+    smem = _splitk_smem(tile_m, tile_n, stages, cluster, tile_k)
     if smem > _SMEM_LIMIT:
         raise ValueError(f"split-K fc kernel needs {smem} bytes of shared memory "
-                         f"(tile_n={tile_n}, stages={stages}); the limit is {_SMEM_LIMIT}")
+                         f"(M={m} in {tile_m} rows, tile_n={tile_n}, stages={stages}); "
+                         f"the limit is {_SMEM_LIMIT}")
     # One buffer per 32-column slab: a peer's view of a buffer must start at its base.
     scratch = dict(part_smem=[plgpu.SMEM((tile_m, REDUCE_COLS), jnp.float32, transforms=part_tr)
                               for _ in range(slabs)],
@@ -699,9 +725,9 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     """
     _check_kernel_inputs(embed, hidden, w_folded, small_m)
     m, h = embed.shape
+    if small_m > SPLITK_MAX_M:
+        raise ValueError(f"small_m={small_m}: the split-K kernel holds at most {SPLITK_MAX_M} rows")
     if m <= small_m:
-        if m > SMALL_M:
-            raise ValueError(f"small_m={small_m} exceeds the {SMALL_M}-row split-K tile")
         tn, ks, st = _plan_small(m, h, num_sms(), tile_n, k_splits, stages)
         return _splitk(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st, eps=eps,
                        reduce=reduce)
@@ -720,18 +746,17 @@ def _kernel_wins(m: int, h: int) -> bool:
 
     What decides is the fc op where the model runs it, a drafter append
     (``append_rows`` of the 1.38B-shaped model, CUPTI kernel time of the whole call, L2
-    evicted): with the kernel it ran 1.10-1.42x faster at every bucket and batch measured,
+    evicted): with the kernel it ran 1.10-1.45x faster at every bucket and batch measured,
     64-512 rows a sequence at batch 1, 2 and 4, M = 64..2048 (run 33; 512 rows at batch 1-4
     1.08-1.16x in run 32 too). The op alone is not always faster there: against XLA's norm
-    + concat + dot it is 1.24-1.32x at M = 64 (split-K) and from M = 512 (runs 9-12,
-    23-24, 31-32), but 0.87-0.97x at M = 128 and 256 (run 33), where the chunk still ran
-    1.28-1.42x faster: XLA's fc costs more inside the chunk than alone. At M <= 32 the op
-    alone is 1.13-1.25x (runs 23-25) but in the 1.38B model's propose step the kernel was
-    not faster (session 11: 0.302 vs 0.297 ms per draft; results/decode_h200.md), so the
-    propose step keeps the reference. Every measurement was at H = 2048 or 4096; a
-    narrower model (the shipped default, H = 384) keeps the reference, unmeasured. Above
-    64 rows the kernel needs M to be a multiple of 8 (``kernel_unsupported``; appends are
-    multiples of 64).
+    + concat + dot it is 1.03-1.35x at M = 64-128 (split-K) and from M = 512 (runs 9-12,
+    23-24, 31-32), but 0.88-0.94x at M = 256 (run 33), where the append still ran 1.40-1.41x
+    faster: XLA's fc costs more inside the append than alone. At M <= 32 the op alone is
+    1.13-1.25x (runs 23-25) but in the 1.38B model's propose step the kernel was not faster
+    (session 11: 0.302 vs 0.297 ms per draft; results/decode_h200.md), so the propose step
+    keeps the reference. Every measurement was at H = 2048 or 4096; a narrower model (the
+    shipped default, H = 384) keeps the reference, unmeasured. Above ``small_m`` rows the
+    kernel needs M to be a multiple of 8 (``kernel_unsupported``; appends are multiples of 64).
     """
     return m >= 64 and h >= 2048
 
