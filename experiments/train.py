@@ -1,18 +1,21 @@
 """Train the hybrid target and its MTP head jointly, then export the model.
 
     PYTHONPATH=. python3 experiments/train.py --config configs/train_default.py \
-        [--workdir runs/train_default] [--export_dir assets/default_model] \
+        [--workdir runs/train_default] [--export_dir runs/train_default/model] \
         [--max_train_seconds 420] [--config.batch_size=16 ...]
 
 Re-running with the same --workdir resumes from its newest orbax checkpoint. The
-export (bf16 safetensors + config.json + tokenizer.json + README.md model card) is
-written after training; an empty --export_dir skips it. The run's summary is
-written to WORKDIR/summary.json and held-out metrics to WORKDIR/metrics.jsonl.
+export (bf16 safetensors + config.json + tokenizer.json + README.md model card +
+token_counts.npy) is written after training, by default to WORKDIR/model so that a
+run never replaces the committed assets/default_model unless that is passed as
+--export_dir; an empty --export_dir skips it. The run's summary is written to
+WORKDIR/summary.json and held-out metrics to WORKDIR/metrics.jsonl.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 
@@ -23,8 +26,8 @@ from mtp import train as train_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/train_default.py", "Training config.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/train_default", "Checkpoints, metrics and summary go here.")
-_EXPORT_DIR = flags.DEFINE_string("export_dir", "assets/default_model",
-                                  "Where the trained model is exported ('' = no export).")
+_EXPORT_DIR = flags.DEFINE_string("export_dir", None,
+                                  "Where the trained model is exported (default WORKDIR/model; '' = no export).")
 _MAX_TRAIN_SECONDS = flags.DEFINE_float(
     "max_train_seconds", None,
     "Wall-clock budget of this run, compile included (overrides config.max_train_seconds; 0 = none).",
@@ -44,8 +47,9 @@ def main(argv):
     s = result.summary
     logging.info("trained %d steps in %.0f s (%s); held-out: %s", s["steps"], s["wall_seconds"],
                  s["stop_reason"], json.dumps(s["heldout"]))
-    if _EXPORT_DIR.value:
-        out = train_lib.export_default(_EXPORT_DIR.value, result, command=command,
+    export_dir = os.path.join(_WORKDIR.value, "model") if _EXPORT_DIR.value is None else _EXPORT_DIR.value
+    if export_dir:
+        out = train_lib.export_default(export_dir, result, command=command,
                                        tokenizer_path=config.tokenizer or None,
                                        max_shard_bytes=config.max_shard_bytes or None)
         logging.info("exported to %s", out)

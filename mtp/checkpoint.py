@@ -38,6 +38,8 @@ from mtp.model.params import Params, flatten, param_shapes, unflatten
 CONFIG_NAME = "config.json"
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+# Training-split frequency of each token id (int64[vocab_size]), for a reduced draft vocabulary.
+TOKEN_COUNTS_NAME = "token_counts.npy"
 
 # safetensors dtype tag -> numpy dtype, for the float formats the model computes in.
 SUPPORTED_DTYPES: dict[str, np.dtype] = {
@@ -47,7 +49,7 @@ SUPPORTED_DTYPES: dict[str, np.dtype] = {
 }
 # Files a checkpoint directory usually carries beside its weights, worth keeping on re-save.
 DEFAULT_EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                       "generation_config.json", "README.md")
+                       "generation_config.json", "README.md", TOKEN_COUNTS_NAME)
 _RESERVED = (CONFIG_NAME, SINGLE_NAME, INDEX_NAME)
 
 Place = Callable[[str, np.ndarray], jax.Array]
@@ -73,8 +75,8 @@ def load_pretrained(path: str | os.PathLike, dtype=None, place: Place | None = N
         raise CheckpointError(f"{root}: not a checkpoint directory")
     try:
         cfg = ModelConfig.from_hf(root)
-    except ConfigError as e:
-        raise CheckpointError(f"{root / CONFIG_NAME}: {e}") from e
+    except ConfigError as e:  # already names config.json
+        raise CheckpointError(str(e)) from e
     cast = None if dtype is None else np.dtype(dtype)
     if cast is not None and cast not in SUPPORTED_DTYPES.values():
         raise CheckpointError(f"load dtype {cast} is not one of {sorted(map(str, SUPPORTED_DTYPES.values()))}")
@@ -116,6 +118,11 @@ def _locate_tensors(root: pathlib.Path) -> dict[str, tuple[pathlib.Path, str, tu
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from e
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' is a {type(weight_map).__name__}, not an object")
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str):
+                raise CheckpointError(f"{index}: 'weight_map' maps tensor {name!r} to {shard!r}, not a shard file name")
         wanted: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             wanted.setdefault(shard, []).append(name)

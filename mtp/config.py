@@ -118,7 +118,11 @@ class ModelConfig:
     # ------------------------------------------------------------------ HF I/O
     @classmethod
     def from_hf(cls, source: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
-        """Build from a ``config.json`` path, a checkpoint directory, or its dict."""
+        """Build from a ``config.json`` path, a checkpoint directory, or its dict.
+
+        Every problem is a `ConfigError` that starts with the file (``<dict>`` for a
+        dict), so a user holding several checkpoints knows which config to fix.
+        """
         origin = "<dict>"
         if not isinstance(source, Mapping):
             path = os.fspath(source)
@@ -132,54 +136,64 @@ class ModelConfig:
                 raise ConfigError(f"{path}: no config.json") from e
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        raw = dict(source)
+            if not isinstance(source, Mapping):
+                raise ConfigError(f"{path}: not a JSON object")
+        try:
+            return cls._from_raw(dict(source))
+        except ConfigError as e:
+            raise ConfigError(f"{origin}: {e}") from e
+
+    @classmethod
+    def _from_raw(cls, raw: dict[str, Any]) -> "ModelConfig":
         if raw.get("model_type") in TEXT_CONFIG_OF:
-            raw = _text_config(raw, origin)
+            raw = _text_config(raw)
         # transformers >= 5 nests the RoPE fields; older configs keep them top level.
         rope = raw.get("rope_parameters") or {}
+        if not isinstance(rope, Mapping):
+            raise ConfigError(f"rope_parameters={rope!r} is not an object")
         if rope:
             if rope.get("rope_type", "default") != "default":
-                raise ConfigError(f"{origin}: rope_parameters.rope_type={rope['rope_type']!r} is not supported")
+                raise ConfigError(f"rope_parameters.rope_type={rope['rope_type']!r} is not supported")
             for key in ("rope_theta", "partial_rotary_factor"):
                 if key in rope:
                     raw.setdefault(key, rope[key])
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"{origin}: model_type {model_type!r} is not supported; "
-                f"expected one of {SUPPORTED_MODEL_TYPES}"
-            )
-        try:
-            n = int(raw["num_hidden_layers"])
-            layer_types = raw.get("layer_types")
-            if layer_types is None:
-                layer_types = _periodic_layer_types(n, int(raw.get("full_attention_interval", 4)))
-            mtp_layers = raw.get("num_nextn_predict_layers", raw.get("mtp_num_hidden_layers", 0))
-            eos = raw.get("eos_token_id")
-            if isinstance(eos, list):
-                eos = eos[0] if eos else None
-            kwargs = dict(
-                vocab_size=int(raw["vocab_size"]),
-                hidden_size=int(raw["hidden_size"]),
-                num_hidden_layers=n,
-                num_attention_heads=int(raw["num_attention_heads"]),
-                num_key_value_heads=int(raw["num_key_value_heads"]),
-                head_dim=int(raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"])),
-                # Absent where every FFN is MoE (Qwen3.5-MoE); `_validate` asks for it otherwise.
-                intermediate_size=int(raw.get("intermediate_size", 0)),
-                layer_types=tuple(layer_types),
-                mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers", ()) or ()),
-                num_nextn_predict_layers=int(mtp_layers or 0),
-                eos_token_id=eos,
-            )
-        except KeyError as e:
-            raise ConfigError(f"{origin}: missing required field {e.args[0]!r}") from e
-        for field in dataclasses.fields(cls):
-            if field.name in kwargs or field.name not in raw:
-                continue
-            kwargs[field.name] = _coerce(field, raw[field.name])
+            raise ConfigError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
         if raw.get("rope_scaling"):
-            raise ConfigError(f"{origin}: rope_scaling={raw['rope_scaling']!r} is not supported")
+            raise ConfigError(f"rope_scaling={raw['rope_scaling']!r} is not supported")
+        # HF spellings that differ from the fields: an aliased MTP depth, EOS as a list, and null
+        # meaning "none" (MTP layers, dense-only layers) or "derive it" (the three below).
+        raw["num_nextn_predict_layers"] = raw.get("num_nextn_predict_layers", raw.get("mtp_num_hidden_layers")) or 0
+        raw["mlp_only_layers"] = raw.get("mlp_only_layers") or ()
+        if isinstance(raw.get("eos_token_id"), list):
+            raw["eos_token_id"] = raw["eos_token_id"][0] if raw["eos_token_id"] else None
+        for derived in ("layer_types", "head_dim", "intermediate_size"):
+            if raw.get(derived) is None:
+                raw.pop(derived, None)
+        # Absent where every FFN is MoE (Qwen3.5-MoE); `_validate` asks for it otherwise.
+        raw.setdefault("intermediate_size", 0)
+        fields = dataclasses.fields(cls)
+        kwargs = {f.name: _coerce(f.name, f.type, raw[f.name]) for f in fields if f.name in raw}
+
+        def required(name: str) -> Any:
+            if name not in kwargs:
+                raise ConfigError(f"missing required field {name!r}")
+            return kwargs[name]
+
+        if "layer_types" not in kwargs:
+            interval = _coerce("full_attention_interval", "int", raw.get("full_attention_interval", 4))
+            if interval <= 0:
+                raise _field_error("full_attention_interval", interval, "must be positive")
+            kwargs["layer_types"] = _periodic_layer_types(required("num_hidden_layers"), interval)
+        if "head_dim" not in kwargs:
+            heads = required("num_attention_heads")
+            if heads <= 0:
+                raise _field_error("num_attention_heads", heads, "must be positive")
+            kwargs["head_dim"] = required("hidden_size") // heads
+        for f in fields:
+            if f.default is dataclasses.MISSING:
+                required(f.name)
         return cls(**kwargs)
 
     def to_hf(self) -> dict[str, Any]:
@@ -197,7 +211,7 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _text_config(raw: Mapping[str, Any], origin: str) -> dict[str, Any]:
+def _text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     """The language model's config of an image-text model (Qwen3.5): its ``text_config``.
 
     Only text runs here; the vision tower's config and weights are ignored. Positions of
@@ -206,10 +220,10 @@ def _text_config(raw: Mapping[str, Any], origin: str) -> dict[str, Any]:
     """
     text = raw.get("text_config")
     if not isinstance(text, Mapping):
-        raise ConfigError(f"{origin}: model_type {raw['model_type']!r} needs a text_config object")
+        raise ConfigError(f"model_type {raw['model_type']!r} needs a text_config object")
     out = dict(text)
     if out.get("model_type") != TEXT_CONFIG_OF[raw["model_type"]]:
-        raise ConfigError(f"{origin}: text_config.model_type {out.get('model_type')!r} is not "
+        raise ConfigError(f"text_config.model_type {out.get('model_type')!r} is not "
                           f"{TEXT_CONFIG_OF[raw['model_type']]!r}")
     for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
         if key not in out and key in raw:
@@ -223,38 +237,72 @@ def _periodic_layer_types(n: int, interval: int) -> tuple[str, ...]:
     )
 
 
-def _coerce(field: dataclasses.Field, value: Any) -> Any:
-    if value is None:
-        return None
-    kind = str(field.type)
-    if kind.startswith("int"):
-        return int(value)
-    if kind.startswith("float"):
-        return float(value)
-    if kind.startswith("bool"):
-        return bool(value)
+def _as_bool(value: Any) -> bool:
+    """JSON true/false (or 0/1); ``bool("false")`` would silently be True."""
+    if value not in (True, False):
+        raise TypeError(f"{value!r} is not a boolean")
+    return bool(value)
+
+
+def _as_str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is not a string")
     return value
+
+
+_SCALARS = {"int": int, "float": float, "bool": _as_bool, "str": _as_str}
+
+
+def _coerce(name: str, kind: str, value: Any) -> Any:
+    """``value`` as the field type ``kind`` (its annotation text), or a `ConfigError` naming the field.
+
+    A malformed config.json must fail by naming the field it got wrong, not as a bare
+    ``int()`` error deep in the model; ``None`` is accepted only where the type allows it.
+    """
+    scalar = kind.removesuffix(" | None")
+    if value is None and scalar != kind:
+        return None
+    item = scalar.removeprefix("tuple[").removesuffix(", ...]")
+    many = item != scalar
+    try:
+        if many:
+            if not isinstance(value, (list, tuple)):
+                raise TypeError(f"{value!r} is not a list")
+            return tuple(_SCALARS[item](v) for v in value)
+        return _SCALARS[item](value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise _field_error(name, value, f"expected {f'a list of {item}' if many else kind}") from e
+
+
+def _field_error(name: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"config field {name}={value!r}: {why}")
 
 
 def _validate(c: ModelConfig) -> None:
     def bad(field: str, why: str):
-        raise ConfigError(f"config field {field}={getattr(c, field)!r}: {why}")
+        raise _field_error(field, getattr(c, field), why)
 
     if c.model_type not in SUPPORTED_MODEL_TYPES:
         bad("model_type", f"expected one of {SUPPORTED_MODEL_TYPES}")
+    # Sizes before the checks below, which divide by some of them or count layers.
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "linear_conv_kernel_dim"):
+        if getattr(c, name) <= 0:
+            bad(name, "must be positive")
     if len(c.layer_types) != c.num_hidden_layers:
         bad("layer_types", f"has {len(c.layer_types)} entries for {c.num_hidden_layers} layers")
     for t in c.layer_types:
         if t not in LAYER_KINDS:
             bad("layer_types", f"unknown layer type {t!r}; expected one of {LAYER_KINDS}")
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "linear_conv_kernel_dim"):
-        if getattr(c, name) <= 0:
-            bad(name, "must be positive")
     if c.num_attention_heads % c.num_key_value_heads:
         bad("num_attention_heads", f"not a multiple of num_key_value_heads={c.num_key_value_heads}")
-    if c.linear_layers and c.linear_num_value_heads % c.linear_num_key_heads:
-        bad("linear_num_value_heads", f"not a multiple of linear_num_key_heads={c.linear_num_key_heads}")
+    if c.linear_layers:
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim"):
+            if getattr(c, name) <= 0:
+                bad(name, "must be positive in a model with linear-attention layers")
+        if c.linear_num_value_heads % c.linear_num_key_heads:
+            bad("linear_num_value_heads", f"not a multiple of linear_num_key_heads={c.linear_num_key_heads}")
     if not 0 < c.partial_rotary_factor <= 1 or c.rotary_dim % 2:
         bad("partial_rotary_factor", f"gives an odd or empty rotary dim {c.rotary_dim}")
     if c.hidden_act != "silu":

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import functools
+import io
 import json
 import math
 import os
@@ -49,7 +50,7 @@ from flax import struct
 from tqdm import tqdm
 
 from mtp import mtp_head
-from mtp.checkpoint import save_pretrained
+from mtp.checkpoint import TOKEN_COUNTS_NAME, save_pretrained
 from mtp.config import ModelConfig
 from mtp.model.params import Params, count_params, init_params
 from mtp.model.target import forward_with_hiddens
@@ -349,6 +350,8 @@ class TrainResult:
     summary: dict
     history: list[dict]
     data_info: dict | None
+    # int64[vocab_size]: each id's count in the training stream; exported for a reduced draft vocabulary.
+    token_counts: np.ndarray
 
 
 def _device_name() -> str:
@@ -510,7 +513,8 @@ def train(config, workdir: str | os.PathLike, *, max_train_seconds: float | None
         "model_config": str(config.model),
     }
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return TrainResult(state, model_cfg, hp, summary, history, streams.info)
+    token_counts = np.bincount(streams.train, minlength=model_cfg.vocab_size).astype(np.int64)
+    return TrainResult(state, model_cfg, hp, summary, history, streams.info, token_counts)
 
 
 def _meta(prev: Mapping[str, Any], train_seconds: float, wall_seconds: float) -> dict:
@@ -531,8 +535,10 @@ def export_default(export_dir: str | os.PathLike, result: TrainResult, *, comman
     """Write the trained model as a Hugging Face checkpoint in bf16, with its model card.
 
     The directory holds ``config.json``, the safetensors (sharded when larger than
-    ``max_shard_bytes``; ``mtp.*`` included), ``tokenizer.json`` when given, and a
-    ``README.md`` whose every number comes from ``result``.
+    ``max_shard_bytes``; ``mtp.*`` included), ``tokenizer.json`` when given, a
+    ``README.md`` whose every number comes from ``result``, and ``token_counts.npy``,
+    which ``experiments/generate.py --mtp_vocab_size`` needs and which only the
+    training stream can give.
     """
     cfg = result.model_cfg
     extra: dict[str, Any] = {}
@@ -546,6 +552,9 @@ def export_default(export_dir: str | os.PathLike, result: TrainResult, *, comman
             raise TrainError(f"{tok}: {size} tokens do not fit the model's vocab_size={cfg.vocab_size}")
         extra["tokenizer.json"] = tok
     extra["README.md"] = model_card(result, command)
+    counts = io.BytesIO()
+    np.save(counts, result.token_counts, allow_pickle=False)
+    extra[TOKEN_COUNTS_NAME] = counts.getvalue()
     params = _cast(jax.device_get(result.state.params), jnp.bfloat16)
     return save_pretrained(export_dir, cfg, params, max_shard_bytes=max_shard_bytes,
                            metadata={"producer": "mtp.train"}, extra_files=extra)
@@ -632,6 +641,8 @@ def model_card(result: TrainResult, command: str) -> str:
         "Load with `mtp.checkpoint.load_pretrained(dir)`; the tokenizer is `tokenizer.json`",
         "(byte-level BPE with `<|endoftext|>`, `<|system|>`, `<|user|>`, `<|assistant|>`).",
         "Good only for Python-like text; it is a small model for measuring speculative decoding.",
+        f"`{TOKEN_COUNTS_NAME}` counts each token id in the training split; `experiments/generate.py"
+        " --mtp_vocab_size N` drafts over the N most frequent.",
         "",
     ]
     return "\n".join(lines)

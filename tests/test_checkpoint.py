@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -218,6 +219,31 @@ def test_index_disagreeing_with_shards(tmp_path):
         load_pretrained(d)
 
 
+@pytest.mark.parametrize("index, match", [
+    ({"weight_map": []}, "'weight_map' is a list, not an object"),
+    ({"weight_map": {"model.norm.weight": 3}}, "'weight_map' maps tensor 'model.norm.weight' to 3, not a shard"),
+    ({"weight_map": None}, "'weight_map' is a NoneType"),
+    ({"metadata": {}}, "not a safetensors index with a 'weight_map'"),
+])
+def test_malformed_index_is_named(tmp_path, index, match):
+    _, _, d = _write_good(tmp_path, 4096)
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=re.escape(str(d / "model.safetensors.index.json")) + ": " + match):
+        load_pretrained(d)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"vocab_size": "abc"}, "vocab_size='abc': expected int"),
+    ({"num_attention_heads": 0}, "num_attention_heads=0: must be positive"),
+])
+def test_malformed_config_names_the_file_once(tmp_path, change, match):
+    _, _, d = _write_good(tmp_path)
+    raw = json.loads((d / "config.json").read_text()) | change
+    (d / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(d / 'config.json'))}: config field {match}"):
+        load_pretrained(d)
+
+
 def test_bad_model_type(tmp_path):
     cfg, params, d = _write_good(tmp_path)
     raw = json.loads((d / "config.json").read_text()) | {"model_type": "llama"}
@@ -301,20 +327,21 @@ def test_resave_replaces_and_carries_extra_files(tmp_path):
     tok = tmp_path / "tokenizer.json"
     tok.write_text('{"model": "fake"}')
     first = save_pretrained(tmp_path / "ckpt", cfg, _params(cfg, 13), max_shard_bytes=4096,
-                            extra_files={"tokenizer.json": tok, "README.md": "# card\n", "blob.bin": b"\x00\x01"},
+                            extra_files={"tokenizer.json": tok, "README.md": "# card\n", "blob.bin": b"\x00\x01",
+                                         "token_counts.npy": b"counts"},
                             metadata={"source": "test"})
     assert (first / "tokenizer.json").read_text() == '{"model": "fake"}'
     assert (first / "README.md").read_text() == "# card\n"
     assert (first / "blob.bin").read_bytes() == b"\x00\x01"
     carried = checkpoint.extra_files_from(first)
-    assert set(carried) == {"tokenizer.json", "README.md"}
+    assert set(carried) == {"tokenizer.json", "README.md", "token_counts.npy"}
 
     new_params = _params(cfg, 14)
     # Re-save into the same directory, single file this time: old shards must not linger.
     second = save_pretrained(tmp_path / "ckpt2", cfg, new_params, extra_files=carried)
     second = save_pretrained(first, cfg, new_params, extra_files=checkpoint.extra_files_from(second))
     names = sorted(p.name for p in second.iterdir())
-    assert names == ["README.md", "config.json", "model.safetensors", "tokenizer.json"]
+    assert names == ["README.md", "config.json", "model.safetensors", "token_counts.npy", "tokenizer.json"]
     _, loaded = load_pretrained(second)
     _assert_bit_exact(new_params, loaded)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt2", "tokenizer.json"]

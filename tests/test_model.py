@@ -1,5 +1,8 @@
 """The target model: cached paths against the no-cache reference, state per position."""
 
+import json
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -11,7 +14,7 @@ from mtp.config import ConfigError, ModelConfig
 from mtp.model import target
 from mtp.model import gated_deltanet as gdn
 from mtp.model import layers
-from tests.conftest import GEMM_LAYOUTS, paged_cache, random_params, tiny_config
+from tests.conftest import GEMM_LAYOUTS, ROOT, paged_cache, random_params, tiny_config
 
 def test_chunked_delta_rule_matches_recurrent():
     key = jax.random.key(3)
@@ -335,6 +338,36 @@ def test_bad_config_is_a_clear_error(change, match):
     raw.update(change)
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize("change, drop, match", [
+    ({"vocab_size": "abc"}, (), "vocab_size='abc': expected int"),
+    ({"num_hidden_layers": None}, (), "num_hidden_layers=None: expected int"),
+    ({"bos_token_id": [1, 2]}, (), r"bos_token_id=\[1, 2\]: expected int \| None"),
+    ({"tie_word_embeddings": "false"}, (), "tie_word_embeddings='false': expected bool"),
+    ({"mlp_only_layers": ["x"]}, (), r"mlp_only_layers=\['x'\]: expected a list of int"),
+    ({"layer_types": "full_attention"}, (), "layer_types='full_attention': expected a list of str"),
+    # With head_dim given nothing divides by the head count, but it must still be positive.
+    ({"num_attention_heads": 0}, (), "num_attention_heads=0: must be positive"),
+    ({"num_attention_heads": 0}, ("head_dim",), "num_attention_heads=0: must be positive"),
+    ({"full_attention_interval": 0}, (), "full_attention_interval=0: must be positive"),
+    ({"num_hidden_layers": -1}, (), "num_hidden_layers=-1: must be positive"),
+    ({"linear_num_key_heads": 0}, (), "linear_num_key_heads=0: must be positive"),
+])
+def test_malformed_config_json_names_file_field_and_value(tmp_path, change, drop, match):
+    raw = json.loads((ROOT / "configs" / "models" / "tiny_dense.json").read_text()) | change
+    for key in drop:
+        del raw[key]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "config.json")) + ": config field " + match):
+        ModelConfig.from_hf(tmp_path)
+    with pytest.raises(ConfigError, match="<dict>: config field " + match):
+        ModelConfig.from_hf(raw)
+
+
+def test_null_layer_types_and_head_dim_are_derived():
+    raw = json.loads((ROOT / "configs" / "models" / "tiny_dense.json").read_text())
+    assert ModelConfig.from_hf(raw | {"layer_types": None, "head_dim": None}) == ModelConfig.from_hf(raw)
 
 
 def test_config_round_trip():

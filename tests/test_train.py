@@ -162,6 +162,10 @@ def test_export_loads_back_with_the_trained_forward(setup, straight, tmp_path):
         assert np.mean(np.argmax(g, -1) == np.argmax(w, -1)) > 0.9
     card = (out / "README.md").read_text()
     assert f"steps: {STEPS} " in card and f"{straight.summary['heldout']['mtp_acc']:.4f}" in card
+    # What `generate --mtp_vocab_size` reads: each id's count in the training stream.
+    counts = np.load(out / "token_counts.npy")
+    assert counts.dtype == np.int64
+    np.testing.assert_array_equal(counts, np.bincount(np.load(pathlib.Path(c.data_dir) / "train.npy"), minlength=VOCAB))
 
 
 def test_export_refuses_a_tokenizer_larger_than_the_vocab(straight, tmp_path):
