@@ -27,12 +27,14 @@ Per turn, host-side decisions (plain Python over `mtp.carry`'s pure functions):
 Single-slot carry follows the reference: one slot for the engine, armed only when
 a single sequence can be dispatched (`carry.carry_armed_with`). The multi-slot
 carry (``carry_slots > 1``) keeps one slot per live session, LRU-bounded, under the
-same ownership rules, and stays armed at any batch width.
+same ownership rules, and stays armed at any batch width. A turn reports what was
+armed, not what was configured (`TurnStats.carry_armed`; outcome ``disarmed``).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -48,7 +50,7 @@ from absl import logging
 
 from mtp import carry as carry_lib
 from mtp import quant
-from mtp.cache.pages import PageAllocator, block_table_row
+from mtp.cache.pages import PageAllocator, PagePoolExhausted, block_table_row
 from mtp.cache.prefix import PrefixCache, Snapshot, SnapshotStore, TurnEndStore, chain_hashes
 from mtp.cache.state import LinearState, TargetCache
 from mtp.config import ModelConfig
@@ -60,6 +62,9 @@ from mtp.speculative import SpecConfig, greedy_loop, pick_token, speculative_loo
 
 DRAFTER_POLICIES = ("cold", "blind", "rebuild", "carry")
 SNAPSHOT_INTERVAL = 64  # prefill chunk and snapshot granularity (a multiple of the page size)
+# The carry outcome of a turn whose carry is not armed: apart from "armed, slot empty"
+# (`CarryOutcome.NoCarry`), which would read as the carry running and finding nothing.
+DISARMED = "disarmed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +112,8 @@ class TurnStats:
     drafter_prefilled: int  # drafter rows written by a (whole-prompt) drafter prefill
     drafter_adopted: int  # rows taken over from the carry
     drafter_appended: int  # tail rows the carry appended
-    carry_outcome: str
+    carry_outcome: str  # a `CarryOutcome` kind, or DISARMED
+    carry_armed: bool  # what the carry's state is reported from (DESIGN §3: configured is not armed)
     carry_source: int  # session hash of the adopted rows' owner (0: none adopted)
     ttft_s: float
     decode_s: float
@@ -190,17 +196,26 @@ def _append_slot(cfg, params, dcache: DrafterCache, hiddens, b, tokens, first_ke
 # ------------------------------------------------------------------ the engine
 @dataclasses.dataclass
 class _Live:
-    """A turn being served on a batch slot."""
+    """A turn on a batch slot: first reserved (every page held, every decision made), then started."""
 
     request: TurnRequest
     slot: int
     generation: int
     session: int
+    hashes: list[bytes]
+    cached: int  # prompt tokens whose KV the cache holds: the target prefill writes from here
+    snap: Snapshot | None  # the GDN state the target prefill continues from
+    hidden_range: carry_lib.StoreRange  # the slot's hidden store once the target prefill has run
     target_pages: list[int]
-    drafter_pages: list[int]
-    first_token: jax.Array
-    first_hidden: jax.Array
+    drafter_pages: list[int]  # what the turn holds; an adopted entry's pages join when it starts
+    # Stays in `Engine.carried` until the turn starts, so rolling back a reservation never
+    # has to re-deposit it (and no append of this turn can have overwritten its rows).
+    adopted: carry_lib.CarriedDrafter | None
+    drafter_rows: tuple[int, int]  # (rows, last pair key) installed before any append
+    plan: carry_lib.AppendPlan | None
     stats: TurnStats
+    first_token: jax.Array | None = None
+    first_hidden: jax.Array | None = None
 
 
 class Engine:
@@ -276,13 +291,18 @@ class Engine:
 
     # -------------------------------------------------------------- prefill of one turn
     def _target_prefill(self, slot, prompt, hashes, start, cached, gen, sess):
-        """Aligned-chunk prefill of ``prompt[start:]``; snapshots at aligned boundaries.
+        """Prefill of ``prompt[start:]`` in chunks that end on multiples of ``SNAPSHOT_INTERVAL``.
 
-        ``start`` is 0 or a snapshot position, so chunks stay aligned to absolute
-        positions: a restored turn then runs exactly the arithmetic a recompute
-        would have from that point. The hiddens of positions ``start..L-1`` land in
-        the slot's hidden store. Returns the logits at ``L-1`` and the number of
-        tokens computed.
+        ``start`` is 0, a prefill snapshot's position (a multiple), or a turn end's
+        length (anywhere). Ending chunks on absolute multiples keeps every snapshot this
+        prefill leaves where `SnapshotStore` looks for it, and from 0 or a prefill
+        snapshot gives the chunks (so the chunked recurrence's arithmetic) a prefill
+        from 0 would run. A turn-end start is off that grid: its first chunk is short
+        and the state it continues was built by the decode loop in verify-sized steps,
+        so that state, and the snapshots this prefill then leaves, may differ by
+        rounding from what a recompute would produce; no exactness is claimed there.
+        The hiddens of positions ``start..L-1`` land in the slot's hidden store.
+        Returns the logits at ``L-1``.
         """
         n = len(prompt)
         chunk = SNAPSHOT_INTERVAL
@@ -299,106 +319,161 @@ class Engine:
                 lin = _linear_of_slot(self.cache.linear, slot)
                 self.snapshots.put(hashes, Snapshot(end, lin.conv, lin.recurrent, sess, gen))
             pos = end
-        return logits, n - start
+        return logits
 
-    def _start_turn(self, req: TurnRequest, slot: int) -> _Live:
-        t0 = time.perf_counter()
-        prompt = list(req.prompt)
-        n = len(prompt)
+    def _check_request(self, req: TurnRequest):
+        """Refuse a request this engine cannot serve, before any turn of its wave takes a page."""
+        n = len(req.prompt)
         if n < 2:
             raise ValueError(f"session {req.session_id}: a prompt needs at least 2 tokens, got {n}")
-        need = n + req.max_new_tokens + self.spec.verify_width + 1
         if n + req.max_new_tokens > self.ecfg.max_context:
             raise ValueError(f"session {req.session_id}: prompt of {n} tokens + {req.max_new_tokens} new tokens "
                              f"exceeds the engine's max_context={self.ecfg.max_context}")
         if req.max_new_tokens > self.spec.max_new_tokens:
             raise ValueError(f"session {req.session_id}: max_new_tokens={req.max_new_tokens} exceeds the compiled "
                              f"loop's buffer SpecConfig.max_new_tokens={self.spec.max_new_tokens}")
+
+    def _reserve_turn(self, req: TurnRequest, slot: int, wave_sessions: set[int]) -> _Live:
+        """Take every page a turn needs and make its path and carry decisions; write no device state
+        but the copy of a turn end's partial page into the turn's own first page.
+
+        Raises (`PagePoolExhausted`) holding nothing and with the carry untouched, so
+        a wave can reserve all its turns before starting any and give the
+        reservations back if one fails. Prefix-cache and turn-end entries the target
+        pool evicted on the way stay evicted: they are caches, and nobody lost a page.
+        """
+        t0 = time.perf_counter()
+        prompt = list(req.prompt)
+        n = len(prompt)
+        need = n + req.max_new_tokens + self.spec.verify_width + 1
         gen, sess = next(self._tickets), session_hash(req.session_id)
         ps = self.ecfg.page_size
         hashes = chain_hashes(prompt, ps)
         use_prefix = self.ecfg.policy != "cold"
-        shared = self.prefix.match(hashes, (n - 1) // ps) if use_prefix else []
-        self.pages.share(shared)
-        cached = len(shared) * ps
-        own = self._alloc(math.ceil(need / ps) - len(shared))
-        target_pages = shared + own
+        with contextlib.ExitStack() as undo:
+            shared = self.prefix.match(hashes, (n - 1) // ps) if use_prefix else []
+            self.pages.share(shared)  # before allocating, so eviction cannot free a page this turn reads
+            undo.callback(self.pages.release, shared)
+            own = self._alloc(math.ceil(need / ps) - len(shared))
+            undo.callback(self.pages.release, own)
+            cached = len(shared) * ps
 
-        # Path: restore a snapshot, or recompute the recurrent state (KV-only), or cold.
-        # Candidates: the longest page-aligned prefill snapshot within the cached
-        # pages, and the end state of an earlier turn this prompt extends (its
-        # partial last page is then copied into this sequence's first own page).
-        snap, turn_end = None, None
-        if use_prefix and self.ecfg.turn_end_snapshots:
-            turn_end = self.turn_ends.match(prompt, len(shared))
-        matched = max(cached, turn_end.length if turn_end else 0)
-        warm = matched > 0
-        if warm and matched >= self.marconi and self.ecfg.policy != "rebuild":
-            snap = self.snapshots.best(hashes, cached)
-            if turn_end is not None and (snap is None or turn_end.length > snap.position):
-                snap = turn_end.snapshot
-                if turn_end.tail_page is not None:
-                    self.cache = _copy_page(self.cache, turn_end.tail_page, own[0])
-                cached = turn_end.length
-        path = "cold" if not warm else ("restore" if snap else "kv_only")
-        self._set_target_table(slot, target_pages)
-        if snap is not None:
-            self.cache = _set_slot_linear(self.cache, slot, LinearState(snap.conv, snap.recurrent))
-        start = snap.position if snap else 0
-        logits, prefilled = self._target_prefill(slot, prompt, hashes, start, cached, gen, sess)
-        self.hidden_ranges[slot] = carry_lib.stamped_merge(self.hidden_ranges[slot], gen, start, n - start)
-        self._rng, key = jax.random.split(self._rng)
-        first = pick_token(logits[None], self.spec.temperature, key)
-        hidden = _hidden_at(self.hiddens, slot, n - 1)
-        stats = TurnStats(req.session_id, gen, n, cached, path, prefilled, 0, 0, 0, "no_carry", 0, 0.0, 0.0, 0,
-                          AcceptanceStats())
-        drafter_pages = self._drafter_context(slot, prompt, sess, gen, start, need, stats)
-        jax.block_until_ready((first, self.dcache.rows))
+            # Path: restore a snapshot, or recompute the recurrent state (KV-only), or cold.
+            # Candidates: the longest page-aligned prefill snapshot within the cached
+            # pages, and the end state of an earlier turn this prompt extends (its
+            # partial last page is then copied into this sequence's first own page,
+            # now, before another turn's allocation can evict the entry holding it).
+            snap, turn_end = None, None
+            if use_prefix and self.ecfg.turn_end_snapshots:
+                turn_end = self.turn_ends.match(prompt, len(shared))
+            matched = max(cached, turn_end.length if turn_end else 0)
+            warm = matched > 0
+            if warm and matched >= self.marconi and self.ecfg.policy != "rebuild":
+                snap = self.snapshots.best(hashes, cached)
+                if turn_end is not None and (snap is None or turn_end.length > snap.position):
+                    snap = turn_end.snapshot
+                    if turn_end.tail_page is not None:
+                        self.cache = _copy_page(self.cache, turn_end.tail_page, own[0])
+                    cached = turn_end.length
+            path = "cold" if not warm else ("restore" if snap else "kv_only")
+            start = snap.position if snap else 0
+            stats = TurnStats(session_id=req.session_id, generation=gen, prompt_len=n, cached_tokens=cached,
+                              path=path, prefilled_tokens=n - start, drafter_prefilled=0, drafter_adopted=0,
+                              drafter_appended=0, carry_outcome=DISARMED, carry_armed=self.carry_armed,
+                              carry_source=0, ttft_s=0.0, decode_s=0.0, output_len=0, acceptance=AcceptanceStats())
+            lv = _Live(request=req, slot=slot, generation=gen, session=sess, hashes=hashes, cached=cached, snap=snap,
+                       hidden_range=carry_lib.stamped_merge(self.hidden_ranges[slot], gen, start, n - start),
+                       target_pages=shared + own, drafter_pages=[], adopted=None, drafter_rows=(0, -1), plan=None,
+                       stats=stats)
+            if self.ecfg.speculative:
+                self._reserve_drafter(lv, prompt, need, wave_sessions)
+            undo.pop_all()
         stats.ttft_s = time.perf_counter() - t0
-        return _Live(req, slot, gen, sess, target_pages, drafter_pages, first, hidden, stats)
+        return lv
 
     # -------------------------------------------------------------- the drafter's context
-    def _drafter_context(self, slot, prompt, sess, gen, start, need, stats) -> list[int]:
-        if not self.ecfg.speculative:
-            return []
-        n = len(prompt)
-        pages: list = []
-        rows, last_key = 0, -1
-        plan = None
-        outcome: carry_lib.CarryOutcome = carry_lib.CarryOutcome.NoCarry()
+    def _reserve_drafter(self, lv: _Live, prompt, need, wave_sessions):
+        """Decide the carry over the hidden range the target prefill will leave, and take the pages."""
+        entry, refused, outcome = None, None, DISARMED
         if self.carry_armed:
-            entry = self.carried.get(sess) if self.multi_slot_carry else next(iter(self.carried.values()), None)
-            adopted, plan, outcome = carry_lib.adopt(entry, prompt, sess, self.hidden_ranges[slot], gen)
+            entry = self.carried.get(lv.session) if self.multi_slot_carry else next(iter(self.carried.values()), None)
+            adopted, lv.plan, outcome = carry_lib.adopt(entry, prompt, lv.session, lv.hidden_range, lv.generation)
             if adopted is None:
-                if entry is not None:  # refused: the entry's blocks are freed
-                    self._drop_carry(entry)
-            else:  # the blocks move from the carry slot to this sequence
-                del self.carried[entry.session_hash]
-                pages = list(entry.block_table)
-                rows, last_key = adopted
-                stats.drafter_adopted = rows
-                stats.carry_source = entry.session_hash
-        pages = self._install_drafter(slot, pages, need)
-        self._set_drafter_rows(slot, rows, last_key)
-        if plan is not None:
-            self._append(slot, prompt, plan.first_key, plan.rows)
-            stats.drafter_appended = plan.rows
+                refused, entry = entry, None  # a refusal frees the entry's blocks
+            else:
+                lv.adopted, lv.drafter_rows = entry, adopted
+                lv.stats.drafter_adopted = adopted[0]
+                lv.stats.carry_source = entry.session_hash
+            lv.stats.carry_outcome = outcome.kind
+        held = len(entry.block_table) if entry is not None else 0
+        lv.drafter_pages = self._alloc_drafter(max(0, math.ceil(need / self.ecfg.page_size) - held), refused,
+                                               wave_sessions)
+        if self.ecfg.debug or carry_lib.carry_debug_enabled():
+            logging.info("carry gen=%d session=%x slot=%d: %s", lv.generation, lv.session, lv.slot, outcome)
+
+    def _alloc_drafter(self, count: int, refused, wave_sessions) -> list[int]:
+        """``count`` drafter pages, after freeing ``refused`` (an entry the carry just refused)
+        and, while still short, the carried entries of sessions outside ``wave_sessions``,
+        least recently deposited first.
+
+        Carried drafters are a cache, as the target's prefix cache is: dropping one
+        costs its session the drafter's context on a later warm turn (a cold drafter
+        or a whole-prompt drafter prefill), never a wrong token, and live turns' pages
+        are never taken. The wave's own sessions are spared because they are about
+        to adopt theirs. Nothing is freed unless the allocation then succeeds, so
+        running dry leaves every entry in place.
+        """
+        drop = [refused] if refused is not None else []
+        avail = self.dpages.num_free + sum(len(e.block_table) for e in drop)
+        for sess, e in self.carried.items():
+            if avail >= count:
+                break
+            if sess not in wave_sessions and e is not refused:
+                drop.append(e)
+                avail += len(e.block_table)
+        if avail < count:
+            raise PagePoolExhausted(
+                f"drafter KV page pool exhausted: a turn needs {count} pages of {self.ecfg.page_size} tokens; "
+                f"{self.dpages.num_free} of {self.dpages.num_pages - 1} are free and the carried drafters it may "
+                f"evict hold {avail - self.dpages.num_free}; nothing was freed")
+        for e in drop:
+            self._drop_carry(e)
+        return self.dpages.allocate(count)
+
+    def _start_turn(self, lv: _Live):
+        """Run a reserved turn's prefills and install its drafter; nothing here allocates."""
+        t0 = time.perf_counter()
+        prompt, slot = list(lv.request.prompt), lv.slot
+        n = len(prompt)
+        start = lv.snap.position if lv.snap else 0
+        self._set_target_table(slot, lv.target_pages)
+        if lv.snap is not None:
+            self.cache = _set_slot_linear(self.cache, slot, LinearState(lv.snap.conv, lv.snap.recurrent))
+        logits = self._target_prefill(slot, prompt, lv.hashes, start, lv.cached, lv.generation, lv.session)
+        self.hidden_ranges[slot] = lv.hidden_range
+        self._rng, key = jax.random.split(self._rng)
+        lv.first_token = pick_token(logits[None], self.spec.temperature, key)
+        lv.first_hidden = _hidden_at(self.hiddens, slot, n - 1)
+        if self.ecfg.speculative:
+            self._start_drafter(lv, prompt, start)
+        jax.block_until_ready((lv.first_token, self.dcache.rows))
+        lv.stats.ttft_s += time.perf_counter() - t0
+
+    def _start_drafter(self, lv: _Live, prompt, start):
+        if lv.adopted is not None:  # the blocks move from the carry slot to this sequence
+            del self.carried[lv.adopted.session_hash]
+            lv.drafter_pages = list(lv.adopted.block_table) + lv.drafter_pages
+        self._set_drafter_table(lv.slot, lv.drafter_pages)
+        rows, last_key = lv.drafter_rows
+        self._set_drafter_rows(lv.slot, rows, last_key)
+        if lv.plan is not None:
+            self._append(lv.slot, prompt, lv.plan.first_key, lv.plan.rows)
+            lv.stats.drafter_appended = lv.plan.rows
         elif rows == 0 and self.drafter_prefill_on and start == 0:
             # A whole-prompt drafter prefill needs the hiddens of every prompt position,
             # so it runs only when the target prefill started at 0 (the reference's guard).
-            self._append(slot, prompt, 0, n - 1)
-            stats.drafter_prefilled = n - 1
-        stats.carry_outcome = outcome.kind
-        if self.ecfg.debug or carry_lib.carry_debug_enabled():
-            logging.info("carry gen=%d session=%x slot=%d: %s", gen, sess, slot, outcome)
-        return pages
-
-    def _install_drafter(self, slot, pages, need) -> list[int]:
-        ps = self.ecfg.page_size
-        missing = math.ceil(need / ps) - len(pages)
-        pages = list(pages) + (self.dpages.allocate(missing) if missing > 0 else [])
-        self._set_drafter_table(slot, pages)
-        return pages
+            self._append(lv.slot, prompt, 0, len(prompt) - 1)
+            lv.stats.drafter_prefilled = len(prompt) - 1
 
     def _append(self, slot, prompt, first_key, count):
         """Drafter rows for keys ``first_key .. first_key+count-1`` from the slot's hidden store."""
@@ -425,13 +500,48 @@ class Engine:
 
     # -------------------------------------------------------------- a wave of turns
     def run_wave(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
+        """Serve up to ``batch_slots`` turns of distinct sessions, decoded together.
+
+        A wave that fails before its decode ends gives back everything its turns
+        took: every request is checked before any turn takes a page, and every turn
+        reserves its pages and carry entry before any turn starts, so no turn has
+        consumed a carried entry when another runs dry. What a reservation freed for
+        good stays freed: a refused carry entry (a retry would refuse it again), and
+        cache or carry entries evicted to make room.
+        """
         b = self.ecfg.batch_slots
         if len(requests) > b:
             raise ValueError(f"{len(requests)} requests for {b} batch slots")
         sessions = [r.session_id for r in requests]
         if len(set(sessions)) != len(sessions):
             raise ValueError("a wave may hold at most one turn per session")
-        live = [self._start_turn(r, i) for i, r in enumerate(requests)]
+        for r in requests:
+            self._check_request(r)
+        wave_sessions = {session_hash(s) for s in sessions}
+        with contextlib.ExitStack() as held:
+            live = []
+            for i, r in enumerate(requests):
+                live.append(self._reserve_turn(r, i, wave_sessions))
+                held.callback(self._release, live[-1])
+            for lv in live:
+                self._start_turn(lv)
+            toks, n, metrics, decode_s = self._decode(live)
+            held.pop_all()
+        results = []
+        for lv in live:
+            out = toks[lv.slot, : n[lv.slot]].tolist()
+            lv.stats.decode_s = decode_s
+            lv.stats.output_len = len(out)
+            if metrics is not None:
+                lv.stats.acceptance = AcceptanceStats.from_metrics(metrics, [lv.slot])
+            results.append(TurnResult(lv.request, out, lv.stats))
+        with contextlib.ExitStack() as finishing:  # runs every callback, last in first, even after one raised
+            for lv, r in reversed(list(zip(live, results))):
+                finishing.callback(self._finish_turn, lv, list(r.request.prompt) + r.output)
+        return results
+
+    def _decode(self, live: list[_Live]):
+        b = self.ecfg.batch_slots
         first = jnp.zeros((b,), jnp.int32)
         hidden = jnp.zeros((b, self.cfg.hidden_size), self.dtype)
         budget = np.zeros((b,), np.int32)
@@ -450,25 +560,39 @@ class Engine:
                                               key)
             metrics = None
         toks, n = np.asarray(toks), np.asarray(n)
-        decode_s = time.perf_counter() - t0
-        results = []
-        for lv in live:
-            out = toks[lv.slot, : n[lv.slot]].tolist()
-            lv.stats.decode_s = decode_s
-            lv.stats.output_len = len(out)
-            if metrics is not None:
-                lv.stats.acceptance = AcceptanceStats.from_metrics(metrics, [lv.slot])
-            self._finish_turn(lv, list(lv.request.prompt) + out)
-            results.append(TurnResult(lv.request, out, lv.stats))
-        return results
+        return toks, n, metrics, time.perf_counter() - t0
+
+    def _release(self, lv: _Live):
+        """Give back every page a turn holds, without registering or depositing anything."""
+        self.pages.release(lv.target_pages)
+        self.dpages.release(lv.drafter_pages)
+        self._set_target_table(lv.slot, [])
+        self._set_drafter_table(lv.slot, [])
 
     def _finish_turn(self, lv: _Live, full: list[int]):
-        """Register full blocks and the end state, release the turn's pages, deposit the drafter."""
+        """Register full blocks and the end state, release the turn's pages, deposit the drafter.
+
+        Both checks run before anything is registered, and a failing one still lets
+        go of the turn's pages: a turn whose end state is inconsistent leaks nothing
+        and leaves nothing behind that describes other tokens.
+        """
         ps = self.ecfg.page_size
         valid = int(self.cache.lengths[lv.slot])  # every token but the last is in the cache
-        if valid != len(full) - 1:
-            raise RuntimeError(f"session {lv.request.session_id}: the cache holds {valid} positions for a sequence "
-                               f"of {len(full)} tokens; its KV, snapshot and carry would describe other tokens")
+        try:
+            if valid != len(full) - 1:
+                raise RuntimeError(f"session {lv.request.session_id}: the cache holds {valid} positions for a "
+                                   f"sequence of {len(full)} tokens; its KV, snapshot and carry would describe "
+                                   f"other tokens")
+            entry = None
+            if self.carry_armed:
+                last = int(self.dcache.last_pair_key[lv.slot])
+                entry = carry_lib.CarriedDrafter(block_table=tuple(lv.drafter_pages),
+                                                 rows=int(self.dcache.rows[lv.slot]),
+                                                 last_pair_key=last if last >= 0 else None, tokens=tuple(full),
+                                                 session_hash=lv.session)
+        except Exception:
+            self._release(lv)
+            raise
         if self.ecfg.policy != "cold":
             hashes = chain_hashes(full[:valid], ps)
             self.prefix.insert(hashes, lv.target_pages[: len(hashes)])
@@ -477,15 +601,7 @@ class Engine:
                 tail = lv.target_pages[valid // ps] if valid % ps else None
                 self.turn_ends.put(full[:valid], tail,
                                    Snapshot(valid, lin.conv, lin.recurrent, lv.session, lv.generation))
-        self.pages.release(lv.target_pages)
-        if not self.ecfg.speculative:
-            return
-        if self.carry_armed:
-            rows = int(self.dcache.rows[lv.slot])
-            last = int(self.dcache.last_pair_key[lv.slot])
-            entry = carry_lib.CarriedDrafter(block_table=tuple(lv.drafter_pages), rows=rows,
-                                             last_pair_key=last if last >= 0 else None, tokens=tuple(full),
-                                             session_hash=lv.session)
+        if entry is not None:
             if not self.multi_slot_carry:
                 for old in list(self.carried.values()):
                     self._drop_carry(old)
@@ -494,10 +610,8 @@ class Engine:
             self.carried[lv.session] = entry
             while len(self.carried) > self.ecfg.carry_slots:
                 self._drop_carry(next(iter(self.carried.values())))
-        else:
-            self.dpages.release(lv.drafter_pages)
-        self._set_target_table(lv.slot, [])
-        self._set_drafter_table(lv.slot, [])
+            lv.drafter_pages = []  # the carry slot owns them now
+        self._release(lv)
 
 
 # ------------------------------------------------------------------ sessions of turns

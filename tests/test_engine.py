@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from mtp.cache.pages import PagePoolExhausted
+from mtp.carry import DrafterContext
 from mtp.data.sessions import Session, Turn
 from mtp.engine import Engine, EngineConfig, TurnRequest, run_sessions, session_hash
 from mtp.speculative import SpecConfig
@@ -201,3 +202,82 @@ def test_budget_cut_mid_acceptance_keeps_cache_and_snapshots_exact(workload):
         assert [r.output for r in res] == [r.output for r in ref]
         assert all(r.stats.acceptance.draft_acceptance_rate == 1.0 for r in res if r.stats.acceptance.steps)
         assert any(r.stats.path == "restore" and r.stats.cached_tokens % 16 for r in res)  # turn-end restores
+
+
+def _pool_state(eng):
+    """Free counts and every page's refcount, of both pools."""
+    return [(p.num_free, [p.refcount(i) for i in range(p.num_pages)]) for p in (eng.pages, eng.dpages)]
+
+
+def test_an_invalid_request_fails_its_wave_before_any_turn_takes_anything(model):
+    eng = _engine(model, policy="carry", batch_slots=2, carry_slots=2)
+    prompts = [tuple(range(1, 21)), tuple(range(2, 22))]
+    res = eng.run_wave([TurnRequest(s, p, MAX_NEW) for s, p in zip("ab", prompts)])
+    carried, state = dict(eng.carried), _pool_state(eng)
+    valid = TurnRequest("a", prompts[0] + tuple(res[0].output) + (5, 6), MAX_NEW)
+    with pytest.raises(ValueError, match="session b: .* exceeds the engine's max_context=256"):
+        eng.run_wave([valid, TurnRequest("b", (5,) * 250, MAX_NEW)])
+    assert eng.carried == carried and _pool_state(eng) == state
+    (r,) = eng.run_wave([valid])
+    assert r.stats.carry_outcome == "adopted"
+
+
+def test_an_exhausted_drafter_pool_leaves_the_carry_and_every_refcount_intact(model):
+    eng = _engine(model, policy="carry", drafter_pages=4)  # 3 pages: one short turn's (20 + 10 + 4 positions)
+    prompt = tuple(range(1, 21))
+    (r,) = eng.run_wave([TurnRequest("a", prompt, MAX_NEW)])
+    carried, state = dict(eng.carried), _pool_state(eng)
+    assert state[1][0] == 0  # the carried entry holds the whole drafter pool
+    longer = prompt + tuple(r.output) + tuple(range(1, 41))  # 6 drafter pages
+    with pytest.raises(PagePoolExhausted, match="drafter KV page pool exhausted"):
+        eng.run_wave([TurnRequest("a", longer, MAX_NEW)])
+    assert eng.carried == carried and _pool_state(eng) == state
+    (r,) = eng.run_wave([TurnRequest("a", prompt + tuple(r.output) + (5,), MAX_NEW)])  # fits the entry's pages
+    assert r.stats.carry_outcome == "adopted"
+
+
+def test_a_wave_that_runs_dry_gives_back_the_turns_it_already_reserved(model):
+    eng = _engine(model, policy="carry", batch_slots=2, carry_slots=2, drafter_pages=7)  # 2 short turns' pages
+    prompts = [tuple(range(1, 21)), tuple(range(2, 22))]
+    res = eng.run_wave([TurnRequest(s, p, MAX_NEW) for s, p in zip("ab", prompts)])
+    carried, state = dict(eng.carried), _pool_state(eng)
+    fits = TurnRequest("a", prompts[0] + tuple(res[0].output) + (5,), MAX_NEW)
+    too_long = TurnRequest("b", prompts[1] + tuple(res[1].output) + tuple(range(1, 41)), MAX_NEW)
+    with pytest.raises(PagePoolExhausted, match="drafter KV page pool exhausted"):
+        eng.run_wave([fits, too_long])  # a's turn adopts its entry, then b's runs dry
+    assert eng.carried == carried and _pool_state(eng) == state
+
+
+def test_a_dry_drafter_pool_evicts_the_least_recently_deposited_carry_of_another_session(model):
+    eng = _engine(model, policy="carry", carry_slots=3, drafter_pages=7)  # room for two carried entries
+    for s, first in zip("abc", (1, 2, 3)):
+        (r,) = eng.run_wave([TurnRequest(s, tuple(range(first, first + 20)), MAX_NEW)])
+        assert r.stats.carry_outcome == "no_carry"
+    assert list(eng.carried) == [session_hash("b"), session_hash("c")]
+
+
+def test_a_failing_turn_end_still_releases_every_turn_of_the_wave(model, monkeypatch):
+    from mtp import carry as carry_lib
+
+    def drifted(**kw):
+        raise ValueError("rows exceed last_pair_key+1")
+
+    eng = _engine(model, policy="carry", batch_slots=2, carry_slots=2)
+    monkeypatch.setattr(carry_lib, "CarriedDrafter", drifted)
+    with pytest.raises(ValueError, match="rows exceed"):
+        eng.run_wave([TurnRequest(s, tuple(range(k, k + 20)), MAX_NEW) for k, s in enumerate("ab", 1)])
+    assert eng.pages.num_free == eng.pages.num_pages - 1 and eng.dpages.num_free == eng.dpages.num_pages - 1
+    assert not eng.carried and len(eng.prefix) == 0
+
+
+@pytest.mark.parametrize("kw, armed", [
+    (dict(), True),
+    (dict(batch_slots=2), False),  # the single slot is configured, but not armed for a multi-sequence dispatch
+    (dict(drafter_context=DrafterContext(prefill=True, carry=False)), False),
+])
+def test_a_disarmed_carry_reports_itself_apart_from_an_empty_slot(model, kw, armed):
+    eng = _engine(model, policy="carry", **kw)
+    (r,) = eng.run_wave([TurnRequest("a", tuple(range(1, 21)), MAX_NEW)])
+    assert eng.carry_armed is armed and r.stats.carry_armed is armed
+    assert r.stats.carry_outcome == ("no_carry" if armed else "disarmed")
+    assert r.stats.as_dict()["carry_outcome"] == r.stats.carry_outcome
