@@ -436,7 +436,7 @@ def part_b(report: Report, reps: int):
             spec = SpecConfig(verify_width=k or 2, max_new_tokens=new)  # plain runs ignore the width
             gen = lambda: generate(cfg, params, prompts, spec, speculative=k > 0)
             gen()  # compile
-            res = [gen() for _ in range(3)]
+            res = [gen() for _ in range(reps)]
             decode_s = float(np.median([r.decode_s for r in res]))
             toks = sum(len(t) for t in res[0].tokens)
             tps = toks / decode_s
@@ -454,14 +454,16 @@ def part_b(report: Report, reps: int):
             report.add(**row)
 
 
-def _guarded(report, part, fn, *args):
-    """Run one part; a failure is recorded (and the other part still runs)."""
+def _guarded(report, part, fn, *args) -> bool:
+    """Run one part; a failure is recorded (and the other part still runs). Returns whether it ran through."""
     try:
         fn(*args)
+        return True
     except Exception as e:  # a benchmark keeps what it measured and says what broke
         logging.exception("part %s failed", part)
         report.data.setdefault("errors", []).append(f"part {part}: {type(e).__name__}: {e}"[:2000])
         (report.out / "results.json").write_text(json.dumps(report.data, indent=1))
+        return False
 
 
 def _markdown(data) -> str:
@@ -498,17 +500,22 @@ def _markdown(data) -> str:
 def main(argv):
     del argv
     report = Report(pathlib.Path(FLAGS.out_dir))
+    failed = []
     if "A" in FLAGS.parts:  # the part that profiles
         if jax.default_backend() == "gpu":
             cupti.start()  # before any loop's CUDA graph exists, or its profile would miss the graph's kernels
         cfg = ModelConfig.from_hf(SMALL if FLAGS.small else BIG)
         bw = copy_bandwidth((1 << 30) if not FLAGS.small else (1 << 22))
-        _guarded(report, "A", part_a, report, cfg, FLAGS.context if not FLAGS.small else 64, FLAGS.reps, bw)
-    if "B" in FLAGS.parts:
-        _guarded(report, "B", part_b, report, FLAGS.reps)
+        if not _guarded(report, "A", part_a, report, cfg, FLAGS.context if not FLAGS.small else 64, FLAGS.reps, bw):
+            failed.append("A")
+    if "B" in FLAGS.parts and not _guarded(report, "B", part_b, report, FLAGS.reps):
+        failed.append("B")
     md = _markdown(report.data)
     (report.out / "results.md").write_text(md)
     print(md)
+    if failed:  # after the files, so the rows measured are kept; the exit status is what scripts check
+        raise SystemExit(f"part {' and '.join(failed)} failed; the errors are in {report.out}/results.json and "
+                         "results.md")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ import numpy as np
 from absl import app, logging
 from ml_collections import config_flags
 
-from experiments.harness import index_turns, load_experiment, run_policy
+from experiments.harness import eos_id, greedy_reference, index_turns, load_experiment, lossless, run_policy, \
+    write_atomic
 from mtp import carry as carry_lib
 from mtp.analysis import acceptance_length, paired_bootstrap, summarize
 from mtp.engine import EngineConfig
@@ -102,21 +103,20 @@ def main(argv):
         logging.warning("the Marconi threshold was fixed before --config.marconi_min_tokens could set it")
     marconi = carry_lib.marconi_min_tokens()
     cfg, params, sessions, prompts = load_experiment(c)
-    spec = SpecConfig(verify_width=c.verify_width, max_new_tokens=max(t.max_new_tokens for s in sessions for t in s.turns),
-                      refeed_accepted=c.refeed_accepted, eos_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1)
+    max_new = max(t.max_new_tokens for s in sessions for t in s.turns)
+    spec = SpecConfig(verify_width=c.verify_width, max_new_tokens=max_new, refeed_accepted=c.refeed_accepted,
+                      eos_id=eos_id(cfg))
     total = sum(len(s.turns) for s in sessions)
-    common = dict(max_context=c.max_context, num_pages=c.num_pages, drafter_pages=c.num_pages,
-                  mtp_quant=c.mtp_quant)
     logging.info("plain greedy reference over %d sessions, %d turns", len(sessions), total)
-    ref = index_turns(run_policy(cfg, params, sessions, prompts, spec,
-                           EngineConfig(policy="cold", speculative=False, **common), "greedy reference", total))
-    per_turn, lossless = {}, {}
+    ref = greedy_reference(cfg, params, sessions, prompts, c, max_new, "greedy reference", total)
+    per_turn, same = {}, {}
     for name, (policy, slots, carry_slots) in c.variants.items():
-        ecfg = EngineConfig(policy=policy, batch_slots=slots, carry_slots=carry_slots, **common)
+        ecfg = EngineConfig(policy=policy, batch_slots=slots, carry_slots=carry_slots, max_context=c.max_context,
+                            num_pages=c.num_pages, drafter_pages=c.num_pages, mtp_quant=c.mtp_quant)
         turns = index_turns(run_policy(cfg, params, sessions, prompts, spec, ecfg, name, total))
         per_turn[name] = turns
-        lossless[name] = all(turns[k].output == ref[k].output for k in ref) and turns.keys() == ref.keys()
-        logging.info("%s: token-identical to plain greedy: %s", name, lossless[name])
+        same[name] = lossless(turns, ref)
+        logging.info("%s: token-identical to plain greedy: %s", name, same[name])
     variants = {}
     for name, turns in per_turn.items():
         stats = [r.stats for _, r in sorted(turns.items())]
@@ -127,8 +127,8 @@ def main(argv):
     for a, b in COMPARISONS:
         if a not in per_turn or b not in per_turn:
             continue
-        keys = [k for k in sorted(ref) if k[1] > 0]
         ta, tb = per_turn[a], per_turn[b]
+        keys = [k for k in sorted(ref) if k[1] > 0 and k in ta and k in tb]  # a lost turn has no pair
         comparisons[f"{a} - {b}"] = {
             "mean_acceptance_length": paired_bootstrap([acceptance_length(ta[k].stats) for k in keys],
                                                        [acceptance_length(tb[k].stats) for k in keys],
@@ -136,7 +136,7 @@ def main(argv):
             "ttft_ms": paired_bootstrap([1e3 * ta[k].stats.ttft_s for k in keys],
                                         [1e3 * tb[k].stats.ttft_s for k in keys], c.bootstrap_samples, c.seed),
         }
-    ok = all(lossless.values())
+    ok = all(same.values())
     report = {
         "header": (f"{len(sessions)} sessions, {total} turns, K={c.verify_width}, mtp_quant={c.mtp_quant}, "
                    f"prompt_mode={c.prompt_mode}, marconi_min_tokens={marconi}, dtype={c.dtype}; "
@@ -144,8 +144,8 @@ def main(argv):
                    f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s"),
         "config": c.to_dict(),
         "lossless": "every policy's tokens equal the plain greedy loop's" if ok else
-                    f"MISMATCH: {[n for n, v in lossless.items() if not v]}",
-        "lossless_by_variant": lossless,
+                    f"MISMATCH: {[n for n, v in same.items() if not v]}",
+        "lossless_by_variant": same,
         "variants": variants,
         "comparisons": comparisons,
         "turns": {n: [dict(session=k[0], turn=k[1], **r.stats.as_dict()) for k, r in sorted(t.items())]
@@ -153,9 +153,9 @@ def main(argv):
     }
     out = pathlib.Path(c.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=1, default=float))
+    write_atomic(out / "results.json", json.dumps(report, indent=1, default=float))
     md = _markdown(report)
-    (out / "results.md").write_text(md)
+    write_atomic(out / "results.md", md)
     _plots(report, per_turn, out)
     print(md)
     print(f"wrote {out}/results.json, results.md, acceptance_by_turn.png, ttft.png")

@@ -20,6 +20,7 @@ import numpy as np
 
 from absl import app, flags, logging
 
+from experiments.harness import eos_id
 from mtp import quant
 from mtp.checkpoint import load_pretrained
 from mtp.data.tokenizer import Tokenizer
@@ -94,7 +95,7 @@ def main(argv):
     d = FLAGS.num_speculative_tokens
     spec = SpecConfig(verify_width=max(d + 1, 2), max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
                       refeed_accepted=FLAGS.refeed_accepted, draft_conf_tau=FLAGS.draft_conf_tau,
-                      eos_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1, impl=FLAGS.kernels)
+                      eos_id=eos_id(cfg), impl=FLAGS.kernels)
     draft_vocab = None
     if FLAGS.mtp_vocab_size:
         counts_path = os.path.join(FLAGS.checkpoint, "token_counts.npy")
@@ -103,20 +104,24 @@ def main(argv):
         draft_vocab = draft_vocabulary(np.load(counts_path), FLAGS.mtp_vocab_size)
     tmp = FLAGS.out + ".tmp"
     start = time.perf_counter()
-    with open(tmp, "w") as out:
-        for lo in range(0, len(prompts), FLAGS.batch_size):
-            batch = prompts[lo : lo + FLAGS.batch_size]
-            res = generate(cfg, params, batch, spec, speculative=d > 0, mtp_quant=mtp_quant, seed=FLAGS.seed + lo,
-                           draft_vocab=draft_vocab)
-            for i, ids in enumerate(res.tokens):
-                metrics = res.per_sequence[i].as_dict() if res.per_sequence else {"verify_steps": len(ids) - 1}
-                metrics["num_tokens"] = len(ids)
-                line = {"ids": ids, "metrics": metrics}
-                if tokenizer is not None:
-                    line["text"] = tokenizer.decode(ids)
-                out.write(json.dumps(line) + "\n")
-            logging.info("generated %d/%d prompts", min(lo + FLAGS.batch_size, len(prompts)), len(prompts))
-    os.replace(tmp, FLAGS.out)
+    try:
+        with open(tmp, "w") as out:
+            for lo in range(0, len(prompts), FLAGS.batch_size):
+                batch = prompts[lo : lo + FLAGS.batch_size]
+                res = generate(cfg, params, batch, spec, speculative=d > 0, mtp_quant=mtp_quant,
+                               seed=FLAGS.seed + lo, draft_vocab=draft_vocab)
+                for i, ids in enumerate(res.tokens):
+                    metrics = res.per_sequence[i].as_dict() if res.per_sequence else {"verify_steps": len(ids) - 1}
+                    metrics["num_tokens"] = len(ids)
+                    line = {"ids": ids, "metrics": metrics}
+                    if tokenizer is not None:
+                        line["text"] = tokenizer.decode(ids)
+                    out.write(json.dumps(line) + "\n")
+                logging.info("generated %d/%d prompts", min(lo + FLAGS.batch_size, len(prompts)), len(prompts))
+        os.replace(tmp, FLAGS.out)
+    except BaseException:  # Ctrl-C too: a failed run leaves neither OUT nor a half-written OUT.tmp
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
     logging.info("wrote %s in %.1f s", FLAGS.out, time.perf_counter() - start)
 
 

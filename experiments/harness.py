@@ -1,8 +1,10 @@
-"""Shared pieces of the session experiments (carry_ablation, sweep): load, run, pair turns."""
+"""Shared pieces of the experiments (carry_ablation, sweep; generate's EOS): load, run, pair
+turns, check them against plain greedy decoding, write results."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 
 import jax.numpy as jnp
@@ -12,7 +14,13 @@ from tqdm import tqdm
 from mtp.checkpoint import load_pretrained
 from mtp.data.sessions import load_preamble, load_sessions
 from mtp.data.tokenizer import Tokenizer
-from mtp.engine import Engine, TextPrompts, run_sessions
+from mtp.engine import Engine, EngineConfig, TextPrompts, run_sessions
+from mtp.speculative import SpecConfig
+
+
+def eos_id(cfg) -> int:
+    """The checkpoint's EOS id as `SpecConfig.eos_id` takes it: -1 (never stop early) where it names none."""
+    return -1 if cfg.eos_token_id is None else cfg.eos_token_id
 
 
 def load_experiment(c):
@@ -57,3 +65,28 @@ def index_turns(results):
         seen[r.request.session_id] = i + 1
         out.append(((r.request.session_id, i), r))
     return dict(out)
+
+
+def greedy_reference(cfg, params, sessions, prompts, c, max_new_tokens, label, total):
+    """Every turn decoded by the plain greedy loop, indexed as `index_turns`: the tokens that
+    a lossless speculative run must reproduce exactly."""
+    spec = SpecConfig(max_new_tokens=max_new_tokens, eos_id=eos_id(cfg))
+    ecfg = EngineConfig(policy="cold", speculative=False, max_context=c.max_context, num_pages=c.num_pages,
+                        drafter_pages=c.num_pages)
+    return index_turns(run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total))
+
+
+def lossless(turns, ref) -> bool:
+    """Whether ``turns`` has exactly the reference's turns, each with its tokens.
+
+    The key sets are compared first: a run that lost a turn is a mismatch to report,
+    not a KeyError that discards everything measured before it.
+    """
+    return turns.keys() == ref.keys() and all(turns[k].output == ref[k].output for k in ref)
+
+
+def write_atomic(path: pathlib.Path, text: str):
+    """Replace ``path`` whole: a run killed mid-write keeps the previous complete file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

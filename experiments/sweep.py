@@ -5,8 +5,9 @@ r"""Acceptance sweeps: K, MTP precision, hidden source, refeed, D-Cut, Marconi t
 Each axis varies one knob from the baseline over the evaluation sessions (the
 Marconi axis over the sessions that share only the preamble, where the threshold
 decides between restoring a snapshot and recomputing with a full drafter prefill).
-Every run is checked token-identical to plain greedy decoding. Writes
-``results.json`` and ``results.md`` (one table per axis) to ``out_dir``.
+Every run is checked token-identical to plain greedy decoding. Every axis and value
+is checked before the first run. ``results.json`` and ``results.md`` (one table per
+axis) go to ``out_dir`` after each axis, so a run cut short keeps the axes it finished.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import time
 from absl import app, logging
 from ml_collections import config_flags
 
-from experiments.harness import index_turns, load_experiment, run_policy, session_subset
+from experiments.harness import (eos_id, greedy_reference, index_turns, load_experiment, lossless, run_policy,
+                                 session_subset, write_atomic)
 from mtp.analysis import summarize
 from mtp.data.sessions import load_sessions
 from mtp.engine import EngineConfig
@@ -27,52 +29,71 @@ from mtp.speculative import SpecConfig
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py", "Sweep config.")
 
 
-def _setting(c, cfg, axis, value):
-    knobs = dict(verify_width=c.verify_width, mtp_quant=c.mtp_quant, refeed_accepted=c.refeed_accepted,
-                 draft_conf_tau=0.0, marconi_min_tokens=c.marconi_min_tokens, mtp_hidden_source=cfg.mtp_hidden_source)
+def _baseline(c, cfg) -> dict:
+    """Every knob an axis may vary (the axis names): the type of its values, and the value it
+    holds while the other axes vary."""
+    return dict(verify_width=(int, c.verify_width), mtp_quant=(str, c.mtp_quant),
+                refeed_accepted=(bool, c.refeed_accepted), draft_conf_tau=(float, 0.0),
+                marconi_min_tokens=(int, c.marconi_min_tokens), mtp_hidden_source=(str, cfg.mtp_hidden_source))
+
+
+def _of_type(value, kind) -> bool:
+    """``isinstance``, except that a bool is no number (``True`` drafts is a typo) and an int is a float."""
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, kind) or (kind is float and isinstance(value, int))
+
+
+def _setting(c, cfg0, axis, value, max_new):
+    """The model config, SpecConfig and EngineConfig of one run: built for every run before the
+    first starts, so that a bad axis or value stops the sweep by name instead of after the
+    axes before it have run."""
+    baseline = _baseline(c, cfg0)
+    if axis not in baseline:
+        raise app.UsageError(f"--config.axes.{axis}: no such axis; choose from {', '.join(baseline)}")
+    kind = baseline[axis][0]
+    if not _of_type(value, kind):
+        raise app.UsageError(f"--config.axes.{axis}: value {value!r} is a {type(value).__name__}, the axis takes "
+                             f"{kind.__name__} values")
+    if axis == "marconi_min_tokens" and value < 0:
+        raise app.UsageError(f"--config.axes.{axis}: value {value} must be >= 0")
+    knobs = {k: v for k, (_, v) in baseline.items()}
     knobs[axis] = value
-    return knobs
+    try:
+        cfg = cfg0.replace(mtp_hidden_source=knobs["mtp_hidden_source"])
+        spec = SpecConfig(verify_width=knobs["verify_width"], max_new_tokens=max_new,
+                          refeed_accepted=knobs["refeed_accepted"], draft_conf_tau=knobs["draft_conf_tau"],
+                          eos_id=eos_id(cfg0))
+        ecfg = EngineConfig(policy=c.policy, max_context=c.max_context, num_pages=c.num_pages,
+                            drafter_pages=c.num_pages, mtp_quant=knobs["mtp_quant"],
+                            marconi_min_tokens=knobs["marconi_min_tokens"])
+    except ValueError as e:
+        raise app.UsageError(f"--config.axes.{axis}: value {value!r}: {e}") from e
+    return cfg, spec, ecfg
 
 
-def main(argv):
-    del argv
-    c = _CONFIG.value
-    start = time.time()
-    cfg0, params, sessions, prompts = load_experiment(c)
-    preamble_only = session_subset(load_sessions(c.preamble_only_sessions), c.num_preamble_only, "num_preamble_only")
-    tables = {}
+def plan(c, cfg0, sessions, preamble_only) -> dict:
+    """``{axis: (sessions, max new tokens, [(value, cfg, spec, ecfg), ...])}`` for every axis and value.
+
+    The Marconi axis runs over the sessions that share only the preamble, where the
+    threshold decides between restoring a snapshot and a full drafter prefill.
+    """
+    if not c.axes:
+        raise app.UsageError("--config.axes: no axes to sweep")
+    out = {}
     for axis, values in c.axes.items():
+        if not isinstance(values, (tuple, list)) or not values:
+            raise app.UsageError(f"--config.axes.{axis}={values!r}: give a non-empty tuple of values")
         work = preamble_only if axis == "marconi_min_tokens" else sessions
-        total = sum(len(s.turns) for s in work)
         max_new = max(t.max_new_tokens for s in work for t in s.turns)
-        ref_spec = SpecConfig(max_new_tokens=max_new, eos_id=cfg0.eos_token_id if cfg0.eos_token_id is not None else -1)
-        ref = index_turns(run_policy(cfg0, params, work, prompts, ref_spec,
-                               EngineConfig(policy="cold", speculative=False, max_context=c.max_context,
-                                            num_pages=c.num_pages), f"{axis} ref", total))
-        rows = []
-        for value in values:
-            k = _setting(c, cfg0, axis, value)
-            cfg = cfg0.replace(mtp_hidden_source=k["mtp_hidden_source"])
-            spec = SpecConfig(verify_width=k["verify_width"], max_new_tokens=max_new,
-                              refeed_accepted=k["refeed_accepted"], draft_conf_tau=k["draft_conf_tau"],
-                              eos_id=ref_spec.eos_id)
-            ecfg = EngineConfig(policy=c.policy, max_context=c.max_context, num_pages=c.num_pages,
-                                drafter_pages=c.num_pages, mtp_quant=k["mtp_quant"],
-                                marconi_min_tokens=k["marconi_min_tokens"])
-            turns = index_turns(run_policy(cfg, params, work, prompts, spec, ecfg, f"{axis}={value}", total))
-            same = turns.keys() == ref.keys() and all(turns[t].output == ref[t].output for t in ref)
-            stats = [r.stats for r in turns.values()]
-            rows.append({"value": value, "lossless": same, "all": summarize(stats),
-                         "warm": summarize([s for (sid, i), s in zip(turns, stats) if i > 0])})
-            logging.info("%s=%s lossless=%s", axis, value, same)
-        tables[axis] = rows
-    out = pathlib.Path(c.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    header = (f"{len(sessions)} sessions (+{len(preamble_only)} preamble-only for the Marconi axis), policy={c.policy}, "
-              f"baseline K={c.verify_width} {c.mtp_quant}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-              f"wall {time.time() - start:.0f} s")
-    (out / "results.json").write_text(json.dumps({"header": header, "config": c.to_dict(), "tables": tables},
-                                                 indent=1, default=float))
+        out[axis] = work, max_new, [(v, *_setting(c, cfg0, axis, v, max_new)) for v in values]
+    return out
+
+
+def _write(out: pathlib.Path, header: str, c, tables: dict) -> str:
+    """results.json and results.md of the axes run so far; returns the markdown."""
+    write_atomic(out / "results.json", json.dumps({"header": header, "config": c.to_dict(), "tables": tables},
+                                                  indent=1, default=float))
     lines = [f"# Acceptance sweeps\n\n{header}\n"]
     for axis, rows in tables.items():
         lines += [f"\n## {axis}\n", "| value | lossless | TTFT p50 ms | decode tok/s | mean acc. len | "
@@ -83,7 +104,37 @@ def main(argv):
             lines.append(f"| {r['value']} | {r['lossless']} | {a['ttft_ms_p50']:.1f} | {a['decode_tokens_per_s']:.1f} "
                          f"| {a['mean_acceptance_length']:.3f} | {pos} | {a['draft_acceptance_rate']:.3f} | {a['paths']} |")
     md = "\n".join(lines) + "\n"
-    (out / "results.md").write_text(md)
+    write_atomic(out / "results.md", md)
+    return md
+
+
+def main(argv):
+    del argv
+    c = _CONFIG.value
+    start = time.time()
+    cfg0, params, sessions, prompts = load_experiment(c)
+    preamble_only = session_subset(load_sessions(c.preamble_only_sessions), c.num_preamble_only, "num_preamble_only")
+    axes = plan(c, cfg0, sessions, preamble_only)
+    out = pathlib.Path(c.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tables = {}
+    for axis, (work, max_new, runs) in axes.items():
+        total = sum(len(s.turns) for s in work)
+        ref = greedy_reference(cfg0, params, work, prompts, c, max_new, f"{axis} ref", total)
+        rows = []
+        for value, cfg, spec, ecfg in runs:
+            turns = index_turns(run_policy(cfg, params, work, prompts, spec, ecfg, f"{axis}={value}", total))
+            same = lossless(turns, ref)
+            stats = [r.stats for r in turns.values()]
+            rows.append({"value": value, "lossless": same, "all": summarize(stats),
+                         "warm": summarize([s for (sid, i), s in zip(turns, stats) if i > 0])})
+            logging.info("%s=%s lossless=%s", axis, value, same)
+        tables[axis] = rows
+        header = (f"{len(sessions)} sessions (+{len(preamble_only)} preamble-only for the Marconi axis), "
+                  f"policy={c.policy}, baseline K={c.verify_width} {c.mtp_quant}, "
+                  f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s, "
+                  f"{len(tables)} of {len(axes)} axes")
+        md = _write(out, header, c, tables)
     print(md)
     if not all(r["lossless"] for rows in tables.values() for r in rows):
         raise SystemExit("a sweep setting's output differs from plain greedy decoding")

@@ -95,3 +95,51 @@ except RuntimeError as e:
 print("checked")
 """
     _check_in_subprocess(code)
+
+
+def test_part_b_times_reps_runs_of_each_decoding():
+    """Part B ran 3 timed generations whatever --reps said. Its generate is counted here, not run."""
+    code = """
+import sys, types
+from absl import flags
+import mtp.analysis, mtp.checkpoint, mtp.generation
+from experiments import bench_decode
+flags.FLAGS(["bench_decode", "--small", "--batches", "1", "--spec_ks", "2"])
+calls = []
+def generate(cfg, params, prompts, spec, speculative):
+    calls.append((speculative, spec.plain_width))
+    stats = types.SimpleNamespace(as_dict=dict)
+    return types.SimpleNamespace(decode_s=1.0, tokens=[[1, 2]], stats=stats)
+mtp.generation.generate = generate
+mtp.checkpoint.load_pretrained = lambda path: (None, None)
+mtp.analysis.first_divergence = lambda *args: None
+rows = []
+bench_decode.part_b(types.SimpleNamespace(add=lambda **row: rows.append(row)), 5)
+assert [r["what"] for r in rows] == ["plain", "spec K=2"], rows
+timed = lambda sp: sum(c == (sp, 1) for c in calls)
+assert timed(False) == 1 + 5 and timed(True) == 1 + 5, calls  # a compile run, then --reps timed ones
+print("checked")
+"""
+    _check_in_subprocess(code)
+
+
+def test_a_failed_part_exits_nonzero_after_writing_its_files(tmp_path):
+    """A crashed part was only recorded, and the process exited 0: scripts/gpu_check.sh said "ok"."""
+    code = f"""
+import sys
+from absl import app
+from experiments import bench_decode
+def part_b(report, reps):
+    raise RuntimeError("the default model is missing")
+bench_decode.part_b = part_b
+sys.argv = ["bench_decode", "--parts", "B", "--out_dir", {str(tmp_path)!r}]
+try:
+    app.run(bench_decode.main)
+except SystemExit as e:
+    assert "part B failed" in str(e.code), e.code
+    print("checked")
+"""
+    _check_in_subprocess(code)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["errors"] == ["part B: RuntimeError: the default model is missing"]
+    assert "Error: part B: RuntimeError" in (tmp_path / "results.md").read_text()

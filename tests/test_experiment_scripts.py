@@ -1,0 +1,127 @@
+"""experiments/sweep.py and experiments/generate.py around their runs, with the runs faked: each
+check runs in its own process, since the scripts' absl flags would clash in one."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ENV = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+
+# A sweep whose model, engine runs and summaries are stand-ins: what is left is its planning and writing.
+SWEEP = """
+import sys, types
+import ml_collections
+from absl import app, flags
+from experiments import harness, sweep
+from mtp.config import ModelConfig
+from mtp.data.sessions import load_sessions
+
+flags.FLAGS(["sweep"])
+c = sweep._CONFIG.value
+c.out_dir = sys.argv[1]
+cfg = ModelConfig.from_hf("configs/models/tiny_dense.json")
+sessions = load_sessions(c.sessions)[:1]
+sweep.load_experiment = lambda c: (cfg, None, sessions, None)
+ran = []
+
+def run_policy(cfg, params, work, prompts, spec, ecfg, label, total):
+    ran.append(label)
+    if label == FAIL_AT:
+        raise RuntimeError("the engine ran out of pages")
+    return [types.SimpleNamespace(request=types.SimpleNamespace(session_id=s.session_id), output=[7], stats=None)
+            for s in work for t in s.turns]
+
+sweep.run_policy = harness.run_policy = run_policy
+sweep.summarize = lambda stats: dict(ttft_ms_p50=1.0, decode_tokens_per_s=2.0, mean_acceptance_length=1.5,
+                                     acceptance_per_position=[0.5], draft_acceptance_rate=0.5, paths={})
+"""
+
+
+def _python(code: str, *args):
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "checked" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_sweep_names_a_bad_axis_or_value_before_any_run(tmp_path):
+    """An unknown axis ran the baseline under its label; a bad value stopped the sweep only once
+    the axes before it had run."""
+    code = SWEEP + """
+FAIL_AT = None
+shipped = sweep.plan(c, cfg, sessions, sessions)
+assert {a: len(runs) for a, (_, _, runs) in shipped.items()} == {a: len(v) for a, v in c.axes.items()}
+for axis, values, message in [
+        ("mtp_qaunt", ("bf16",), "--config.axes.mtp_qaunt: no such axis; choose from verify_width, mtp_quant"),
+        ("mtp_quant", ("bf16", "fp9"), "--config.axes.mtp_quant: value 'fp9': unknown --mtp_quant 'fp9'"),
+        ("verify_width", (2, 1), "--config.axes.verify_width: value 1: verify_width K=1 must be in 2.."),
+        ("verify_width", (2, 2.5), "--config.axes.verify_width: value 2.5 is a float, the axis takes int values"),
+        ("refeed_accepted", (False, "yes"), "value 'yes' is a str, the axis takes bool values"),
+        ("draft_conf_tau", (0.3, 1.0), "--config.axes.draft_conf_tau: value 1.0: draft_conf_tau=1.0 must be in"),
+        ("mtp_hidden_source", ("pre-norm",), "--config.axes.mtp_hidden_source: value 'pre-norm': config field"),
+        ("marconi_min_tokens", (0, -1), "--config.axes.marconi_min_tokens: value -1 must be >= 0"),
+        ("marconi_min_tokens", (), "--config.axes.marconi_min_tokens=(): give a non-empty tuple")]:
+    c.axes = ml_collections.ConfigDict(dict([("draft_conf_tau", (0.0, 0.3)), (axis, values)]))  # sorted: first
+    try:
+        sweep.main([])
+        raise AssertionError(f"{axis}={values} was swept")
+    except app.UsageError as e:
+        assert message in str(e), (message, str(e))
+    assert not ran, ran  # the good axis before it did not run either
+print("checked")
+"""
+    _python(code, str(tmp_path))
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_sweep_writes_each_axis_as_it_finishes(tmp_path):
+    code = SWEEP + """
+FAIL_AT = "verify_width=3"
+c.axes = ml_collections.ConfigDict(dict(mtp_quant=("bf16", "fp8"), verify_width=(2, 3)))  # run in sorted order
+try:
+    sweep.main([])
+    raise AssertionError("the failing run did not fail")
+except RuntimeError:
+    pass
+assert ran == ["mtp_quant ref", "mtp_quant=bf16", "mtp_quant=fp8", "verify_width ref", "verify_width=2",
+               "verify_width=3"], ran
+print("checked")
+"""
+    _python(code, str(tmp_path))
+    data = json.loads((tmp_path / "results.json").read_text())
+    rows = data["tables"].pop("mtp_quant")
+    assert not data["tables"] and [r["value"] for r in rows] == ["bf16", "fp8"] and all(r["lossless"] for r in rows)
+    assert "1 of 2 axes" in data["header"] and "## mtp_quant" in (tmp_path / "results.md").read_text()
+    assert not {"variants", "bootstrap_samples", "seed"} & data["config"].keys()  # the sweep reads none of them
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "results.md"]
+
+
+def test_generate_leaves_no_temp_file_when_it_fails(tmp_path):
+    """The first batch is written to OUT.tmp, the second fails: neither OUT nor OUT.tmp may remain."""
+    code = """
+import sys, types
+from absl import app
+from experiments import generate
+from mtp.config import ModelConfig
+cfg = ModelConfig.from_hf("configs/models/tiny_dense.json")
+generate.load_pretrained = lambda path: (cfg, None)
+batches = []
+def fake_generate(cfg, params, batch, spec, **kw):
+    batches.append(batch)
+    if len(batches) == 2:
+        raise RuntimeError("out of memory")
+    return types.SimpleNamespace(tokens=[[5, 6]], per_sequence=None)
+generate.generate = fake_generate
+out, prompts = sys.argv[1], sys.argv[1] + ".prompts.jsonl"
+open(prompts, "w").write('{"ids": [1, 2]}\\n{"ids": [3]}\\n')
+sys.argv = ["generate", "--checkpoint", "/nonexistent", "--prompts", prompts, "--out", out, "--batch_size", "1"]
+try:
+    app.run(generate.main)
+except RuntimeError as e:
+    assert "out of memory" in str(e) and len(batches) == 2
+    print("checked")
+"""
+    out = tmp_path / "out.jsonl"
+    _python(code, str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl.prompts.jsonl"]
