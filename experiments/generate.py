@@ -22,7 +22,7 @@ from absl import app, flags, logging
 
 from experiments.harness import eos_id
 from mtp import quant
-from mtp.checkpoint import load_pretrained
+from mtp.checkpoint import TOKEN_COUNTS_NAME, load_pretrained
 from mtp.data.tokenizer import Tokenizer
 from mtp.generation import generate
 from mtp.mtp_head import draft_vocabulary
@@ -98,7 +98,7 @@ def main(argv):
                       eos_id=eos_id(cfg), impl=FLAGS.kernels)
     draft_vocab = None
     if FLAGS.mtp_vocab_size:
-        counts_path = os.path.join(FLAGS.checkpoint, "token_counts.npy")
+        counts_path = os.path.join(FLAGS.checkpoint, TOKEN_COUNTS_NAME)
         if not os.path.exists(counts_path):
             raise ValueError(f"--mtp_vocab_size needs token frequencies: {counts_path} is missing")
         draft_vocab = draft_vocabulary(np.load(counts_path), FLAGS.mtp_vocab_size)

@@ -242,8 +242,8 @@ def load_sharded(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[Model
     """
     try:
         cfg = ModelConfig.from_hf(path)
-    except ConfigError as e:
-        raise checkpoint.CheckpointError(f"{path}: {e}") from e
+    except ConfigError as e:  # already names config.json
+        raise checkpoint.CheckpointError(str(e)) from e
     specs = param_specs(cfg, mesh)
     stack = stacks_experts(cfg, mesh)
     pending: dict[str, dict[int, np.ndarray]] = {}

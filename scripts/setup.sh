@@ -19,9 +19,11 @@ find_python() {
   return 1
 }
 
-stamp="$VENV/.installed-$EXTRAS-$(sha1sum "$ROOT/pyproject.toml" | cut -c1-12)"
+py="$(find_python)"
+# The stamp names pyproject.toml's hash, taken by Python so that macOS (no sha1sum) works too.
+digest="$("$py" -c 'import hashlib, sys; print(hashlib.sha1(open(sys.argv[1], "rb").read()).hexdigest()[:12])' "$ROOT/pyproject.toml")"
+stamp="$VENV/.installed-$EXTRAS-$digest"
 if [ ! -f "$stamp" ]; then
-  py="$(find_python)"
   echo "setup: creating $VENV with $py" >&2
   rm -rf "$VENV"
   "$py" -m venv "$VENV"

@@ -84,6 +84,7 @@ ON_GPU = jax.default_backend() == "gpu"
 
 @pytest.mark.parametrize("m,h,kw", [
     (1, 2048, {}), (8, 2048, dict(tile_n=64, k_splits=4)), (32, 4096, {}), (5, 256, dict(k_splits=2)),
+    (128, 2048, {}), (96, 4096, {}),  # a carry's tail append: 128-row tiles
 ] if ON_GPU else [(5, 256, dict(k_splits=4)), (40, 128, dict(tile_n=32, k_splits=2, stages=2))])
 def test_split_k_compiled_forms_match_reference(m, h, kw):
     """The propose path as the model runs it: compiled on a GPU, where the in-cluster
@@ -95,9 +96,9 @@ def test_split_k_compiled_forms_match_reference(m, h, kw):
     with ctx:
         out = fc_gemm_folded(args[0], args[1], w_f, eps=1e-6, **kw)
         clustered = (fc_gemm_folded(args[0], args[1], w_f, eps=1e-6, reduce="cluster", **kw)
-                     if ON_GPU else None)
+                     if ON_GPU and m <= 64 else None)  # the propose step's alternative only
     _check_against_reference(out, args)
-    if ON_GPU:  # both forms sum the same partial products: they agree closely
+    if clustered is not None:  # both forms sum the same partial products: they agree closely
         _check_against_reference(clustered, args)
         assert _rel_err(clustered, out) < 4e-3
 
