@@ -52,6 +52,7 @@ from absl import app, flags
 
 from experiments.bench_decode import (BIG, abstract, chained_verify_step, kernel_sources,  # and its flags
                                       random_cache, source_of)
+from experiments.cli import refuse_flags_of
 from mtp.speculative import MAX_VERIFY_WIDTH
 
 H200_TARGET = """\
@@ -301,6 +302,7 @@ def print_copies(hlo_text: str, while_body: bool):
 
 def main(argv):
     del argv
+    refuse_flags_of("experiments.bench_decode", {"batches", "context", "steps_per_call"})
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
     target_config = open(FLAGS.target_config).read() if FLAGS.target_config else H200_TARGET
     device = compile_only_device(target_config)

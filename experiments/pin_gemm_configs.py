@@ -39,6 +39,7 @@ import sys
 from absl import app, flags
 
 from experiments.bench_decode import BIG, chained_verify_step, random_cache  # and its flags
+from experiments.cli import refuse_flags_of
 from experiments.gemm_probe import ffn_program, per_kernel_us
 
 flags.DEFINE_enum("program", "ffn", ["ffn", "decode"], "What to compile and time.")
@@ -180,6 +181,7 @@ def kernel_us(times: dict[str, float], fusion: str) -> float | None:
 
 
 def main(argv):
+    refuse_flags_of("experiments.bench_decode", {"batches", "context", "reps", "out_dir"})
     del argv
     if FLAGS.worker:
         return run_worker(FLAGS.worker)

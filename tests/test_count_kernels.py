@@ -151,3 +151,15 @@ def test_launches_are_grouped_by_model_source_line():
     # Frames outside mtp/ (jax's own pad) are skipped; the innermost mtp/ frames come first.
     assert got == {"rms_norm:113 < decoder_layer:64 -> bf16[2,2048]": 2,
                    "dense:78 < decoder_layer:64 -> f32[2,11264]": 1, "? kCustomCall": 1}
+
+
+def test_bench_decode_flags_it_does_not_read_are_refused():
+    """It imports bench_decode's helpers and so parses all of its flags; one it would ignore
+    (e.g. --tp: it compiles one device) stops it by name before anything compiles."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "experiments.count_kernels", "--tp=2", "--reps=3", "--context=512"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "--reps, --tp: experiments.bench_decode's flag(s), which this script does not use" in run.stderr
