@@ -117,10 +117,12 @@ def main(argv):
     axes = plan(c, cfg0, sessions, preamble_only)
     out = pathlib.Path(c.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tables = {}
+    tables, refs = {}, {}  # one plain greedy reference per session set, shared by its axes
     for axis, (work, max_new, runs) in axes.items():
         total = sum(len(s.turns) for s in work)
-        ref = greedy_reference(cfg0, params, work, prompts, c, max_new, f"{axis} ref", total)
+        if id(work) not in refs:
+            refs[id(work)] = greedy_reference(cfg0, params, work, prompts, c, max_new, "greedy reference", total)
+        ref = refs[id(work)]
         rows = []
         for value, cfg, spec, ecfg in runs:
             turns = index_turns(run_policy(cfg, params, work, prompts, spec, ecfg, f"{axis}={value}", total))
