@@ -152,7 +152,7 @@ def bench_fc(m, h, reps, variants=None):
     """Checks, then times, the fc kernel path against XLA.
 
     "ours" is what the model runs per call: ``fc_gemm_folded`` on the load-time folded
-    weight (for M <= 64 the split-K kernel and one XLA fusion that sums its splits; above,
+    weight (for M <= SMALL_M the split-K kernel and one XLA fusion that sums its splits; above,
     the row sum-of-squares kernel and the GEMM).
     "XLA dot" is ``jnp.dot`` alone on an input already normalised and concatenated;
     "unfused" is the reference (norm + concat + dot), what ``impl="reference"`` runs.
@@ -195,7 +195,7 @@ def bench_fc(m, h, reps, variants=None):
                                        dot_fn.lower(*xs[0]).compile().as_text())
     t_ref, _ = _time(ref_fn, ref_sets, reps)
     res.update(t_ours=t_ours, t_xla_dot=t_dot, t_xla_unfused=t_ref, timing=method)
-    # Where "ours" spends its time (M > 64): the row sum-of-squares kernel alone, beside
+    # Where "ours" spends its time (M > SMALL_M): the row sum-of-squares kernel alone, beside
     # XLA's own reduction of the same sums (what it replaced).
     if m > fcmod.SMALL_M:
         pre_fn = jax.jit(lambda e, hd, wf: jnp.stack([fcmod._rms_scale(e, eps),
