@@ -38,18 +38,21 @@ COMPARISONS = (("carry", "blind"), ("carry", "rebuild"), ("carry_multi_B2", "car
 def _markdown(report) -> str:
     lines = [f"# Drafter-context ablation\n\n{report['header']}\n",
              "| variant | turns | split | TTFT p50 ms | decode tok/s | verify steps | accepted/step | "
-             "mean acc. len | per-position acceptance | drafter rows prefilled / adopted / appended |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "mean acc. len | per-position acceptance | drafter rows prefilled / adopted / appended | "
+             "carry outcomes (turns) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in report["variants"].items():
         for split in ("cold", "warm"):
             s = v[split]
             if not s["turns"]:
                 continue
             pos = " / ".join(f"{p:.3f}" for p in s["acceptance_per_position"])
+            # A disarmed carry says so (DESIGN §3: configured is not armed), never "no_carry".
+            outcomes = ", ".join(f"{o} {n}" for o, n in s["carry_outcomes"].items())
             lines.append(f"| {name} | {s['turns']} | {split} | {s['ttft_ms_p50']:.1f} | {s['decode_tokens_per_s']:.1f} "
                          f"| {s['verify_steps']} | {s['accepted_per_step']:.3f} | {s['mean_acceptance_length']:.3f} "
                          f"| {pos} | {s['drafter_rows_prefilled']} / {s['drafter_rows_adopted']} / "
-                         f"{s['drafter_rows_appended']} |")
+                         f"{s['drafter_rows_appended']} | {outcomes} |")
     lines += ["", "Paired bootstrap (warm turns, 95% CI):", "",
               "| comparison | metric | mean difference | 95% CI | pairs |", "|---|---|---|---|---|"]
     for key, cmp in report["comparisons"].items():

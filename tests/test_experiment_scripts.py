@@ -1,4 +1,4 @@
-"""experiments/sweep.py and experiments/generate.py around their runs, with the runs faked: each
+"""experiments/sweep.py, generate.py and carry_ablation.py around their runs, with the runs faked: each
 check runs in its own process, since the scripts' absl flags would clash in one."""
 
 import json
@@ -125,3 +125,19 @@ except RuntimeError as e:
     out = tmp_path / "out.jsonl"
     _python(code, str(out))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl.prompts.jsonl"]
+
+
+def test_carry_ablation_table_says_when_the_carry_was_disarmed(tmp_path):
+    """DESIGN §3: configured is not armed, and what reports the carry says which it was."""
+    code = """
+from experiments import carry_ablation
+warm = dict(turns=2, ttft_ms_p50=1.0, decode_tokens_per_s=2.0, verify_steps=3, accepted_per_step=0.5,
+            mean_acceptance_length=1.5, acceptance_per_position=[0.5], drafter_rows_prefilled=0,
+            drafter_rows_adopted=0, drafter_rows_appended=0, carry_outcomes={"disarmed": 2})
+report = dict(header="h", variants={"carry_single_B2": {"cold": {"turns": 0}, "warm": warm}}, comparisons={},
+              lossless="yes")
+md = carry_ablation._markdown(report)
+assert "carry outcomes (turns)" in md and "| 0 / 0 / 0 | disarmed 2 |" in md, md
+print("checked")
+"""
+    _python(code, str(tmp_path))
