@@ -192,6 +192,48 @@ def test_append_and_rerender_agree_on_text(tok, files):
         assert tok.decode(prev_full) == S.render_transcript(preamble, history)
 
 
+def _chatml_tokenizer():
+    """The shipped tokenizer plus Qwen's ChatML markers: what a real Qwen tokenizer.json brings."""
+    import tokenizers
+
+    hf = tokenizers.Tokenizer.from_file(str(DEFAULT_TOKENIZER_PATH))
+    hf.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    return Tokenizer(hf)
+
+
+def test_chatml_template_for_a_qwen_tokenizer():
+    chat = _chatml_tokenizer()
+    assert S.template_for(chat) is S.CHATML_TEMPLATE
+    assert S.template_for(Tokenizer.load(DEFAULT_TOKENIZER_PATH)) is S.PROJECT_TEMPLATE
+    t = S.CHATML_TEMPLATE
+    assert S.render_conversation("PRE", [("a", "b<|im_end|>"), ("c", "d")], "e", t) == (
+        "<|im_start|>system\nPRE<|im_end|>\n"
+        "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n"  # stopped on its EOS
+        "<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\nd<|im_end|>\n"  # cut by its budget
+        "<|im_start|>user\ne<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("ends_on_eos", [True, False])
+def test_chatml_append_and_rerender_agree(ends_on_eos):
+    """A reply that ends on ``<|im_end|>`` (the model's EOS) or is cut by its budget: either way
+    the append path strictly extends the sequence and reads as the re-rendered conversation."""
+    tok = _chatml_tokenizer()
+    im_end = tok.hf.token_to_id("<|im_end|>")
+    history, prev_full = [], None
+    for chunk in ("def f():", "x = f()", "print(x)"):
+        appended = (S.first_prompt_ids(S.PREAMBLE, chunk, tok) if prev_full is None
+                    else S.next_prompt_ids_append(prev_full, chunk, tok))
+        if prev_full is not None:
+            assert appended[: len(prev_full)] == prev_full
+        want = S.render_conversation(S.PREAMBLE, history, chunk, S.CHATML_TEMPLATE)
+        assert tok.decode(appended) == want
+        assert tok.decode(S.next_prompt_ids_rerender(S.PREAMBLE, history, chunk, tok)) == want
+        assert want.count("<|im_end|><|im_end|>") == 0
+        reply = tok.encode("    return 1") + ([im_end] if ends_on_eos else [])
+        prev_full = appended + reply
+        history.append((chunk, tok.decode(reply)))
+
+
 # --------------------------------------------------------------------------- session files
 
 

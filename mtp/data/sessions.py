@@ -12,7 +12,9 @@ Template (a turn's prompt ends with ``<|assistant|>\\n``)::
 
 The training stream renders part of its documents with this same template, built by
 the same walk over a file (``conversations_from_file``), so the model learns the
-markers and that after ``<|assistant|>\\n`` the file simply continues.
+markers and that after ``<|assistant|>\\n`` the file simply continues. A real Qwen
+checkpoint's tokenizer (one with ``<|im_start|>`` and ``<|im_end|>``) gets its own
+ChatML layout instead (``template_for``), so the sessions reach it as its chat format.
 
 Sessions are built deterministically: every random draw comes from a ``random.Random``
 seeded by sha256 of (seed, purpose, file path), so one file's sessions do not depend on
@@ -73,30 +75,74 @@ _DEFINITION_START = re.compile(r"^[ \t]*(?:@|def |class |async def )")
 # Template
 
 
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    """How a session is laid out as text: ``head`` (the system part), then per turn ``ask``
+    (the user's chunk and the opening of the reply), the reply, and ``close`` before the
+    next ``ask``. ``close`` may start with a special token the model itself emits to end
+    its reply (ChatML's ``<|im_end|>``, its EOS): the append path then adds only the rest.
+    """
+
+    name: str
+    head: str  # ``{preamble}``
+    ask: str  # ``{user}``
+    close: str = ""
+    close_token: str = ""  # the special token ``close`` starts with, if any
+
+    def transcript(self, preamble: str, history: Sequence[tuple[str, str]]) -> str:
+        """The full sequence after the turns in ``history`` (through the last reply's ``close``).
+
+        A reply text may end with ``close_token`` (the model stopped on it): it is not
+        written twice.
+        """
+        return self.head.format(preamble=preamble) + "".join(
+            self.ask.format(user=u) + (r.removesuffix(self.close_token) if self.close_token else r) + self.close
+            for u, r in history)
+
+    def continuation(self, prev_full_ids: Sequence[int], user_chunk: str, tok: Tokenizer) -> list[int]:
+        """The ids that turn a full sequence into the next turn's prompt (the append path)."""
+        close = self.close
+        if self.close_token and prev_full_ids and prev_full_ids[-1] == tok.hf.token_to_id(self.close_token):
+            close = close.removeprefix(self.close_token)
+        return tok.encode(close + self.ask.format(user=user_chunk))
+
+
+PROJECT_TEMPLATE = ChatTemplate("project", head=f"{SYSTEM_TOKEN}\n{{preamble}}",
+                                ask=f"\n{USER_TOKEN}\n{{user}}\n{ASSISTANT_TOKEN}\n")
+CHATML_TEMPLATE = ChatTemplate("chatml", head="<|im_start|>system\n{preamble}<|im_end|>\n",
+                               ask="<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n",
+                               close="<|im_end|>\n", close_token="<|im_end|>")
+
+
+def template_for(tok: Tokenizer) -> ChatTemplate:
+    """ChatML for a tokenizer that has its markers (Qwen's), else the shipped model's template."""
+    chatml = all(tok.hf.token_to_id(t) is not None for t in ("<|im_start|>", "<|im_end|>"))
+    return CHATML_TEMPLATE if chatml else PROJECT_TEMPLATE
+
+
 def user_suffix(user_chunk: str) -> str:
-    """The text that turns a full sequence into the next turn's prompt."""
-    return f"\n{USER_TOKEN}\n{user_chunk}\n{ASSISTANT_TOKEN}\n"
+    """The text that turns a full sequence into the next turn's prompt (the shipped template)."""
+    return PROJECT_TEMPLATE.ask.format(user=user_chunk)
 
 
-def render_transcript(preamble: str, history: Sequence[tuple[str, str]]) -> str:
+def render_transcript(preamble: str, history: Sequence[tuple[str, str]],
+                      template: ChatTemplate = PROJECT_TEMPLATE) -> str:
     """The full sequence after the turns in ``history`` (ends with the last reply)."""
-    parts = [f"{SYSTEM_TOKEN}\n{preamble}"]
-    for user_text, reply_text in history:
-        parts.append(user_suffix(user_text))
-        parts.append(reply_text)
-    return "".join(parts)
+    return template.transcript(preamble, history)
 
 
-def render_conversation(preamble: str, turns: Sequence[tuple[str, str]], next_user: str) -> str:
-    """The prompt for the turn whose user chunk is ``next_user``; ends with ``<|assistant|>\\n``.
+def render_conversation(preamble: str, turns: Sequence[tuple[str, str]], next_user: str,
+                        template: ChatTemplate = PROJECT_TEMPLATE) -> str:
+    """The prompt for the turn whose user chunk is ``next_user``; ends where the reply begins
+    (``<|assistant|>\\n`` in the shipped template).
 
     ``turns`` are the earlier (user_text, reply_text) pairs.
     """
-    return render_transcript(preamble, turns) + user_suffix(next_user)
+    return template.transcript(preamble, turns) + template.ask.format(user=next_user)
 
 
 def first_prompt_ids(preamble: str, user_chunk: str, tok: Tokenizer) -> list[int]:
-    return tok.encode(render_conversation(preamble, [], user_chunk))
+    return tok.encode(render_conversation(preamble, [], user_chunk, template_for(tok)))
 
 
 def next_prompt_ids_append(prev_full_ids: Sequence[int], user_chunk: str, tok: Tokenizer) -> list[int]:
@@ -105,7 +151,7 @@ def next_prompt_ids_append(prev_full_ids: Sequence[int], user_chunk: str, tok: T
     This is the serving engine's view of a multi-turn session and what makes the
     prompt a strict token extension of the previous full sequence.
     """
-    return list(prev_full_ids) + tok.encode(user_suffix(user_chunk))
+    return list(prev_full_ids) + template_for(tok).continuation(prev_full_ids, user_chunk, tok)
 
 
 def next_prompt_ids_rerender(
@@ -118,7 +164,7 @@ def next_prompt_ids_rerender(
     or where a merge crosses a turn boundary; the carry must then see a prefix
     mismatch rather than adopt rows for different tokens.
     """
-    return tok.encode(render_conversation(preamble, history, user_chunk))
+    return tok.encode(render_conversation(preamble, history, user_chunk, template_for(tok)))
 
 
 # ---------------------------------------------------------------------------------
