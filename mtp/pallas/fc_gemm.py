@@ -746,11 +746,11 @@ def _kernel_wins(m: int, h: int) -> bool:
 
     What decides is the fc op where the model runs it, a drafter append
     (``append_rows`` of the 1.38B-shaped model, CUPTI kernel time of the whole call, L2
-    evicted): with the kernel it ran 1.10-1.45x faster at every bucket and batch measured,
-    64-512 rows a sequence at batch 1, 2 and 4, M = 64..2048 (run 33; 512 rows at batch 1-4
-    1.08-1.16x in run 32 too). The op alone is not always faster there: against XLA's norm
+    evicted): with the kernel it ran 1.08-1.46x faster at every bucket and batch measured,
+    64-512 rows a sequence at batch 1, 2 and 4, M = 64..2048 (run 33, call 5; 512 rows at
+    batch 1-4 1.08-1.15x in run 32 too). The op alone is not always faster there: against XLA's norm
     + concat + dot it is 1.03-1.35x at M = 64-128 (split-K) and from M = 512 (runs 9-12,
-    23-24, 31-32), but 0.88-0.94x at M = 256 (run 33), where the append still ran 1.40-1.41x
+    23-24, 31-32), but 0.88-0.94x at M = 256 (run 33), where the append still ran 1.39-1.41x
     faster: XLA's fc costs more inside the append than alone. At M <= 32 the op alone is
     1.13-1.25x (runs 23-25) but in the 1.38B model's propose step the kernel was not faster
     (session 11: 0.302 vs 0.297 ms per draft; results/decode_h200.md), so the propose step
