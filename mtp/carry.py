@@ -337,6 +337,7 @@ class CarryOutcome:
     ForeignHiddens: ClassVar[type["CarryOutcome"]]
     ForeignSession: ClassVar[type["CarryOutcome"]]
     NoHiddens: ClassVar[type["CarryOutcome"]]
+    Disarmed: ClassVar[type["CarryOutcome"]]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "CarryOutcome":
         if cls is CarryOutcome:
@@ -437,6 +438,18 @@ class NoHiddens(CarryOutcome):
 
     def __str__(self) -> str:
         return "hidden store does not cover the append span"
+
+
+@_outcome
+class Disarmed(CarryOutcome):
+    """The carry was not armed for the turn (configured off, or a single slot with several
+    sequences: ``carry_armed_with``), so nothing was offered. Apart from ``NoCarry`` (armed,
+    slot empty): configured is not armed, and what reports the carry's state says which."""
+
+    kind: ClassVar[str] = "disarmed"
+
+    def __str__(self) -> str:
+        return "carry not armed for this turn: nothing offered"
 
 
 def adopt(

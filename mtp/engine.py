@@ -28,7 +28,7 @@ Single-slot carry follows the reference: one slot for the engine, armed only whe
 a single sequence can be dispatched (`carry.carry_armed_with`). The multi-slot
 carry (``carry_slots > 1``) keeps one slot per live session, LRU-bounded, under the
 same ownership rules, and stays armed at any batch width. A turn reports what was
-armed, not what was configured (`TurnStats.carry_armed`; outcome ``disarmed``).
+armed, not what was configured (`TurnStats.carry_armed`; `CarryOutcome.Disarmed`).
 """
 
 from __future__ import annotations
@@ -62,9 +62,6 @@ from mtp.speculative import SpecConfig, greedy_loop, pick_token, speculative_loo
 
 DRAFTER_POLICIES = ("cold", "blind", "rebuild", "carry")
 SNAPSHOT_INTERVAL = 64  # prefill chunk and snapshot granularity (a multiple of the page size)
-# The carry outcome of a turn whose carry is not armed: apart from "armed, slot empty"
-# (`CarryOutcome.NoCarry`), which would read as the carry running and finding nothing.
-DISARMED = "disarmed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +109,7 @@ class TurnStats:
     drafter_prefilled: int  # drafter rows written by a (whole-prompt) drafter prefill
     drafter_adopted: int  # rows taken over from the carry
     drafter_appended: int  # tail rows the carry appended
-    carry_outcome: str  # a `CarryOutcome` kind, or DISARMED
+    carry_outcome: str  # a `CarryOutcome` kind (``disarmed`` where the carry was not armed)
     carry_armed: bool  # what the carry's state is reported from (DESIGN §3: configured is not armed)
     carry_source: int  # session hash of the adopted rows' owner (0: none adopted)
     ttft_s: float
@@ -379,7 +376,8 @@ class Engine:
             start = snap.position if snap else 0
             stats = TurnStats(session_id=req.session_id, generation=gen, prompt_len=n, cached_tokens=cached,
                               path=path, prefilled_tokens=n - start, drafter_prefilled=0, drafter_adopted=0,
-                              drafter_appended=0, carry_outcome=DISARMED, carry_armed=self.carry_armed,
+                              drafter_appended=0, carry_outcome=carry_lib.CarryOutcome.Disarmed.kind,
+                              carry_armed=self.carry_armed,
                               carry_source=0, ttft_s=0.0, decode_s=0.0, output_len=0, acceptance=AcceptanceStats())
             lv = _Live(request=req, slot=slot, generation=gen, session=sess, hashes=hashes, cached=cached, snap=snap,
                        hidden_range=carry_lib.stamped_merge(self.hidden_ranges[slot], gen, start, n - start),
@@ -394,7 +392,8 @@ class Engine:
     # -------------------------------------------------------------- the drafter's context
     def _reserve_drafter(self, lv: _Live, prompt, need, wave_sessions):
         """Decide the carry over the hidden range the target prefill will leave, and take the pages."""
-        entry, refused, outcome = None, None, DISARMED
+        entry, refused = None, None
+        outcome: carry_lib.CarryOutcome = carry_lib.CarryOutcome.Disarmed()
         if self.carry_armed:
             entry = self.carried.get(lv.session) if self.multi_slot_carry else next(iter(self.carried.values()), None)
             adopted, lv.plan, outcome = carry_lib.adopt(entry, prompt, lv.session, lv.hidden_range, lv.generation)

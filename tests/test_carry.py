@@ -282,6 +282,7 @@ def all_outcomes():
         CarryOutcome.ForeignSession(entry_session=0x1F, prompt_session=0x2E),
         CarryOutcome.ForeignSession(entry_session=0x1F, prompt_session=0),
         CarryOutcome.NoHiddens(),
+        CarryOutcome.Disarmed(),
     ]
 
 
@@ -290,7 +291,7 @@ def test_outcome_strings_and_kinds_are_distinct():
     texts = [str(o) for o in outs]
     assert len(set(texts)) == len(texts)
     variants = [o for o in outs if not (isinstance(o, CarryOutcome.ForeignSession) and o.prompt_session == 0)]
-    assert len({o.kind for o in variants}) == len(variants) == 6
+    assert len({o.kind for o in variants}) == len(variants) == 7
     for o in outs:
         assert isinstance(o, CarryOutcome)
         assert repr(o).startswith(f"CarryOutcome.{type(o).__name__}(")
