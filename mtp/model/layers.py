@@ -377,19 +377,20 @@ def moe(p, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     routing = jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=jnp.float32) * top_w[..., None], axis=-2)
     routing = routing.astype(x.dtype).astype(jnp.float32)  # HF casts the weights to the activation dtype
     experts = p["experts"]
+    f32 = jnp.float32
     if "gate_proj" in experts:
-        # Stacked [E, ...] experts, the expert-parallel layout of mtp.sharding: one
-        # contraction over (expert, inner) that a mesh reduces once, not once per expert.
+        # Stacked [E, ...] experts, the expert-parallel layout of mtp.sharding: batched
+        # contractions over the experts, whose weighted sum below a mesh reduces once.
         w = lambda name: experts[name]["weight"].astype(x.dtype)
-        f32 = jnp.float32
         g = jnp.einsum("...h,eih->...ei", x, w("gate_proj"), preferred_element_type=f32).astype(x.dtype)
         u = jnp.einsum("...h,eih->...ei", x, w("up_proj"), preferred_element_type=f32).astype(x.dtype)
-        act = (jax.nn.silu(g) * u).astype(f32) * routing[..., None]
-        out = jnp.einsum("...ei,ehi->...h", act, w("down_proj").astype(f32))
+        y = jnp.einsum("...ei,ehi->...eh", jax.nn.silu(g) * u, w("down_proj"),
+                       preferred_element_type=f32).astype(x.dtype)
     else:
-        out = jnp.zeros(x.shape, jnp.float32)
-        for e in range(cfg.num_experts):
-            out = out + routing[..., e : e + 1] * mlp(experts[str(e)], x).astype(jnp.float32)
+        y = jnp.stack([mlp(experts[str(e)], x) for e in range(cfg.num_experts)], axis=-2)
+    # Both layouts round each expert's output to the activation dtype (as an expert module
+    # returns it) and weight and sum in f32, so a sharded run computes what one device does.
+    out = jnp.einsum("...e,...eh->...h", routing, y.astype(f32))
     if "shared_expert" in p:
         shared = mlp(p["shared_expert"], x).astype(jnp.float32)
         out = out + jax.nn.sigmoid(dense(x, p["shared_expert_gate"]["weight"]).astype(jnp.float32)) * shared
