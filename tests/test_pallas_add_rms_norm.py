@@ -65,9 +65,20 @@ def test_unsupported_inputs_take_the_reference():
     s_ref, h_ref = add_rms_norm_reference(x, y, w, eps=1e-6)
     np.testing.assert_array_equal(s, s_ref)
     np.testing.assert_array_equal(h, h_ref)
+    x, y, w = _case(0, (2, 64), (2, 64), jnp.float32)
+    assert "dtype" in kernel_unsupported(x, y.astype(jnp.bfloat16), w)
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret", "auto"])
+def test_mismatched_inputs_are_named(impl):
+    """Inputs no path can add: named, not an indexing error from deep inside the reference."""
     x, y, w = _case(0, (2, 64), (3, 64), jnp.float32)
-    assert "at most the stream's rows" in kernel_unsupported(x, y, w)
-    assert "does not match" in kernel_unsupported(x, y, w[:32])
+    with pytest.raises(ValueError, match=r"y \(3, 64\) has more rows than the stream x \(2, 64\)"):
+        add_rms_norm(x, y, w, eps=1e-6, impl=impl)
+    with pytest.raises(ValueError, match=r"y \(2, 48\).*x \(2, 64\)"):
+        add_rms_norm(x, y[:2, :48], w, eps=1e-6, impl=impl)
+    with pytest.raises(ValueError, match=r"w \(32,\).*x \(2, 64\)"):
+        add_rms_norm(x, y[:2], w[:32], eps=1e-6, impl=impl)
 
 
 def test_auto_takes_the_kernel_for_one_row_only(monkeypatch):

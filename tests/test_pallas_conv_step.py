@@ -55,11 +55,27 @@ def test_unsupported_inputs_are_named():
     heads = HeadShape(2, 4, 16, 16)
     _, qkvz, valid, state, w = _case(0, 2, heads, jnp.float32)
     assert "power of two" in cs.kernel_unsupported(qkvz, valid, state, w, HeadShape(2, 4, 12, 12))
-    assert "do not match" in cs.kernel_unsupported(qkvz, valid, state[..., :-16], w, heads)
     assert "fewer than 2 rows" in cs.kernel_unsupported(qkvz[:1], valid, state, w, heads)
     assert "channels" in cs.kernel_unsupported(qkvz[:, :-1], valid, state, w, heads)
     _, qkvz, valid, state, w = _case(0, 2, heads, jnp.float32, steps=9)
     assert "at most 8" in cs.kernel_unsupported(qkvz, valid, state, w, heads)
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret", "auto"])
+def test_mismatched_conv_shapes_are_named(impl):
+    """Shapes no path can take raise, naming the tensors, rather than a silently empty output."""
+    heads = HeadShape(2, 4, 16, 16)
+    mixed, qkvz, valid, state, w = _case(0, 2, heads, jnp.float32)
+    c = heads.conv_dim
+    w5 = jnp.zeros((c, 1, 5), w.dtype)  # K = 5 against a 3-row state
+    with pytest.raises(ValueError, match=rf"conv_state \(2, 3, {c}\).*conv_w \({c}, 1, 5\)"):
+        cs.conv_steps(mixed, qkvz, valid, state, w5, heads=heads, impl=impl)
+    with pytest.raises(ValueError, match=rf"conv_w \({c}, 4\)"):
+        cs.conv_steps(mixed, qkvz, valid, state, w[:, 0], heads=heads, impl=impl)
+    with pytest.raises(ValueError, match=rf"conv_state \(2, 3, {c - 16}\)"):
+        cs.conv_steps(mixed, qkvz, valid, state[..., :-16], w, heads=heads, impl=impl)
+    with pytest.raises(ValueError, match=rf"mixed \(2, 1, {c - 16}\)"):
+        cs.conv_steps(mixed[..., :-16], qkvz, valid, state, w, heads=heads, impl=impl)
 
 
 def test_auto_takes_the_kernel_on_a_gpu_unless_opt_in(monkeypatch):

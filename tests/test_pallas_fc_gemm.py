@@ -281,6 +281,24 @@ def test_quantize_head_folds_fc_weight_and_fc_input_uses_it():
     assert _rel_err(out, ref) < 1e-2
 
 
+def test_named_kernel_skips_the_auto_rule(monkeypatch):
+    """``_kernel_wins`` is ``auto``'s rule only: ``MTP_KERNELS=fc_gemm=pallas`` (or a global ``pallas``)
+    takes the kernel at the propose step's rows too, so an A/B of reference vs pallas compares two paths."""
+    from mtp.pallas import backend
+
+    calls = []
+    monkeypatch.setattr(fcmod, "fc_gemm_folded", lambda e, *a, **k: calls.append(e.shape) or "kernel")
+    monkeypatch.setattr(backend, "on_gpu", lambda: True)
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    args = _inputs(0, 8, 64)  # 8 rows at H = 64: auto's rule keeps the reference
+    assert not fcmod._kernel_wins(8, 64) and fcmod.kernel_unsupported(args[0], args[1], args[4]) is None
+    assert isinstance(fc_gemm(*args, eps=1e-6), jax.Array) and not calls
+    for named in ("fc_gemm=pallas", "pallas"):
+        monkeypatch.setenv(backend.ENV_VAR, named)
+        assert fc_gemm(*args, eps=1e-6) == "kernel"
+    assert fc_gemm(*args, eps=1e-6, impl="pallas") == "kernel" and len(calls) == 3
+
+
 def test_plans():
     assert fcmod._plan_small(1, 4096, 132) == fcmod._plan_small(32, 4096, 132) == (128, 4, 6)
     assert fcmod._plan_small(8, 4096, 132) == (256, 8, 3)  # the measured bucket

@@ -75,6 +75,17 @@ def test_kernel_matches_reference(b, nq, hq, hkv, d, page, lengths, max_blocks, 
     assert _rel_err(out, ref) < 1e-2
 
 
+def test_head_dim_192_takes_the_reference():
+    """The Mosaic kernel's P @ V runs in whole 128-column chunks, so D = 192 would leave columns
+    128-191 uncomputed; neither form claims it, and the public op equals the reference."""
+    args, g = _inputs(5, 2, 2, 4, 2, 192, 16, [40, 9], 3, 6, gate=True)
+    assert "64, 128 or 256" in pa.kernel_unsupported(args[0], args[1])
+    assert "powers of two" in pa.triton_unsupported(args[0], args[1])
+    out = paged_attention(*args, gate=g, impl="interpret")
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(pa._reference_jit(*args, gate=g), np.float32))
+
+
 def test_kernel_custom_scale_and_idle_slots():
     """An idle slot (length 0) and a query before position 0 return zeros, not NaN."""
     args, _ = _inputs(3, 3, 2, 8, 2, 64, 16, [0, 1, 40], 4, 8)
@@ -128,6 +139,12 @@ def test_shape_errors_are_named():
     args, _ = _inputs(0, 2, 1, 4, 2, 64, 16, [4, 4], 1, 2)
     with pytest.raises(ValueError, match="lengths"):
         paged_attention_reference(*args[:4], jnp.zeros((3,), jnp.int32))
+    # Checked before either form's support is asked (which reads q as [B, Q, Hq, D]).
+    for impl in ("auto", "interpret"):
+        with pytest.raises(ValueError, match=r"q must be \[B, Q, Hq, D\], got shape \(2, 4, 64\)"):
+            paged_attention(args[0][:, 0], *args[1:], impl=impl)
+    with pytest.raises(ValueError, match="q must be"):
+        pa.paged_attention_triton(args[0][:, 0], *args[1:], interpret=True)
 
 
 def test_kernel_modes_send_what_the_kernel_cannot_take_to_the_reference(monkeypatch):
@@ -203,7 +220,8 @@ def test_triton_form_matches_reference(b, nq, hq, hkv, d, page, lengths, max_blo
 
 
 def test_triton_form_is_taken_only_where_named(monkeypatch):
-    """Opt-in (``backend.OPT_IN``): ``auto`` keeps the Mosaic kernel / reference; ``MTP_KERNELS`` names the Triton form;
+    """Opt-in (``backend.OPT_IN``): ``auto`` keeps the Mosaic kernel / reference; a per-op ``MTP_KERNELS``
+    entry names the Triton form, a global value (``MTP_KERNELS=pallas``, measured slower there) does not;
     shapes it cannot take (a page of 4 tokens) fall through to the usual path."""
     calls = []
     monkeypatch.setattr(pa, "paged_attention_triton", lambda *a, **k: calls.append(k["interpret"]) or "triton")
@@ -217,6 +235,16 @@ def test_triton_form_is_taken_only_where_named(monkeypatch):
     huge = jax.ShapeDtypeStruct((2**22, 16, 2, 32), jnp.bfloat16)  # 2**32 elements, never allocated
     assert "int32" in pa.triton_unsupported(args[0], huge)
     assert isinstance(paged_attention(*small), jax.Array) and len(calls) == 1
+    for everything in ("pallas", "interpret"):  # a global value is no per-op entry
+        monkeypatch.setenv("MTP_KERNELS", everything)
+        assert backend.resolve_impl("auto", op="paged_attention_triton") == "reference"
+        assert isinstance(paged_attention(*args), jax.Array) and len(calls) == 1  # D = 32: the reference
+    monkeypatch.setenv("MTP_KERNELS", "pallas")
+    monkeypatch.setattr(backend, "on_gpu", lambda: True)
+    assert backend.resolve_impl("auto", op="paged_attention_triton") == "reference"
+    assert backend.resolve_impl("auto", op="paged_attention") == "pallas"
+    monkeypatch.setenv("MTP_KERNELS", "interpret,paged_attention_triton=pallas")
+    assert backend.resolve_impl("auto", op="paged_attention_triton") == "pallas"
 
 
 def test_model_decode_and_verify_through_the_triton_form(monkeypatch):

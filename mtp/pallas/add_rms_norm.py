@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from mtp.model.layers import add_rows, rms_norm
 from mtp.pallas.backend import run_triton_op, triton_compiler_params
 
 MAX_PIECES = 4  # a row is read as at most this many power-of-two pieces
@@ -37,8 +36,20 @@ def add_rms_norm_reference(x, y, w, *, eps):
     (`layers.stream_rows`); y: ``[*lead, H]``, the real rows (``add_rows``: padding rows of
     ``x`` get zeros); w: ``[H]``, the ``(1 + w)`` norm's weight.
     """
-    s = add_rows(x, y)
-    return s, rms_norm(s, w, eps)
+    from mtp.model import layers  # imports this module (through mtp.model): so here, not at the top
+
+    _check_inputs(x, y, w)
+    s = layers.add_rows(x, y)
+    return s, layers.rms_norm(s, w, eps)
+
+
+def _check_inputs(x, y, w):
+    """Raises on shapes no path can add: ``add_rows`` would fail deep inside with a negative pad."""
+    h = x.shape[-1]
+    if y.shape[-1] != h or w.shape != (h,):
+        raise ValueError(f"y {y.shape} and w {w.shape} must both end in the stream x {x.shape}'s hidden size {h}")
+    if y.size > x.size:
+        raise ValueError(f"y {y.shape} has more rows than the stream x {x.shape}")
 
 
 def row_pieces(h: int) -> list[tuple[int, int]]:
@@ -52,15 +63,14 @@ def row_pieces(h: int) -> list[tuple[int, int]]:
 
 
 def kernel_unsupported(x, y, w) -> str | None:
-    """Why the kernel cannot take these inputs (the caller then runs the reference), or None."""
+    """Why the kernel cannot take these (well-formed, `_check_inputs`) inputs, or None: the
+    caller then runs the reference."""
     h = x.shape[-1]
     if h % 16 or len(row_pieces(h)) > MAX_PIECES:
         return (f"hidden size {h} is not a multiple of 16 made of at most {MAX_PIECES} "
                 f"power-of-two pieces")
-    if y.shape[-1] != h or w.shape != (h,):
-        return f"y {y.shape} or w {w.shape} does not match the stream's hidden size {h}"
-    if y.size > x.size or y.dtype != x.dtype:
-        return f"y {y.shape} {y.dtype} is not at most the stream's rows {x.shape} {x.dtype}"
+    if y.dtype != x.dtype:
+        return f"y's dtype {y.dtype} is not the stream's {x.dtype}"
     return None
 
 
@@ -133,6 +143,7 @@ def add_rms_norm(x, y, w, *, eps, impl="auto"):
     (where the stream is replicated and XLA's fusions are as cheap) go to the reference.
     The kernel has no autodiff rule: training passes ``impl="reference"``.
     """
+    _check_inputs(x, y, w)
     return run_triton_op("add_rms_norm", impl, lambda: kernel_unsupported(x, y, w),
                          lambda: add_rms_norm_reference(x, y, w, eps=eps),
                          lambda interpret: _add_rms_norm_pallas(x, y, w, eps=eps, interpret=interpret),

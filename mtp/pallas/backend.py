@@ -41,7 +41,12 @@ def _check(impl: str, where: str) -> str:
 
 
 def env_choice(op: str | None) -> str:
-    """``MTP_KERNELS``' setting for ``op``: ``"auto,gdn_step=reference"`` sets all, then one op."""
+    """``MTP_KERNELS``' setting for ``op``: ``"auto,gdn_step=reference"`` sets all, then one op.
+
+    An op in ``OPT_IN`` reads only its own entry: a global value flips every op's kernel at
+    once, and an opt-in kernel was measured slower in some programs (``MTP_KERNELS=pallas``
+    would otherwise swap it in where the op's default kernel does better).
+    """
     choice = "auto"
     for entry in filter(None, os.environ.get(ENV_VAR, "").split(",")):
         name, _, value = entry.rpartition("=")
@@ -52,7 +57,17 @@ def env_choice(op: str | None) -> str:
             choice = _check(value, ENV_VAR)
         elif name == op:
             return _check(value, f"{ENV_VAR} entry {name}")
-    return choice
+    return "auto" if op in OPT_IN else choice
+
+
+def auto_decides(impl: str, op: str) -> bool:
+    """Whether neither ``impl`` nor ``MTP_KERNELS`` names a path for ``op``.
+
+    Only then may an op's measured rule of where its kernel pays send it to the reference:
+    a named ``pallas`` (an A/B run's ``MTP_KERNELS=op=pallas``) must run the kernel, or the
+    run compares the reference with itself.
+    """
+    return impl == "auto" and env_choice(op) == "auto"
 
 
 def target_device():
@@ -79,7 +94,8 @@ def resolve_impl(impl: str, op: str | None = None) -> str:
     An explicit choice wins; "auto" first consults ``MTP_KERNELS`` (a global value
     and/or ``op=value`` entries, e.g. ``MTP_KERNELS=gdn_step=reference`` to compare a
     run without one kernel) and then the default backend, so a CPU-only process never
-    tries to compile a GPU kernel; an op in ``OPT_IN`` stays on its reference.
+    tries to compile a GPU kernel; an op in ``OPT_IN`` stays on its reference unless its
+    own entry names another path (`env_choice`).
     """
     _check(impl, "impl")
     if impl == "auto":
@@ -197,8 +213,7 @@ def run_triton_op(op: str, impl: str, unsupported, reference, kernel, kernel_pay
     ``MTP_KERNELS``): an op's measured rule for inputs where XLA's own fusions do better.
     """
     mode = resolve_impl(impl, op=op)
-    declined = (kernel_pays is not None and impl == "auto" and env_choice(op) == "auto"
-                and not kernel_pays())
+    declined = kernel_pays is not None and auto_decides(impl, op) and not kernel_pays()
     if mode == "reference" or declined or unsupported() or tensor_parallel_mesh() is not None:
         return reference()
     with triton_interpret_scope(mode) as interpret:

@@ -40,6 +40,20 @@ from mtp.pallas.backend import run_triton_op, triton_compiler_params
 from mtp.pallas.gdn_step import MAX_STEPS, HeadShape
 
 
+def _check_inputs(mixed, valid, conv_state, conv_w, heads: HeadShape):
+    """Raises on shapes no path can take: the reference would slice them into an empty or
+    misaligned output without a word."""
+    c = heads.conv_dim
+    if conv_w.ndim != 3 or conv_w.shape[:2] != (c, 1):
+        raise ValueError(f"conv_w {conv_w.shape} is not the conv1d weight [C={c}, 1, K]")
+    want = (valid.shape[0], conv_w.shape[2] - 1, c)
+    if conv_state.shape != want:
+        raise ValueError(f"conv_state {conv_state.shape} is not [B, K - 1, C] = {want} for valid "
+                         f"{valid.shape} and conv_w {conv_w.shape}")
+    if mixed.shape != (*valid.shape, c):
+        raise ValueError(f"mixed {mixed.shape} is not [B, T, C] = {(*valid.shape, c)} for valid {valid.shape}")
+
+
 def conv_steps_reference(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadShape):
     """``T`` tokens' conv outputs ``[B, T, C]`` and the state after each ``[B, T, K - 1, C]``, as the model computes them.
 
@@ -56,20 +70,20 @@ def conv_steps_reference(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadS
     from mtp.model import gated_deltanet as gdn  # imports this package: so here, not at the top
 
     del qkvz
+    _check_inputs(mixed, valid, conv_state, conv_w, heads)
     out = gdn.conv_windows({"conv1d": {"weight": conv_w}}, heads, conv_state, mixed)
     return out, gdn.conv_states_per_step(conv_state, mixed, valid)
 
 
 def kernel_unsupported(qkvz, valid, conv_state, conv_w, heads: HeadShape) -> str | None:
-    """Why the kernel cannot take these inputs (the caller then runs the reference), or None."""
+    """Why the kernel cannot take these (well-formed, `_check_inputs`) inputs, or None: the caller
+    then runs the reference."""
     d = heads.linear_key_head_dim
     bsz, steps = valid.shape
     if d != heads.linear_value_head_dim or d & (d - 1) or d < 8:
         return f"key and value head dims {d}, {heads.linear_value_head_dim} are not one power of two >= 8"
     if steps > MAX_STEPS:
         return f"{steps} tokens per sequence: the kernel unrolls at most {MAX_STEPS}"
-    if conv_state.shape[-1] != heads.conv_dim or conv_w.shape != (heads.conv_dim, 1, conv_state.shape[1] + 1):
-        return f"conv state {conv_state.shape} and weight {conv_w.shape} do not match {heads.conv_dim} channels"
     if qkvz.shape[-1] < heads.qkvz_width or qkvz.shape[0] < bsz * steps:
         return f"qkvz {qkvz.shape} holds fewer than {bsz * steps} rows of {heads.qkvz_width} channels"
     return None
@@ -134,6 +148,7 @@ def conv_steps(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadShape, impl
     Inputs the kernel cannot take (``kernel_unsupported``) and traces under a
     tensor-parallel mesh go to the reference. No autodiff rule: training never decodes.
     """
+    _check_inputs(mixed, valid, conv_state, conv_w, heads)  # the kernel reads no mixed, so here too
     return run_triton_op(
         "conv_step", impl, lambda: kernel_unsupported(qkvz, valid, conv_state, conv_w, heads),
         lambda: conv_steps_reference(mixed, qkvz, valid, conv_state, conv_w, heads=heads),

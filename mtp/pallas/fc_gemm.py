@@ -75,7 +75,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mtp.pallas.backend import interpret_forced, num_sms, resolve_impl, swizzle_transforms
+from mtp.pallas.backend import auto_decides, interpret_forced, num_sms, resolve_impl, swizzle_transforms
 
 SMALL_M = 128  # by default at most this many rows take the split-K weight-streaming kernel (run 33)
 SPLITK_MAX_M = 256  # the most rows the split-K kernel can hold (64-row blocks in one warpgroup)
@@ -742,7 +742,7 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
 
 
 def _kernel_wins(m: int, h: int) -> bool:
-    """Where ``impl="auto"`` takes the kernel on a GPU (results/kernels_h200.md).
+    """Where ``auto`` (``impl`` and ``MTP_KERNELS``) takes the kernel on a GPU (results/kernels_h200.md).
 
     What decides is the fc op where the model runs it, a drafter append
     (``append_rows`` of the 1.38B-shaped model, CUPTI kernel time of the whole call, L2
@@ -776,7 +776,7 @@ def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=
     """
     _check_inputs(embed, hidden, norm_e_w, norm_h_w, w)
     mode = resolve_impl(impl, op="fc_gemm")
-    if mode == "pallas" and impl == "auto" and not _kernel_wins(embed.shape[0], embed.shape[1]):
+    if mode == "pallas" and auto_decides(impl, "fc_gemm") and not _kernel_wins(embed.shape[0], embed.shape[1]):
         mode = "reference"
     if mode != "reference" and kernel_unsupported(embed, hidden, w):
         mode = "reference"

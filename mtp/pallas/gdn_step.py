@@ -37,7 +37,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
-from mtp.model.layers import gated_rms_norm, l2norm
 from mtp.pallas.backend import (TENSOR_AXIS, num_sms, resolve_impl, tensor_parallel_mesh, triton_compiler_params,
                                 triton_interpret_scope)
 
@@ -63,6 +62,7 @@ def gdn_steps_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *
     kernel takes Dk = Dv (Qwen3-Next's 128) only.
     """
     from mtp.model import gated_deltanet as gdn  # imports this module: so here, not at the top
+    from mtp.model.layers import gated_rms_norm  # likewise (through mtp.model)
 
     cfg_like = _heads(num_k_heads, state)
     nv = cfg_like.linear_num_value_heads
@@ -147,6 +147,8 @@ def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref
             y_ref, s_out_ref, *chunk_sum_sq, eps):
     """One program: a value head's state columns, all of them or a chunk (``chunk_sum_sq``: the
     output ref of each token's sum of squares over the chunk's columns)."""
+    from mtp.model.layers import gated_rms_norm, l2norm  # imports this module (through mtp.model): so here
+
     d = q_ref.shape[-1]
     f32 = jnp.float32
     steps = y_ref.shape[1]
@@ -273,6 +275,8 @@ def _gdn_steps_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, 
     if sum_sq:  # chunks: y holds o; the gated norm as the model computes it, from the chunks' sums
         # Added one by one, not `jnp.sum`: elementwise adds fuse into the norm's kernel, where a
         # reduction would be a kernel of its own.
+        from mtp.model.layers import gated_rms_norm  # imports this module (through mtp.model): so here
+
         total = functools.reduce(jnp.add, [sum_sq[0][..., c] for c in range(chunks)])
         y = gated_rms_norm(y, _z_of(qkvz, bsz, t, nk, nv, d), norm_w, eps, sum_sq=total)
     return y, states

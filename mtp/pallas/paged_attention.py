@@ -153,8 +153,8 @@ def kernel_unsupported(q, k_pages, block_kv: int | None = None) -> str | None:
     d, page = q.shape[-1], k_pages.shape[1]
     if why := _too_many_rows(q, k_pages):
         return why
-    if d % 64 or d > 256:
-        return f"head dim {d} must be 64, 128, 192 or 256"
+    if d not in (64, 128, 256):  # P @ V runs in whole chunks of min(D, 128) columns
+        return f"head dim {d} must be 64, 128 or 256"
     if q.dtype != k_pages.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"q and pages must share a 16-bit dtype, got {q.dtype}, {k_pages.dtype}"
     try:
@@ -359,10 +359,10 @@ def paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, *, scale=
     (padded to a power of two >= 16), and the same partials merged by ``merge_splits``.
     ``interpret``: Pallas' interpreter (CPU tests).
     """
+    _check_inputs(q, k_pages, v_pages, block_tables, lengths, gate)
     why = triton_unsupported(q, k_pages)
     if why:
         raise ValueError(why)
-    _check_inputs(q, k_pages, v_pages, block_tables, lengths, gate)
     b, nq, hq, d = q.shape
     _, page, hkv, _ = k_pages.shape
     g = hq // hkv
@@ -466,7 +466,7 @@ def merge_splits(o_part, lse_part, q, gate, *, interpret=False):
     _, hkv, num_splits, _, _ = o_part.shape
     g = hq // hkv
     dc = min(d, _MERGE_COLUMNS)
-    if d % dc:  # both attention forms take head dims that are multiples of 64 or powers of two
+    if d % dc:  # both attention forms take power-of-two head dims
         raise ValueError(f"head dim {d} is not a multiple of the merge's {dc} columns")
     f32 = jnp.float32
 
@@ -516,14 +516,16 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
     Inputs the kernel cannot take (`kernel_unsupported`) always go to the reference.
     ``MTP_KERNELS=paged_attention_triton=pallas`` (or ``=interpret``) sends the calls it
     can take to the Triton-lowered form (`paged_attention_triton`); it paid only in the default
-    model's loops, so ``auto`` leaves it (``backend.OPT_IN``).
+    model's loops, so ``auto`` and a global ``MTP_KERNELS`` value leave it (``backend.OPT_IN``).
     ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas interpreter
     (CPU tests); call it eagerly then, since interpret mode is switched on around
     this call's own lowering. Traced under a mesh that splits ``backend.TENSOR_AXIS``
     (``jax.set_mesh``), the kernel runs per shard, on each device's own KV heads.
     """
+    _check_inputs(q, k_pages, v_pages, block_tables, lengths, gate)  # before either form's support reads q
     if impl == "auto" and tensor_parallel_mesh() is None and not triton_unsupported(q, k_pages):
-        triton = resolve_impl("auto", op="paged_attention_triton")  # opt-in (backend.OPT_IN): only where MTP_KERNELS names it
+        # Opt-in (backend.OPT_IN): only where an MTP_KERNELS entry of its own names it.
+        triton = resolve_impl("auto", op="paged_attention_triton")
         if triton != "reference":
             return paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, scale=scale, gate=gate,
                                           interpret=triton == "interpret")
@@ -536,7 +538,6 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
     if mode == "reference":
         return _reference_jit(q, k_pages, v_pages, block_tables, lengths, scale=scale,
                               gate=gate)
-    _check_inputs(q, k_pages, v_pages, block_tables, lengths, gate)
     args = (q, k_pages, v_pages, block_tables, lengths) + (() if gate is None else (gate,))
 
     def run(q, k_pages, v_pages, block_tables, lengths, gate=None):
