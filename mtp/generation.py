@@ -45,6 +45,17 @@ def bucket(n: int, multiple: int = PREFILL_BUCKET) -> int:
     return max(multiple, math.ceil(n / multiple) * multiple)
 
 
+def positions_reached(prompt_len: int, max_new: int, width: int) -> int:
+    """How many positions a sequence runs the model at, ``width`` rows per decode step.
+
+    The last emitted token is never fed back, and the last step starts with at most
+    ``max_new - 1`` tokens out, so ``prompt_len + max_new - 2`` positions are cached, and
+    that step's ``width`` rows (last token, drafts or padding) go on top. With
+    ``max_new <= 1`` the prefill's token is all the output: no step runs.
+    """
+    return prompt_len + (max_new + width - 2 if max_new > 1 else 0)
+
+
 def pad_batch(seqs: Sequence[Sequence[int]], length: int) -> np.ndarray:
     out = np.zeros((len(seqs), length), np.int32)
     for i, s in enumerate(seqs):
@@ -84,14 +95,20 @@ def prepare_decode(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[
             raise ValueError(f"every prompt needs at least one token; prompts {empty} are empty")
         if speculative and not cfg.has_mtp:
             raise ValueError("speculative decoding needs a checkpoint with an MTP head (num_nextn_predict_layers=1)")
+        for i, p in enumerate(prompts):
+            if bad := [tok for tok in p if not 0 <= tok < cfg.vocab_size]:
+                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
         b = len(prompts)
         lengths = np.array([len(p) for p in prompts], np.int32)
-        t = bucket(int(lengths.max()))
-        capacity = t + spec.max_new_tokens + spec.verify_width + 1
-        if capacity > cfg.max_position_embeddings:
-            raise ValueError(f"prompt ({lengths.max()} tokens) + max_new_tokens ({spec.max_new_tokens}) exceeds "
+        longest = int(np.argmax(lengths))
+        width = spec.verify_width if speculative else spec.plain_width
+        reach = positions_reached(int(lengths[longest]), spec.max_new_tokens, width)
+        if reach > cfg.max_position_embeddings:
+            raise ValueError(f"prompt {longest} ({lengths[longest]} tokens) with max_new_tokens={spec.max_new_tokens} "
+                             f"runs the model at {reach} positions ({width}-row decode steps), more than "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
-        blocks = math.ceil(capacity / page_size)
+        t = bucket(int(lengths.max()))
+        blocks = math.ceil((t + spec.max_new_tokens + spec.verify_width + 1) / page_size)
         dtype = params["model"]["embed_tokens"]["weight"].dtype
         pool = PageAllocator(b * blocks + 1, page_size, "target")
         tables = np.stack([block_table_row(pool.allocate(blocks), blocks) for _ in range(b)])
@@ -102,6 +119,8 @@ def prepare_decode(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[
             return cache.replace(block_tables=jnp.asarray(tables))
 
         cache = new_cache(TargetCache)
+        # Load-time work (quantization or the fc fold, and their compiles), kept out of prefill_s.
+        head_params = jax.block_until_ready(quantize_head(params, mtp_quant)) if speculative else None
         rng = jax.random.key(seed)
         rng, k0 = jax.random.split(rng)
         t0 = time.perf_counter()
@@ -113,7 +132,6 @@ def prepare_decode(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[
         budget = jnp.full((b,), spec.max_new_tokens, jnp.int32)
         if not speculative:
             return DecodeCall(greedy_loop, (cfg, params, cache, first, budget, spec, rng), _ready_at(first) - t0)
-        head_params = quantize_head(params, mtp_quant)
         dcache = new_cache(DrafterCache)
         if drafter_prefill and quant.supports_drafter_prefill(mtp_quant):
             dcache = prefill_drafter(cfg, head_params, dcache, tokens, out.mtp_hidden(cfg.mtp_hidden_source),

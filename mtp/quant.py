@@ -53,14 +53,13 @@ def parse_quant(name: str) -> str:
 
 
 def supports_drafter_prefill(quant: str) -> bool:
-    """Whether the batched drafter prefill may run with the head at this precision.
+    """Whether the drafter is prefilled from the prompt with the head at this precision.
 
-    The prefill pushes a whole prompt (up to ``max_seq_len`` rows) through ``fc`` and
-    the k/v projections as a GEMM, and needs a ``max_seq_len x hidden`` buffer of
-    captured target hiddens. Only the bf16 weights have a batched GEMM path; the
-    quantized weights exist for the one-row decode GEMV. Answering this up front lets
-    the caller skip allocating that large hidden buffer for a head that can never use
-    it. It is exact: ``quantize`` returns a plain array for bf16 and only for bf16.
+    A policy, not a limit of the code: `linear` runs a quantized weight at any row count,
+    so `prefill_drafter` works with an fp8/nvfp4 head, as the refeed's batched appends
+    already do. The reference system prefills the drafter only for a bf16 head, and this
+    follows it so that quantized-head runs measure the configuration it serves (the
+    README's MTP-precision sweep). The engine arms its cross-turn carry only with it.
     """
     return parse_quant(quant) == "bf16"
 

@@ -251,6 +251,26 @@ def test_supports_drafter_prefill_only_bf16():
     assert not q.supports_drafter_prefill("fp4")
 
 
+@pytest.mark.parametrize("quant", ["fp8", "nvfp4"])
+def test_a_quantized_head_can_prefill_the_drafter(quant):
+    """Skipping the prefill for a quantized head is policy (`supports_drafter_prefill`):
+    the batched prefill runs such a head and writes every row."""
+    from mtp.mtp_head import DrafterCache, prefill_drafter, quantize_head
+    from mtp.model import target
+    from tests.conftest import random_params, tiny_config
+
+    cfg = tiny_config("tiny_dense")
+    params = random_params(cfg, seed=0)
+    toks = jax.random.randint(jax.random.key(0), (1, 9), 0, cfg.vocab_size)
+    hid = target.forward_with_hiddens(cfg, params, toks).hidden_post
+    dcache = DrafterCache.create(cfg, 1, 3, 4, 2, jnp.float32).replace(block_tables=jnp.array([[1, 2]], jnp.int32))
+    out = prefill_drafter(cfg, quantize_head(params, quant), dcache, toks, hid, [0], [8])
+    assert out.rows.tolist() == [8]
+    for kv in (out.kv.k[0], out.kv.v[0]):
+        rows = np.asarray(kv[1:3]).reshape(8, -1)  # pages 1 and 2: keys 0..7
+        assert np.isfinite(rows).all() and (np.abs(rows).sum(axis=1) > 0).all()
+
+
 def test_nvfp4_rejects_in_dim_not_multiple_of_16():
     params = {"mtp": {"fc": {"weight": _normal(500, (16, 24))}}}
     with pytest.raises(ValueError, match=r"mtp\.fc\.weight.*\(16, 24\)"):

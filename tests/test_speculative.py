@@ -1,14 +1,17 @@
 """Speculative decoding is lossless, and its acceptance bookkeeping is right."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp import generation
 from mtp import speculative as speculative_mod
 from mtp.analysis import first_divergence
 from mtp.generation import generate, prepare_decode
-from mtp.mtp_head import DrafterCache, draft_step, forward_sequence, prefill_drafter
+from mtp.mtp_head import DrafterCache, draft_step, forward_sequence, prefill_drafter, quantize_head
 from mtp.model import target
 from mtp.model.params import flatten, unflatten
 from mtp.pallas import backend
@@ -319,3 +322,40 @@ def test_generate_names_missing_and_empty_prompts():
         generate(cfg, params, [], SpecConfig())
     with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
         generate(cfg, params, [[1, 2], []], SpecConfig())
+
+
+def test_generate_names_prompt_ids_outside_the_vocabulary():
+    cfg = tiny_config("tiny_dense")
+    params = random_params(cfg, seed=0)
+    for bad in (-1, cfg.vocab_size):
+        with pytest.raises(ValueError, match=rf"prompt 1 has token id {bad} outside the vocabulary \[0, 97\)"):
+            generate(cfg, params, [[1, 2], [3, bad, 4]], SpecConfig())
+
+
+def test_position_limit_counts_the_prompt_not_its_bucket():
+    """A 449-token prompt is prefilled as 512 padded rows, yet its positions are 0..448: with
+    N new tokens the last step starts on 449 + N - 2 cached positions and adds its rows."""
+    cfg = tiny_config("tiny_dense")
+    assert cfg.max_position_embeddings == 512
+    params = random_params(cfg, seed=0)
+    prompt = [[1] * 449]
+    with pytest.raises(ValueError, match=r"prompt 0 \(449 tokens\) with max_new_tokens=63 runs the model at 513 "
+                                         r"positions \(3-row decode steps\), more than max_position_embeddings=512"):
+        prepare_decode(cfg, params, prompt, SpecConfig(max_new_tokens=63, verify_width=3))
+    with pytest.raises(ValueError, match=r"max_new_tokens=65 runs the model at 513 positions \(1-row"):
+        prepare_decode(cfg, params, prompt, SpecConfig(max_new_tokens=65, verify_width=3), speculative=False)
+    assert prepare_decode(cfg, params, prompt, SpecConfig(max_new_tokens=32), speculative=False).prefill_s > 0
+
+
+def test_prefill_s_leaves_out_the_heads_load_time_work(greedy_reference, monkeypatch):
+    cfg, params, prompts, _ = greedy_reference["tiny_dense"]
+    spec = SpecConfig(max_new_tokens=MAX_NEW)
+    prepare_decode(cfg, params, prompts, spec)  # compiled: what is timed below is the prefills' run
+    load_s = 1.0
+
+    def slow_quantize_head(*args, **kwargs):
+        time.sleep(load_s)
+        return quantize_head(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "quantize_head", slow_quantize_head)
+    assert prepare_decode(cfg, params, prompts, spec).prefill_s < load_s

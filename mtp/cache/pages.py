@@ -8,7 +8,9 @@ never a silent reuse of a page somebody still holds.
 
 from __future__ import annotations
 
+import collections
 import math
+import operator
 
 import numpy as np
 
@@ -49,18 +51,39 @@ class PageAllocator:
 
     def share(self, pages) -> None:
         """Take another reference on pages someone already holds (prefix reuse)."""
-        for p in pages:
-            if self._refs[p] <= 0:
-                raise ValueError(f"{self.name} page {p} is not allocated; cannot share it")
+        ids = self._checked_ids(pages, "share")
+        if unheld := sorted({p for p in ids if self._refs[p] <= 0}):
+            raise ValueError(f"{self.name} pages {unheld} are not allocated; cannot share them")
+        for p in ids:
             self._refs[p] += 1
 
     def release(self, pages) -> None:
-        for p in pages:
-            if p == NULL_PAGE or self._refs[p] <= 0:
-                raise ValueError(f"{self.name} page {p} released more often than it was held")
+        """Drop one reference per id (a page listed twice drops two).
+
+        The whole batch is checked before any count changes, so a bad call leaves the pool
+        as it was rather than half released.
+        """
+        ids = self._checked_ids(pages, "release")
+        if over := sorted((p, n) for p, n in collections.Counter(ids).items() if n > self._refs[p]):
+            detail = ", ".join(f"page {p} released {n}x, held {self._refs[p]}x" for p, n in over)
+            raise ValueError(f"{self.name} pages released more often than they were held: {detail}")
+        for p in ids:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
+
+    def _checked_ids(self, pages, action: str) -> list[int]:
+        """``pages`` as ints, refusing ids that are no page of this pool.
+
+        Numpy indexing would wrap a negative id onto the last pages (and the free list would
+        then hand it out) and fail a too-large one with a bare IndexError; `NULL_PAGE` is
+        never handed out, so it is never held.
+        """
+        ids = [operator.index(p) for p in pages]
+        if bad := sorted({p for p in ids if not NULL_PAGE < p < self.num_pages}):
+            raise ValueError(f"{self.name} pool cannot {action} page ids {bad}: its pages are "
+                             f"{NULL_PAGE + 1}..{self.num_pages - 1} (page {NULL_PAGE} is reserved)")
+        return ids
 
     def refcount(self, page: int) -> int:
         return int(self._refs[page])
