@@ -71,12 +71,7 @@ def load_pretrained(path: str | os.PathLike, dtype=None, place: Place | None = N
     needed to find it.
     """
     root = pathlib.Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: not a checkpoint directory")
-    try:
-        cfg = ModelConfig.from_hf(root)
-    except ConfigError as e:  # already names config.json
-        raise CheckpointError(str(e)) from e
+    cfg = load_config(root)
     cast = None if dtype is None else np.dtype(dtype)
     if cast is not None and cast not in SUPPORTED_DTYPES.values():
         raise CheckpointError(f"load dtype {cast} is not one of {sorted(map(str, SUPPORTED_DTYPES.values()))}")
@@ -101,6 +96,34 @@ def load_pretrained(path: str | os.PathLike, dtype=None, place: Place | None = N
         flat = {name: place(name, array if cast is None else array.astype(cast))
                 for name, array in read_tree(layout, tree_shapes, read)}
     return cfg, unflatten(flat)
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """The checkpoint's `ModelConfig` as `load_pretrained` reads it (sharded loads build their
+    shardings from it): ``config.json``, and the MTP depth from the weights where it names none.
+
+    Qwen3-Next's released config.json has no ``num_nextn_predict_layers`` (serving engines
+    assume one layer), though its weights carry that layer: the tensors say what the config
+    does not. A config that states a depth, zero included, is taken at its word.
+    """
+    root = pathlib.Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a checkpoint directory")
+    try:
+        cfg = ModelConfig.from_hf(root)
+    except ConfigError as e:  # already names config.json
+        raise CheckpointError(str(e)) from e
+    if not cfg.has_mtp and not _states_mtp_depth(root) and any(n.startswith("mtp.") for n in _locate_tensors(root)):
+        cfg = cfg.replace(num_nextn_predict_layers=1)
+    return cfg
+
+
+def _states_mtp_depth(root: pathlib.Path) -> bool:
+    """Whether config.json (or its ``text_config``) names the MTP depth at all, zero included."""
+    raw = json.loads((root / CONFIG_NAME).read_text())
+    scopes = [raw, raw.get("text_config")]
+    return any(isinstance(c, dict) and ("num_nextn_predict_layers" in c or "mtp_num_hidden_layers" in c)
+               for c in scopes)
 
 
 def _open(file: pathlib.Path):
@@ -239,6 +262,9 @@ def save_pretrained(path: str | os.PathLike, cfg: ModelConfig, params: Params,
             else:
                 dest.write_bytes(content.encode() if isinstance(content, str) else content)
             _fsync_file(dest)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would keep the checkpoint from other users
         _fsync_dir(tmp)
         _swap_into_place(tmp, target)
     except BaseException:

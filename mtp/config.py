@@ -205,6 +205,8 @@ class ModelConfig:
             out["full_attention_interval"] = interval
         out["architectures"] = [ARCHITECTURES[self.model_type]]
         out["rope_scaling"] = None
+        if self.model_type != "qwen3_next":  # Qwen3.5 readers (vLLM's qwen3_5_mtp) look for their own key
+            out["mtp_num_hidden_layers"] = self.num_nextn_predict_layers
         return out
 
     def replace(self, **changes) -> "ModelConfig":

@@ -42,7 +42,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from mtp import checkpoint
 from mtp.cache.state import LinearState, PagedKV, TargetCache
-from mtp.config import ConfigError, ModelConfig
+from mtp.config import ModelConfig
 from mtp.model.params import Params, flatten, param_shapes, unflatten
 from mtp.mtp_head import DrafterCache
 from mtp.pallas.backend import TENSOR_AXIS
@@ -240,10 +240,7 @@ def load_sharded(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[Model
     holds more than its own shard. With stacked experts, one layer's experts of one
     projection are gathered on the host until the last has been read, then placed.
     """
-    try:
-        cfg = ModelConfig.from_hf(path)
-    except ConfigError as e:  # already names config.json
-        raise checkpoint.CheckpointError(str(e)) from e
+    cfg = checkpoint.load_config(path)
     specs = param_specs(cfg, mesh)
     stack = stacks_experts(cfg, mesh)
     pending: dict[str, dict[int, np.ndarray]] = {}

@@ -136,6 +136,31 @@ def test_mtp_tensors_optional_only_without_mtp_layers(tmp_path):
         load_pretrained(_third_party(tmp_path, cfg, params, raw_config=raw))
 
 
+def test_mtp_depth_comes_from_the_tensors_where_the_config_names_none(tmp_path):
+    """Qwen3-Next's released config.json has no num_nextn_predict_layers (nor Qwen3.5's
+    mtp_num_hidden_layers) though its weights carry the MTP layer: loading takes the layer."""
+    cfg = _cfg("tiny_moe")
+    params = _params(cfg, 8)
+    raw = {k: v for k, v in cfg.to_hf().items() if k not in ("num_nextn_predict_layers", "mtp_num_hidden_layers")}
+    got, loaded = load_pretrained(_third_party(tmp_path, cfg, params, raw_config=raw))
+    assert got == cfg and got.has_mtp
+    _assert_bit_exact(loaded, params)
+    no_mtp = {k: np.asarray(v) for k, v in flatten(params).items() if not k.startswith("mtp.")}
+    got, loaded = load_pretrained(_third_party(tmp_path, cfg, params, raw_config=raw, tensors=no_mtp))
+    assert not got.has_mtp and "mtp" not in loaded  # silent config, no MTP weights: none
+    assert checkpoint.load_config(tmp_path / "third_party") == got  # what sharded loads build from
+
+
+def test_saved_directory_is_readable_as_the_umask_allows(tmp_path):
+    cfg = _cfg("tiny_dense")
+    old = os.umask(0o022)
+    try:
+        out = save_pretrained(tmp_path / "ckpt", cfg, _params(cfg, 9))
+    finally:
+        os.umask(old)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o755)  # mkdtemp alone leaves 0700
+
+
 def _write_good(tmp_path, shard=None):
     cfg = _cfg("tiny_moe")
     params = _params(cfg, 8)
