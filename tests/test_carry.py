@@ -77,30 +77,83 @@ def test_common_prefix_len_is_the_longest_agreeing_prefix(ep):
     assert c == min(len(e.tokens), len(prompt)) or e.tokens[c] != prompt[c]
 
 
+def _usable_oracle(e, prompt):
+    """Independent oracle: key k is reusable iff the prompt agrees on tokens[0..=k+1]; dropping
+    keys off the top drops as many rows off the tail."""
+    common = brute_common(e.tokens, prompt)
+    usable_keys = [k for k in range(e.last_pair_key + 1) if k + 2 <= common]
+    if not usable_keys:
+        return None
+    key = max(usable_keys)
+    rows = e.rows - (e.last_pair_key - key)
+    return (rows, key) if rows > 0 else None
+
+
+@st.composite
+def adoptable_entry_and_prompt(draw):
+    """A stamped entry with rows, and a prompt that keeps at least one of them: the main path."""
+    toks = draw(st.lists(st.integers(0, 3), min_size=2, max_size=24))
+    last = draw(st.integers(0, len(toks) + 4))
+    cut = draw(st.integers(2, len(toks)))
+    prompt = list(toks[:cut]) + draw(tokens_st)
+    dropped = last - min(last, brute_common(toks, prompt) - 2)
+    rows = draw(st.integers(dropped + 1, last + 1))  # keeps rows - dropped >= 1
+    e = CarriedDrafter(block_table=draw(st.lists(st.integers(0, 1000), max_size=4)), rows=rows,
+                       last_pair_key=last, tokens=toks, session_hash=draw(st.integers(1, 3)))
+    return e, prompt
+
+
+def test_usable_by_truncates_to_the_common_prefix():
+    reached = {"main": 0, "truncated": 0}
+
+    @FAST
+    @given(adoptable_entry_and_prompt())
+    def prop(ep):
+        e, prompt = ep
+        got = e.usable_by(prompt, e.session_hash)
+        assert got is not None and got == _usable_oracle(e, prompt)
+        rows, key = got
+        common = brute_common(e.tokens, prompt)
+        assert key == min(e.last_pair_key, common - 2)
+        assert rows == e.rows - (e.last_pair_key - key)
+        assert 0 < rows <= e.rows and rows <= key + 1
+        reached["main"] += 1
+        reached["truncated"] += key < e.last_pair_key
+
+    prop()
+    # Most examples reach the adopting branch, and a fair share of them truncate.
+    assert reached["main"] >= 150 and reached["truncated"] >= 30, reached
+
+
 @FAST
 @given(entry_and_prompt())
-def test_usable_by_truncates_to_the_common_prefix(ep):
+def test_usable_by_matches_the_oracle_on_any_entry(ep):
+    """Every branch, refusals included, against the same oracle."""
     e, prompt = ep
     got = e.usable_by(prompt, e.session_hash)
     if e.session_hash == 0 or e.last_pair_key is None or e.rows == 0:
         assert got is None
-        return
-    common = brute_common(e.tokens, prompt)
-    # Independent oracle: key k is reusable iff the prompt agrees on tokens[0..=k+1].
-    usable_keys = [k for k in range(e.last_pair_key + 1) if k + 2 <= common]
-    if not usable_keys:
-        assert got is None
-        return
-    key = max(usable_keys)
-    dropped = e.last_pair_key - key
-    if e.rows - dropped <= 0:
-        assert got is None
-        return
-    rows, got_key = got
-    assert got_key == key <= common - 2
-    assert rows == e.rows - dropped
-    assert 0 < rows <= e.rows
-    assert rows <= got_key + 1
+    else:
+        assert got == _usable_oracle(e, prompt)
+
+
+@pytest.mark.parametrize("entry, prompt, session", [
+    (dict(rows=3, last_pair_key=4, session_hash=0), [5, 6, 7, 8, 9, 10], 0),  # unstamped: session 0
+    (dict(rows=3, last_pair_key=4, session_hash=2), [5, 6, 7, 8, 9, 10], 1),  # another session's
+    (dict(rows=0, last_pair_key=None, session_hash=2), [5, 6, 7, 8, 9, 10], 2),  # no key yet
+    (dict(rows=0, last_pair_key=4, session_hash=2), [5, 6, 7, 8, 9, 10], 2),  # a key but no rows
+    (dict(rows=3, last_pair_key=4, session_hash=2), [5, 0, 7, 8], 2),  # common=1: no usable key
+    (dict(rows=3, last_pair_key=4, session_hash=2), [], 2),  # empty prompt
+    (dict(rows=2, last_pair_key=4, session_hash=2), [5, 6, 7, 0], 2),  # keeps key 1: drops 3 of 2 rows
+])
+def test_usable_by_refusal_branches(entry, prompt, session):
+    e = CarriedDrafter(block_table=(1, 2), tokens=(5, 6, 7, 8, 9, 10), **entry)
+    assert e.usable_by(prompt, session) is None
+
+
+def test_usable_by_keeps_rows_when_just_enough_survive():
+    e = CarriedDrafter(block_table=(1, 2), rows=4, last_pair_key=4, tokens=(5, 6, 7, 8, 9, 10), session_hash=2)
+    assert e.usable_by([5, 6, 7, 0], 2) == (1, 1)  # common=3 keeps keys <= 1: 4 - (4 - 1) = 1 row
 
 
 @FAST

@@ -1,10 +1,13 @@
 """The session engine: every drafter policy is lossless, and the carry's ownership holds."""
 
 
+import collections
+
 import numpy as np
 import pytest
 
 from mtp.cache.pages import PagePoolExhausted
+from mtp.cache.prefix import PrefixCache, TurnEndStore
 from mtp.carry import DrafterContext
 from mtp.data.sessions import Session, Turn
 from mtp.engine import Engine, EngineConfig, TurnRequest, run_sessions, session_hash
@@ -150,14 +153,44 @@ def test_marconi_threshold_decides_restore_or_kv_only(model, threshold):
         assert second.prefilled_tokens == second.prompt_len
 
 
-def test_small_pool_evicts_and_stays_lossless(model, workload, reference):
+def _held_pages_are_owned(eng):
+    """Every held page's refcount is exactly the number of owners that name it: the prefix
+    cache and the turn-end store (target pool), the carried drafters (drafter pool). Run
+    between waves, when no turn holds anything; a leaked reference is a page nobody owns."""
+    target = collections.Counter(eng.prefix._pages.values())
+    target.update(e.tail_page for e in eng.turn_ends._entries.values() if e.tail_page is not None)
+    drafter = collections.Counter(p for e in eng.carried.values() for p in e.block_table)
+    for pool, owned in ((eng.pages, target), (eng.dpages, drafter)):
+        held = {p: pool.refcount(p) for p in range(1, pool.num_pages) if pool.refcount(p) > 0}
+        assert held == dict(owned), f"{pool.num_free} free; held {held}; owned {dict(owned)}"
+        assert pool.num_free == pool.num_pages - 1 - len(held)
+
+
+def test_small_pool_evicts_and_stays_lossless(model, workload, reference, monkeypatch):
     prompts, sessions = workload
-    eng = _engine(model, policy="carry", num_pages=40)  # room for ~2 sequences' pages, not the whole history
-    res = run_sessions(eng, sessions, prompts)
+    evicted = {"prefix": 0, "turn_ends": 0}
+
+    def counting(name, cls):
+        orig = cls.evict
+
+        def evict(self, pages_needed):
+            freed = orig(self, pages_needed)
+            evicted[name] += freed
+            return freed
+
+        monkeypatch.setattr(cls, "evict", evict)
+
+    counting("prefix", PrefixCache)
+    counting("turn_ends", TurnEndStore)
+    # 13 usable pages, a few more than the longest sequence needs: both caches must give pages back
+    eng = _engine(model, policy="carry", num_pages=14)
+    res = run_sessions(eng, sessions, prompts, on_turn=lambda *_: _held_pages_are_owned(eng))
+    assert len(res) == 9
     for r in res:
         assert reference[(r.request.session_id, r.request.prompt)] == r.output
-    assert eng.pages.num_free + sum(eng.pages.refcount(p) > 0 for p in range(1, eng.pages.num_pages)) \
-        == eng.pages.num_pages - 1
+    assert evicted["prefix"] > 0 and evicted["turn_ends"] > 0, evicted  # pages freed by evictions
+    _held_pages_are_owned(eng)
+    assert len(eng.prefix) > 0 and len(eng.carried) > 0  # the check above had owners to account for
 
 
 def test_exhausted_pool_and_oversized_prompt_are_clear_errors(model):
