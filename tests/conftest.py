@@ -25,6 +25,30 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=None):
     return P.perturb_norms(p, jax.random.key(seed + 1))
 
 
+def agreeing_params(cfg, seed: int, mixing: float):
+    """Random weights whose MTP head agrees with the target often but not always.
+
+    The target's token mixers and FFNs are scaled down by ``mixing``, so its next
+    token is mostly a function of the last token; the head's fc passes the
+    embedding through, so it predicts that same function one step ahead. The
+    mixers still matter (``mixing > 0``), so drafts are accepted and rejected in
+    one run and every sharded layer shapes the output.
+    """
+    import jax.numpy as jnp
+
+    from mtp.model.params import flatten, unflatten
+
+    flat = dict(flatten(random_params(cfg, seed)))
+    for name, w in flat.items():
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            flat[name] = w * mixing
+    for name in ("model.norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight"):
+        flat[name] = jnp.zeros_like(flat[name])
+    h = cfg.hidden_size
+    flat["mtp.fc.weight"] = jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], axis=1)
+    return unflatten(flat)
+
+
 def paged_cache(cfg: ModelConfig, batch: int, blocks: int, page: int = 4, cls=None):
     """An empty f32 cache (``cls``: the target's by default) whose rows own ``blocks`` pages
     each (page 4: rows cross pages)."""

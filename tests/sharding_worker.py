@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import random_params, tiny_config  # noqa: E402
+from tests.conftest import agreeing_params, random_params, tiny_config  # noqa: E402
 from mtp import checkpoint, generation  # noqa: E402
 from mtp import sharding as S  # noqa: E402
 from mtp.cache.state import TargetCache  # noqa: E402
@@ -40,26 +40,6 @@ PROMPT_LENGTHS = (11, 5, 17)
 def check(ok: bool, what: str) -> None:
     if not ok:
         raise AssertionError(what)
-
-
-def agreeing_params(cfg, seed: int, mixing: float):
-    """Random weights whose MTP head agrees with the target often but not always.
-
-    The target's token mixers and FFNs are scaled down by ``mixing``, so its next
-    token is mostly a function of the last token; the head's fc passes the
-    embedding through, so it predicts that same function one step ahead. The
-    mixers still matter (``mixing > 0``), so drafts are accepted and rejected in
-    one run and every sharded layer shapes the output.
-    """
-    flat = dict(flatten(random_params(cfg, seed)))
-    for name, w in flat.items():
-        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-            flat[name] = w * mixing
-    for name in ("model.norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight"):
-        flat[name] = jnp.zeros_like(flat[name])
-    h = cfg.hidden_size
-    flat["mtp.fc.weight"] = jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], axis=1)
-    return unflatten(flat)
 
 
 def prompts_for(cfg, seed: int):
