@@ -3,7 +3,6 @@
 
 import collections
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -12,9 +11,8 @@ from mtp.cache.prefix import PrefixCache, TurnEndStore
 from mtp.carry import DrafterContext
 from mtp.data.sessions import Session, Turn
 from mtp.engine import Engine, EngineConfig, TurnRequest, run_sessions, session_hash
-from mtp.model.params import flatten, unflatten
 from mtp.speculative import SpecConfig
-from tests.conftest import random_params, tiny_config
+from tests.conftest import agreeing_params, random_params, tiny_config
 
 MAX_NEW = 10
 SPEC = SpecConfig(verify_width=3, max_new_tokens=MAX_NEW)
@@ -223,27 +221,11 @@ def test_turn_end_snapshot_prefills_only_the_new_tokens(model, workload, referen
     assert len(eng.turn_ends) == (len(res) if turn_end else 0)
 
 
-def _perfect_drafter(cfg, params):
-    """A target that reads only its last token (mixers, FFNs and norms zeroed) and a head that
-    predicts exactly that function one step ahead (its fc passes the embedding, its layer is
-    a no-op): every draft is accepted. Only for what needs every draft accepted; the
-    lossless tests use heads that accept some and reject others (`tests/test_speculative.py`)."""
-    flat = dict(flatten(params))
-    for name, w in flat.items():
-        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "shared_expert_gate.weight")):
-            flat[name] = jnp.zeros_like(w)
-        if w.ndim == 1 and "norm" in name and "linear_attn" not in name:
-            flat[name] = jnp.zeros_like(w)
-    h = cfg.hidden_size
-    flat["mtp.fc.weight"] = jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], axis=1)
-    return unflatten(flat)
-
-
 def test_budget_cut_mid_acceptance_keeps_cache_and_snapshots_exact(workload):
     """A perfect drafter accepts every draft, so turns end with accepted tokens beyond the
     budget: none of them may stay in the cache a turn-end snapshot or the prefix cache reads."""
     cfg = tiny_config("tiny_dense")
-    params = _perfect_drafter(cfg, random_params(cfg, seed=9))
+    params = agreeing_params(cfg, 9, mixing=0.0)  # mixers off: the head predicts the target exactly
     prompts, sessions = workload
     ref = run_sessions(_engine((cfg, params), policy="cold", speculative=False), sessions, prompts)
     for policy in ("blind", "carry"):
