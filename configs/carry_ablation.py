@@ -26,6 +26,10 @@ def get_config() -> ml_collections.ConfigDict:
         "carry_single_B2": ("carry", 2, 1),
         "carry_multi_B2": ("carry", 2, 8),
     })
+    # A device mesh for a checkpoint one device cannot hold (mtp.sharding): tensor-parallel
+    # devices, and expert-parallel groups for MoE checkpoints. 1 x 1: one device.
+    c.tp = 1
+    c.ep = 1
     c.max_context = 2048
     c.num_pages = 2048
     c.bootstrap_samples = 2000

@@ -105,18 +105,18 @@ def main(argv):
     if c.marconi_min_tokens is not None and not carry_lib.set_marconi_min_tokens(c.marconi_min_tokens):
         logging.warning("the Marconi threshold was fixed before --config.marconi_min_tokens could set it")
     marconi = carry_lib.marconi_min_tokens()
-    cfg, params, sessions, prompts = load_experiment(c)
+    cfg, params, mesh, sessions, prompts = load_experiment(c)
     max_new = max(t.max_new_tokens for s in sessions for t in s.turns)
     spec = SpecConfig(verify_width=c.verify_width, max_new_tokens=max_new, refeed_accepted=c.refeed_accepted,
                       eos_id=eos_id(cfg))
     total = sum(len(s.turns) for s in sessions)
     logging.info("plain greedy reference over %d sessions, %d turns", len(sessions), total)
-    ref = greedy_reference(cfg, params, sessions, prompts, c, max_new, "greedy reference", total)
+    ref = greedy_reference(cfg, params, sessions, prompts, c, max_new, "greedy reference", total, mesh)
     per_turn, same = {}, {}
     for name, (policy, slots, carry_slots) in c.variants.items():
         ecfg = EngineConfig(policy=policy, batch_slots=slots, carry_slots=carry_slots, max_context=c.max_context,
                             num_pages=c.num_pages, drafter_pages=c.num_pages, mtp_quant=c.mtp_quant)
-        turns = index_turns(run_policy(cfg, params, sessions, prompts, spec, ecfg, name, total))
+        turns = index_turns(run_policy(cfg, params, sessions, prompts, spec, ecfg, name, total, mesh))
         per_turn[name] = turns
         same[name] = lossless(turns, ref)
         logging.info("%s: token-identical to plain greedy: %s", name, same[name])
@@ -143,7 +143,8 @@ def main(argv):
     report = {
         "header": (f"{len(sessions)} sessions, {total} turns, K={c.verify_width}, mtp_quant={c.mtp_quant}, "
                    f"prompt_mode={c.prompt_mode}, marconi_min_tokens={marconi}, dtype={c.dtype}; "
-                   f"{platform.processor() or platform.machine()} on {jax.default_backend()}, "
+                   f"{platform.processor() or platform.machine()} on {jax.default_backend()}"
+                   f"{f' (mesh tp={c.tp} x ep={c.ep})' if mesh is not None else ''}, "
                    f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s"),
         "config": c.to_dict(),
         "lossless": "every policy's tokens equal the plain greedy loop's" if ok else

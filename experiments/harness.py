@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from absl import app
 from tqdm import tqdm
 
-from mtp.checkpoint import load_pretrained
+from mtp import sharding
+from mtp.checkpoint import load_config, load_pretrained
 from mtp.data.sessions import load_preamble, load_sessions
 from mtp.data.tokenizer import Tokenizer
 from mtp.engine import Engine, EngineConfig, TextPrompts, run_sessions
@@ -24,11 +25,27 @@ def eos_id(cfg) -> int:
 
 
 def load_experiment(c):
-    """The checkpoint (at the config's compute dtype), the session subset, and its prompt builder."""
-    cfg, params = load_pretrained(c.checkpoint, dtype=jnp.dtype(c.dtype))
+    """The checkpoint (at the config's compute dtype), the device mesh it is laid out on (None: one
+    device), the session subset, and its prompt builder.
+
+    ``--config.tp`` / ``--config.ep`` above 1 load the checkpoint straight into its shards
+    (`mtp.sharding.load_sharded`), for checkpoints one device cannot hold; a layout the
+    devices or the checkpoint cannot take is refused by those flags' names before any
+    tensor is read.
+    """
+    mesh = None
+    if c.tp * c.ep > 1:
+        try:
+            mesh = sharding.make_mesh(c.tp, c.ep)
+            sharding.param_specs(load_config(c.checkpoint), mesh)
+        except ValueError as e:
+            raise app.UsageError(f"--config.tp={c.tp} --config.ep={c.ep}: {e}") from None
+        cfg, params = sharding.load_sharded(c.checkpoint, mesh, dtype=jnp.dtype(c.dtype))
+    else:
+        cfg, params = load_pretrained(c.checkpoint, dtype=jnp.dtype(c.dtype))
     tok = Tokenizer.load(pathlib.Path(c.checkpoint) / "tokenizer.json")
     sessions = session_subset(load_sessions(c.sessions), c.num_sessions, "num_sessions")
-    return cfg, params, sessions, TextPrompts(tok, load_preamble(c.preamble), c.prompt_mode)
+    return cfg, params, mesh, sessions, TextPrompts(tok, load_preamble(c.preamble), c.prompt_mode)
 
 
 def session_subset(sessions, count: int, flag: str):
@@ -41,15 +58,15 @@ def session_subset(sessions, count: int, flag: str):
     return sessions[:count]
 
 
-def run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total):
+def run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total, mesh=None):
     """All sessions through a fresh engine, after a warm-up that keeps compiles out of the timings.
 
     The warm-up runs two turns on a throwaway engine (jit caches are per process), so
     the timed engine starts with empty prefix, snapshot and carry state.
     """
     warm = [dataclasses.replace(s, turns=s.turns[:2]) for s in sessions[: ecfg.batch_slots]]
-    run_sessions(Engine(cfg, params, ecfg, spec), warm, prompts)
-    eng = Engine(cfg, params, ecfg, spec)
+    run_sessions(Engine(cfg, params, ecfg, spec, mesh), warm, prompts)
+    eng = Engine(cfg, params, ecfg, spec, mesh)
     eng.precompile_appends()
     bar = tqdm(total=total, desc=f"{label:>16}", unit="turn", leave=False)
     res = run_sessions(eng, sessions, prompts, on_turn=lambda r: bar.update())
@@ -67,13 +84,13 @@ def index_turns(results):
     return dict(out)
 
 
-def greedy_reference(cfg, params, sessions, prompts, c, max_new_tokens, label, total):
+def greedy_reference(cfg, params, sessions, prompts, c, max_new_tokens, label, total, mesh=None):
     """Every turn decoded by the plain greedy loop, indexed as `index_turns`: the tokens that
     a lossless speculative run must reproduce exactly."""
     spec = SpecConfig(max_new_tokens=max_new_tokens, eos_id=eos_id(cfg))
     ecfg = EngineConfig(policy="cold", speculative=False, max_context=c.max_context, num_pages=c.num_pages,
                         drafter_pages=c.num_pages)
-    return index_turns(run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total))
+    return index_turns(run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total, mesh))
 
 
 def lossless(turns, ref) -> bool:

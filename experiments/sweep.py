@@ -112,7 +112,7 @@ def main(argv):
     del argv
     c = _CONFIG.value
     start = time.time()
-    cfg0, params, sessions, prompts = load_experiment(c)
+    cfg0, params, mesh, sessions, prompts = load_experiment(c)
     preamble_only = session_subset(load_sessions(c.preamble_only_sessions), c.num_preamble_only, "num_preamble_only")
     axes = plan(c, cfg0, sessions, preamble_only)
     out = pathlib.Path(c.out_dir)
@@ -121,11 +121,12 @@ def main(argv):
     for axis, (work, max_new, runs) in axes.items():
         total = sum(len(s.turns) for s in work)
         if id(work) not in refs:
-            refs[id(work)] = greedy_reference(cfg0, params, work, prompts, c, max_new, "greedy reference", total)
+            refs[id(work)] = greedy_reference(cfg0, params, work, prompts, c, max_new, "greedy reference", total,
+                                              mesh)
         ref = refs[id(work)]
         rows = []
         for value, cfg, spec, ecfg in runs:
-            turns = index_turns(run_policy(cfg, params, work, prompts, spec, ecfg, f"{axis}={value}", total))
+            turns = index_turns(run_policy(cfg, params, work, prompts, spec, ecfg, f"{axis}={value}", total, mesh))
             same = lossless(turns, ref)
             stats = [r.stats for r in turns.values()]
             rows.append({"value": value, "lossless": same, "all": summarize(stats),

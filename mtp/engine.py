@@ -47,9 +47,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax.sharding import Mesh
 
 from mtp import carry as carry_lib
-from mtp import quant
+from mtp import quant, sharding
 from mtp.cache.pages import PageAllocator, PagePoolExhausted, block_table_row
 from mtp.cache.prefix import PrefixCache, Snapshot, SnapshotStore, TurnEndStore, chain_hashes
 from mtp.cache.state import LinearState, TargetCache
@@ -216,10 +217,25 @@ class _Live:
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, spec: SpecConfig):
+    """Serves waves of turns; owns the page pools, the caches, the prefix and snapshot stores and
+    the carried drafters.
+
+    With ``mesh`` (``params`` laid out on it by `mtp.sharding.shard_params` or
+    `load_sharded`), the caches are made in their shards, the captured hiddens and
+    block tables live whole on every device, and every jitted step runs partitioned
+    under ``jax.set_mesh``: a checkpoint too large for one device serves the same
+    sessions, and all host-side decisions (prefix match, path, carry) are unchanged.
+    """
+
+    def __init__(self, cfg: ModelConfig, params: Params, engine_cfg: EngineConfig, spec: SpecConfig,
+                 mesh: Mesh | None = None):
         if engine_cfg.speculative and not cfg.has_mtp:
             raise ValueError("speculative decoding needs a checkpoint with an MTP head")
-        self.cfg, self.ecfg, self.spec = cfg, engine_cfg, spec
+        with sharding.on_mesh(mesh):
+            self._init(cfg, params, engine_cfg, spec, mesh)
+
+    def _init(self, cfg, params, engine_cfg, spec, mesh):
+        self.cfg, self.ecfg, self.spec, self.mesh = cfg, engine_cfg, spec, mesh
         self.params = params
         self.head_params = quantize_head(params, engine_cfg.mtp_quant) if engine_cfg.speculative else params
         self.dtype = params["model"]["embed_tokens"]["weight"].dtype
@@ -233,11 +249,14 @@ class Engine:
         self.prefix = PrefixCache(self.pages)
         self.snapshots = SnapshotStore(SNAPSHOT_INTERVAL, ps)
         self.turn_ends = TurnEndStore(self.pages, max(8, 2 * engine_cfg.carry_slots, 2 * b))
-        self.cache = TargetCache.create(cfg, b, engine_cfg.num_pages, ps, self.max_blocks, self.dtype)
-        self.dcache = DrafterCache.create(cfg, b, engine_cfg.drafter_pages, ps, self.max_blocks, self.dtype)
+        self.cache = sharding.create_cache(TargetCache, cfg, mesh, b, engine_cfg.num_pages, ps, self.max_blocks,
+                                           self.dtype)
+        self.dcache = sharding.create_cache(DrafterCache, cfg, mesh, b, engine_cfg.drafter_pages, ps,
+                                            self.max_blocks, self.dtype)
         # The captured target hiddens, indexed by absolute position (one row per
         # position, a prefill chunk of headroom); who wrote them is `hidden_ranges`.
-        self.hiddens = jnp.zeros((b, self.max_blocks * ps + SNAPSHOT_INTERVAL, cfg.hidden_size), self.dtype)
+        self.hiddens = sharding.replicated(
+            jnp.zeros((b, self.max_blocks * ps + SNAPSHOT_INTERVAL, cfg.hidden_size), self.dtype), mesh)
         self.hidden_ranges = [carry_lib.StoreRange.EMPTY] * b
         self.carried: collections.OrderedDict[int, carry_lib.CarriedDrafter] = collections.OrderedDict()
         self._tickets = itertools.count(1)
@@ -274,7 +293,7 @@ class Engine:
         """``tables`` with slot ``slot``'s row replaced by ``pages`` (host-side, once per turn)."""
         rows = np.asarray(tables).copy()
         rows[slot] = block_table_row(pages, self.max_blocks)
-        return jnp.asarray(rows)
+        return jax.device_put(rows, tables.sharding)
 
     def _set_target_table(self, slot: int, pages):
         self.cache = self.cache.replace(block_tables=self._with_row(self.cache.block_tables, slot, pages))
@@ -488,10 +507,11 @@ class Engine:
         """Compile every drafter-append bucket (count 0 writes nothing), so no timed turn does."""
         if not self.ecfg.speculative:
             return
-        for chunk in APPEND_BUCKETS:
-            self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, 0,
-                                       jnp.zeros((1, chunk), jnp.int32), jnp.zeros((1,), jnp.int32),
-                                       jnp.zeros((1,), jnp.int32), impl=self.spec.impl)
+        with sharding.on_mesh(self.mesh):
+            for chunk in APPEND_BUCKETS:
+                self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, 0,
+                                           jnp.zeros((1, chunk), jnp.int32), jnp.zeros((1,), jnp.int32),
+                                           jnp.zeros((1,), jnp.int32), impl=self.spec.impl)
 
     def _drop_carry(self, entry: carry_lib.CarriedDrafter):
         self.carried.pop(entry.session_hash, None)
@@ -508,6 +528,10 @@ class Engine:
         good stays freed: a refused carry entry (a retry would refuse it again), and
         cache or carry entries evicted to make room.
         """
+        with sharding.on_mesh(self.mesh):
+            return self._run_wave(requests)
+
+    def _run_wave(self, requests: Sequence[TurnRequest]) -> list[TurnResult]:
         b = self.ecfg.batch_slots
         if len(requests) > b:
             raise ValueError(f"{len(requests)} requests for {b} batch slots")

@@ -8,7 +8,6 @@ those hiddens, then run one jitted decode loop. The multi-turn session engine
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -88,7 +87,7 @@ def prepare_decode(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[
                    page_size: int = 16, seed: int = 0, draft_vocab=None, mesh: Mesh | None = None) -> DecodeCall:
     """Everything `generate` does before its decode loop: pages, caches, the target's prefill
     and (speculative) the drafter's; the arguments as `generate` documents them."""
-    with _on_mesh(mesh):
+    with sharding.on_mesh(mesh):
         if not prompts:
             raise ValueError("no prompts: generate needs at least one")
         if empty := [i for i, p in enumerate(prompts) if len(p) == 0]:
@@ -115,7 +114,7 @@ def prepare_decode(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[
 
         def new_cache(cls):
             args = (b, pool.num_pages, page_size, blocks, dtype)
-            cache = cls.create(cfg, *args) if mesh is None else sharding.create_cache(cls, cfg, mesh, *args)
+            cache = sharding.create_cache(cls, cfg, mesh, *args)
             return cache.replace(block_tables=jnp.asarray(tables))
 
         cache = new_cache(TargetCache)
@@ -151,7 +150,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     """
     call = prepare_decode(cfg, params, prompts, spec, speculative=speculative, drafter_prefill=drafter_prefill,
                           mtp_quant=mtp_quant, page_size=page_size, seed=seed, draft_vocab=draft_vocab, mesh=mesh)
-    with _on_mesh(mesh):
+    with sharding.on_mesh(mesh):
         t1 = time.perf_counter()
         if speculative:
             _cache, _dcache, toks, n, metrics = call.loop(*call.args)
@@ -164,10 +163,6 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     per_sequence = [AcceptanceStats.from_metrics(metrics, [i]) for i in range(len(prompts))]
     return GenerationResult(_to_lists(toks, n), AcceptanceStats.from_metrics(metrics), per_sequence,
                             prefill_s=call.prefill_s, decode_s=decode_s)
-
-
-def _on_mesh(mesh: Mesh | None):
-    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 def _ready_at(tree) -> float:

@@ -31,6 +31,7 @@ With ``ep == 1`` the checkpoint's own per-expert leaves are kept.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -322,15 +323,31 @@ def _sharded_create(cls, cfg: ModelConfig, mesh: Mesh, args: tuple):
     return jax.jit(make, out_shardings=cache_sharding(jax.eval_shape(make), cfg, mesh))
 
 
-def create_cache(cls: type, cfg: ModelConfig, mesh: Mesh, *args):
+def create_cache(cls: type, cfg: ModelConfig, mesh: Mesh | None, *args):
     """``cls.create(cfg, *args)`` made in its shards: no device ever holds the whole cache.
 
     A page pool sized for a mesh may not fit on one device, so it is created by a
     program whose outputs already have `cache_sharding`'s layout. One program per
-    (class, config, mesh, sizes), compiled once.
+    (class, config, mesh, sizes), compiled once. Without a mesh, the plain
+    ``cls.create`` on the default device.
     """
+    if mesh is None:
+        return cls.create(cfg, *args)
     return _sharded_create(cls, cfg, mesh, args)()
 
 
+def replicated(array: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """``array`` whole on every device of ``mesh`` (unchanged without one): the small state
+    every shard reads, such as block tables or the engine's captured hiddens."""
+    return array if mesh is None else jax.device_put(array, NamedSharding(mesh, P()))
+
+
+def on_mesh(mesh: Mesh | None):
+    """``jax.set_mesh(mesh)``, or nothing without one. Traces under it see the mesh, so the
+    Pallas kernels run per shard (`backend.tensor_parallel_mesh`) instead of on whole arrays."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
 __all__ = ["AXES", "EP", "TP", "cache_sharding", "create_cache", "layout_shapes", "load_sharded", "make_mesh",
-           "mesh_sizes", "param_sharding", "param_specs", "shard_cache", "shard_params", "spec_for", "stacks_experts"]
+           "mesh_sizes", "on_mesh", "param_sharding", "param_specs", "replicated", "shard_cache", "shard_params",
+           "spec_for", "stacks_experts"]

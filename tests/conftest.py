@@ -49,6 +49,43 @@ def agreeing_params(cfg, seed: int, mixing: float):
     return unflatten(flat)
 
 
+class IdPrompts:
+    """Sessions whose user chunks are token ids (``Turn.user`` holds them space-separated),
+    for `mtp.engine.run_sessions` without a tokenizer.
+
+    ``retokenize`` rewrites the last token of the previous full sequence, as a chat
+    template re-tokenizing a turn boundary would.
+    """
+
+    def __init__(self, preamble, retokenize=False):
+        self.preamble, self.retokenize = list(preamble), retokenize
+
+    def prompt(self, session, i, prev, history):
+        user = [int(x) for x in session.turns[i].user.split()]
+        if prev is None:
+            return self.preamble + user
+        prev = list(prev)
+        if self.retokenize:
+            prev[-1] = (prev[-1] + 1) % 97 or 1
+        return prev + user
+
+    def reply_text(self, ids):
+        return " ".join(map(str, ids))
+
+
+def id_sessions(n: int, turns: int, seed: int, max_new: int = 10):
+    """``n`` sessions of ``turns`` turns, each a user chunk of 4-19 random ids in [1, 97) and a
+    reply budget of 4..``max_new`` tokens (for `IdPrompts`)."""
+    import numpy as np
+
+    from mtp.data.sessions import Session, Turn
+
+    rng = np.random.default_rng(seed)
+    return [Session(f"s{k}", "synthetic", tuple(
+        Turn(" ".join(map(str, rng.integers(1, 97, rng.integers(4, 20)))), int(rng.integers(4, max_new + 1)))
+        for _ in range(turns))) for k in range(n)]
+
+
 def paged_cache(cfg: ModelConfig, batch: int, blocks: int, page: int = 4, cls=None):
     """An empty f32 cache (``cls``: the target's by default) whose rows own ``blocks`` pages
     each (page 4: rows cross pages)."""

@@ -25,10 +25,11 @@ from jax.sharding import PartitionSpec as P
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import agreeing_params, random_params, tiny_config  # noqa: E402
+from tests.conftest import IdPrompts, agreeing_params, id_sessions, random_params, tiny_config  # noqa: E402
 from mtp import checkpoint, generation  # noqa: E402
 from mtp import sharding as S  # noqa: E402
 from mtp.cache.state import TargetCache  # noqa: E402
+from mtp.engine import Engine, EngineConfig, run_sessions  # noqa: E402
 from mtp.model.params import flatten, unflatten  # noqa: E402
 from mtp.speculative import SpecConfig  # noqa: E402
 
@@ -159,6 +160,55 @@ def decode_case(name: str, tp: int, ep: int, seed: int, mixing: float = 0.01) ->
                   f"{name}: accepted {s.accepted} of {s.draft_tokens} drafts; the check needs both outcomes")
             result["accepted"], result["draft_tokens"] = int(s.accepted), int(s.draft_tokens)
         result[kind] = single.tokens
+    return result
+
+
+ENGINE_STATS = ("path", "cached_tokens", "prefilled_tokens", "drafter_prefilled", "drafter_adopted",
+                "drafter_appended", "carry_outcome", "carry_armed", "output_len")
+
+
+def engine_case(name: str, tp: int, ep: int, seed: int, mixing: float = 0.01) -> dict:
+    """Multi-turn sessions through the engine on a mesh and on one device: the same tokens (equal
+    to plain greedy decoding), the same per-turn path and carry decisions, the same
+    acceptance, and caches that keep their layout through prefills, appends and decodes."""
+    cfg = tiny_config(name).replace(tie_word_embeddings=False)
+    params = agreeing_params(cfg, seed, mixing)
+    mesh = S.make_mesh(tp, ep)
+    sharded = S.shard_params(params, cfg, mesh)
+    rng = np.random.default_rng(seed)
+    prompts, sessions = IdPrompts(rng.integers(1, 97, 70).tolist()), id_sessions(3, 3, seed=seed)
+    base = dict(max_context=256, num_pages=160, drafter_pages=160, marconi_min_tokens=64)
+    spec = SpecConfig(verify_width=3, max_new_tokens=10)
+    keyed = lambda results: {(r.request.session_id, r.request.prompt): r.output for r in results}
+    plain = keyed(run_sessions(Engine(cfg, params, EngineConfig(policy="cold", speculative=False, **base), spec),
+                               sessions, prompts))
+    result = {"config": name, "tp": tp, "ep": ep, "variants": {}}
+    for policy, slots, carry_slots in (("carry", 1, 1), ("carry", 2, 4), ("blind", 1, 1)):
+        ecfg = EngineConfig(policy=policy, batch_slots=slots, carry_slots=carry_slots, **base)
+        label = f"{name} {policy} B={slots} slots={carry_slots}"
+        single = run_sessions(Engine(cfg, params, ecfg, spec), sessions, prompts)
+        engine = Engine(cfg, sharded, ecfg, spec, mesh=mesh)
+        multi = run_sessions(engine, sessions, prompts)
+        check(keyed(single) == plain, f"{label}: single-device speculative tokens differ from plain greedy")
+        check([r.output for r in multi] == [r.output for r in single],
+              f"{label}: sharded tokens {[r.output for r in multi]} != single-device {[r.output for r in single]}")
+        for a, b in zip(single, multi):
+            sa, sb = ({k: getattr(r.stats, k) for k in ENGINE_STATS} for r in (a, b))
+            check(sa == sb, f"{label} {a.request.session_id}: turn stats differ sharded {sb} vs single {sa}")
+            check(a.stats.acceptance.as_dict() == b.stats.acceptance.as_dict(),
+                  f"{label} {a.request.session_id}: acceptance differs sharded {b.stats.acceptance} vs "
+                  f"single {a.stats.acceptance}")
+        check_layout(engine.cache, S.cache_sharding(engine.cache, cfg, mesh), None, f"{label} target cache")
+        check_layout(engine.dcache, S.cache_sharding(engine.dcache, cfg, mesh), None, f"{label} drafter cache")
+        check(engine.hiddens.sharding.is_fully_replicated and len(engine.hiddens.sharding.device_set) == tp * ep,
+              f"{label}: the hidden store is {engine.hiddens.sharding}, not whole on every device")
+        accepted = sum(r.stats.acceptance.accepted for r in multi)
+        drafted = sum(r.stats.acceptance.draft_tokens for r in multi)
+        check(0 < accepted < drafted, f"{label}: accepted {accepted} of {drafted} drafts; the check needs both")
+        result["variants"][label] = {
+            "paths": sorted({r.stats.path for r in multi}),
+            "carry_outcomes": sorted({r.stats.carry_outcome for r in multi}),
+            "appended": sum(r.stats.drafter_appended for r in multi), "accepted": accepted, "drafted": drafted}
     return result
 
 
@@ -304,6 +354,7 @@ def main() -> None:
     summary = {
         "devices": [str(d) for d in jax.devices()],
         "decode": [decode_case("tiny_tp", 2, 1, seed=1), decode_case("tiny_moe", 2, 2, seed=2)],
+        "engine": [engine_case("tiny_tp", 2, 1, seed=6), engine_case("tiny_moe", 2, 2, seed=7)],
         "load": [load_case("tiny_tp", 2, 1, seed=3), load_case("tiny_tp", 4, 1, seed=5),
                  load_case("tiny_moe", 2, 2, seed=4)],
         "errors": error_case(),

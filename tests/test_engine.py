@@ -9,43 +9,12 @@ import pytest
 from mtp.cache.pages import PagePoolExhausted
 from mtp.cache.prefix import PrefixCache, TurnEndStore
 from mtp.carry import DrafterContext
-from mtp.data.sessions import Session, Turn
 from mtp.engine import Engine, EngineConfig, TurnRequest, run_sessions, session_hash
 from mtp.speculative import SpecConfig
-from tests.conftest import agreeing_params, random_params, tiny_config
+from tests.conftest import IdPrompts, agreeing_params, id_sessions, random_params, tiny_config
 
 MAX_NEW = 10
 SPEC = SpecConfig(verify_width=3, max_new_tokens=MAX_NEW)
-
-
-class IdPrompts:
-    """Sessions whose user chunks are token ids (``Turn.user`` holds them space-separated).
-
-    ``retokenize`` rewrites the last token of the previous full sequence, as a chat
-    template re-tokenizing a turn boundary would.
-    """
-
-    def __init__(self, preamble, retokenize=False):
-        self.preamble, self.retokenize = list(preamble), retokenize
-
-    def prompt(self, session, i, prev, history):
-        user = [int(x) for x in session.turns[i].user.split()]
-        if prev is None:
-            return self.preamble + user
-        prev = list(prev)
-        if self.retokenize:
-            prev[-1] = (prev[-1] + 1) % 97 or 1
-        return prev + user
-
-    def reply_text(self, ids):
-        return " ".join(map(str, ids))
-
-
-def _sessions(n, turns, seed):
-    rng = np.random.default_rng(seed)
-    return [Session(f"s{k}", "synthetic", tuple(
-        Turn(" ".join(map(str, rng.integers(1, 97, rng.integers(4, 20)))), int(rng.integers(4, MAX_NEW + 1)))
-        for _ in range(turns))) for k in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +26,7 @@ def model():
 @pytest.fixture(scope="module")
 def workload():
     rng = np.random.default_rng(1)
-    return IdPrompts(rng.integers(1, 97, 70).tolist()), _sessions(3, 3, seed=2)
+    return IdPrompts(rng.integers(1, 97, 70).tolist()), id_sessions(3, 3, seed=2)
 
 
 def _engine(model, **kw):
@@ -103,7 +72,7 @@ def test_interleaved_sessions_never_adopt_foreign_rows(model):
     single slot thrashes between sessions and reports it as a foreign session."""
     rng = np.random.default_rng(7)
     preamble = rng.integers(1, 97, 40).tolist()
-    sessions = _sessions(4, 3, seed=8)
+    sessions = id_sessions(4, 3, seed=8)
     prompts = IdPrompts(preamble)
     for carry_slots in (1, 3):
         eng = _engine(model, policy="carry", carry_slots=carry_slots)
@@ -142,7 +111,7 @@ def test_retokenized_boundary_truncates_instead_of_refusing(model, workload):
 def test_marconi_threshold_decides_restore_or_kv_only(model, threshold):
     rng = np.random.default_rng(4)
     preamble = rng.integers(1, 97, 100).tolist()  # sessions share 96 tokens (6 full pages)
-    sessions = _sessions(2, 1, seed=5)
+    sessions = id_sessions(2, 1, seed=5)
     res = run_sessions(_engine(model, policy="blind", marconi_min_tokens=threshold), sessions, IdPrompts(preamble))
     second = res[1].stats
     assert second.cached_tokens == 96

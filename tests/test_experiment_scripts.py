@@ -23,10 +23,10 @@ c = sweep._CONFIG.value
 c.out_dir = sys.argv[1]
 cfg = ModelConfig.from_hf("configs/models/tiny_dense.json")
 sessions = load_sessions(c.sessions)[:1]
-sweep.load_experiment = lambda c: (cfg, None, sessions, None)
+sweep.load_experiment = lambda c: (cfg, None, None, sessions, None)
 ran = []
 
-def run_policy(cfg, params, work, prompts, spec, ecfg, label, total):
+def run_policy(cfg, params, work, prompts, spec, ecfg, label, total, mesh=None):
     ran.append(label)
     if label == FAIL_AT:
         raise RuntimeError("the engine ran out of pages")
@@ -141,3 +141,42 @@ assert "carry outcomes (turns)" in md and "| 0 / 0 / 0 | disarmed 2 |" in md, md
 print("checked")
 """
     _python(code, str(tmp_path))
+
+
+MESH_CONFIG = """
+from configs import carry_ablation
+
+def get_config():
+    c = carry_ablation.get_config()
+    c.variants = {"carry": ("carry", 1, 1)}
+    c.num_sessions = 1
+    return c
+"""
+
+
+def _carry_ablation_on_devices(tmp_path, devices: int, *flags):
+    (tmp_path / "mesh_config.py").write_text(MESH_CONFIG)
+    env = dict(ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.run([sys.executable, "-m", "experiments.carry_ablation", f"--config={tmp_path / 'mesh_config.py'}",
+                           f"--config.out_dir={tmp_path / 'out'}", *flags], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_carry_ablation_runs_on_a_tensor_parallel_mesh(tmp_path):
+    """--config.tp=2: the default model loaded into its shards on two (host) devices, every turn
+    served by the engine on the mesh, lossless against plain greedy decoding on the same mesh."""
+    proc = _carry_ablation_on_devices(tmp_path, 2, "--config.tp=2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert "(mesh tp=2 x ep=1)" in report["header"]
+    assert report["lossless_by_variant"] == {"carry": True}
+    warm = report["variants"]["carry"]["warm"]
+    assert warm["turns"] > 0 and warm["drafter_rows_adopted"] > 0 and warm["drafter_rows_appended"] > 0
+
+
+def test_carry_ablation_names_a_mesh_it_cannot_build(tmp_path):
+    for flags, says in ((("--config.tp=4",), "needs 4 devices, only 2"),
+                        (("--config.tp=1", "--config.ep=2"), "num_experts=0")):
+        proc = _carry_ablation_on_devices(tmp_path, 2, *flags)
+        assert proc.returncode != 0 and "--config.tp=" in proc.stderr and says in proc.stderr, proc.stderr[-3000:]
+        assert not (tmp_path / "out").exists()

@@ -57,6 +57,19 @@ def test_sharded_decoding_is_token_identical(worker_summary, index, config, tp, 
     assert case["params_split"] > 0
 
 
+
+@pytest.mark.parametrize("index, config, tp, ep", [(0, "tiny_tp", 2, 1), (1, "tiny_moe", 2, 2)])
+def test_engine_on_a_mesh_serves_the_same_turns(worker_summary, index, config, tp, ep):
+    """The worker raised on any token, turn-stat, acceptance or cache-layout mismatch between the
+    sharded and the single-device engine; this checks which paths and carry decisions it covered."""
+    case = worker_summary["engine"][index]
+    assert (case["config"], case["tp"], case["ep"]) == (config, tp, ep)
+    carry, multi, blind = case["variants"].values()
+    for v in (carry, multi, blind):
+        assert v["paths"] == ["cold", "restore"]
+    assert "adopted" in carry["carry_outcomes"] and "adopted" in multi["carry_outcomes"]
+    assert carry["appended"] > 0 and blind["carry_outcomes"] == ["disarmed"]
+
 def test_sharded_load_places_every_tensor(worker_summary):
     loads = {(c["config"], c["tp"], c["ep"]): c for c in worker_summary["load"]}
     assert set(loads) == {("tiny_tp", 2, 1), ("tiny_tp", 4, 1), ("tiny_moe", 2, 2)}
