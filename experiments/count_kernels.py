@@ -28,6 +28,7 @@ Needs the CUDA plugin (`scripts/setup_aot.sh` makes `.venv-aot`; BUILD.md):
     PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py [--batches 1,8] [--tokens 4]
         [--loop] [--list] [--by_source] [--dump DIR]
     PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py --count speculative_loop --spec_k 3
+        [--refeed_accepted]
     MTP_KERNELS=reference PYTHONPATH=. .venv-aot/bin/python experiments/count_kernels.py
 
 (``--batches``, ``--context`` and ``--steps_per_call`` are bench_decode's own flags.)
@@ -85,6 +86,8 @@ flags.DEFINE_enum("loop_model", "default", ["default", "big"],
                   "paged attention plans fewer splits than at part A's 2048-token context.")
 flags.DEFINE_integer("spec_k", 3, "--count speculative_loop: the verify width K (K - 1 drafts per iteration).",
                      lower_bound=2, upper_bound=MAX_VERIFY_WIDTH)
+flags.DEFINE_bool("refeed_accepted", False, "--count speculative_loop: the loop that refeeds accepted rows "
+                  "(SpecConfig.refeed_accepted), whose drafter append runs in every iteration.")
 flags.DEFINE_integer("tokens", 1, "Tokens per step: 1 is decode, K a verify of K tokens.", lower_bound=1,
                      upper_bound=MAX_VERIFY_WIDTH)
 flags.DEFINE_bool("loop", False, "Also compile part A's timed fori_loop and count its body (its "
@@ -231,7 +234,7 @@ def loop_call(program: str, batch: int, device):
     from mtp.checkpoint import load_pretrained
     from mtp.speculative import SpecConfig
 
-    spec = SpecConfig(verify_width=FLAGS.spec_k, max_new_tokens=128)
+    spec = SpecConfig(verify_width=FLAGS.spec_k, max_new_tokens=128, refeed_accepted=FLAGS.refeed_accepted)
     with jax.default_device(jax.devices("cpu")[0]):
         if FLAGS.loop_model == "big":
             import jax.numpy as jnp
