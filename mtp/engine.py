@@ -146,11 +146,17 @@ def _put_slot(tree, b, value):
     return jax.tree.map(lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v.astype(a.dtype), b, axis=0), tree, value)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache", "hiddens"))
-def _prefill_slot(cfg, params, cache: TargetCache, hiddens, b, tokens, start, num_new, write_from, *, impl):
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache", "hiddens", "dcache"))
+def _prefill_slot(cfg, params, cache: TargetCache, hiddens, b, tokens, start, num_new, write_from,
+                  dcache: DrafterCache | None, append: tuple | None, *, impl):
     """One aligned prefill chunk on slot ``b``; its hiddens land in the slot's hidden store.
 
-    Returns the cache, the hidden store, and the logits of the chunk's last token.
+    With ``append`` (`_append_of_slot`'s ``(tokens, first_key, count)``), the drafter rows
+    that read the hiddens written so far are appended to ``dcache`` in the same call: a
+    turn's last chunk carries its first drafter append, so a carry's tail costs no
+    dispatch of its own (on a GPU a small model's warm TTFT is mostly dispatches).
+    Returns the cache, the hidden store, the drafter cache (None without one), and the
+    logits of the chunk's last token.
     """
     view = cache.replace(linear=_slot(cache.linear, b), block_tables=_slot(cache.block_tables, b),
                          lengths=_slot(cache.lengths, b))
@@ -159,7 +165,9 @@ def _prefill_slot(cfg, params, cache: TargetCache, hiddens, b, tokens, start, nu
     hiddens = jax.lax.dynamic_update_slice(hiddens, h, (b, start[0], 0))
     cache = cache.replace(kv=view.kv, linear=_put_slot(cache.linear, b, view.linear),
                           lengths=_put_slot(cache.lengths, b, view.lengths))
-    return cache, hiddens, out.logits[0, num_new[0] - 1]
+    if append is not None:
+        dcache = _append_of_slot(cfg, params, dcache, hiddens, b, *append, impl=impl)
+    return cache, hiddens, dcache, out.logits[0, num_new[0] - 1]
 
 
 _linear_of_slot = jax.jit(lambda linear, b: _slot(linear, b))
@@ -179,8 +187,21 @@ def _set_slot_linear(cache: TargetCache, b, linear: LinearState):
     return cache.replace(linear=_put_slot(cache.linear, b, linear))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("dcache",))
-def _append_slot(cfg, params, dcache: DrafterCache, hiddens, b, tokens, first_key, count, *, impl):
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _set_slot_table(cache: TargetCache | DrafterCache, b, row):
+    """Slot ``b``'s block-table row set on the device: no read-back of the table, so the
+    host never waits for the device's queued work at a turn's start or end."""
+    return cache.replace(block_tables=jax.lax.dynamic_update_slice_in_dim(cache.block_tables, row[None], b, axis=0))
+
+
+@functools.partial(jax.jit, donate_argnames=("dcache",))
+def _install_drafter(dcache: DrafterCache, b, row, rows, last_key):
+    """Slot ``b``'s drafter block table, resident rows and newest key, in one call."""
+    return dcache.replace(block_tables=jax.lax.dynamic_update_slice_in_dim(dcache.block_tables, row[None], b, axis=0),
+                          rows=dcache.rows.at[b].set(rows), last_pair_key=dcache.last_pair_key.at[b].set(last_key))
+
+
+def _append_of_slot(cfg, params, dcache: DrafterCache, hiddens, b, tokens, first_key, count, *, impl):
     """Drafter rows for keys ``first_key ...`` of slot ``b``; key ``k`` reads ``hiddens[b, k]``."""
     keys = jnp.clip(first_key[:, None] + jnp.arange(tokens.shape[1])[None, :], 0, hiddens.shape[1] - 1)
     h = jnp.take(jax.lax.dynamic_index_in_dim(hiddens, b, axis=0, keepdims=False), keys[0], axis=0)[None]
@@ -189,6 +210,23 @@ def _append_slot(cfg, params, dcache: DrafterCache, hiddens, b, tokens, first_ke
     view = append_rows(cfg, params, view, tokens, h, first_key, count, impl=impl)
     return dcache.replace(kv=view.kv, rows=_put_slot(dcache.rows, b, view.rows),
                           last_pair_key=_put_slot(dcache.last_pair_key, b, view.last_pair_key))
+
+
+_append_slot = functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("dcache",))(
+    _append_of_slot)
+
+
+def _drafter_appends(prompt, first_key, count) -> list[tuple]:
+    """The ``(tokens, first_key, count)`` host arrays of the `append_chunks` calls that write
+    drafter rows for keys ``first_key .. first_key + count - 1`` (key ``k`` pairs
+    ``prompt[k + 1]`` with the hidden at ``k``)."""
+    ids = np.asarray(list(prompt) + [0], np.int32)
+    out = []
+    for off, width in append_chunks(count):
+        keys = first_key + off + np.arange(width)
+        tok = ids[np.clip(keys + 1, 0, len(prompt))][None]
+        out.append((tok, np.array([first_key + off], np.int32), np.array([min(width, count - off)], np.int32)))
+    return out
 
 
 # ------------------------------------------------------------------ the engine
@@ -289,24 +327,14 @@ class Engine:
             self.turn_ends.evict(count - self.pages.num_free)
         return self.pages.allocate(count)
 
-    def _with_row(self, tables: jax.Array, slot: int, pages) -> jax.Array:
-        """``tables`` with slot ``slot``'s row replaced by ``pages`` (host-side, once per turn)."""
-        rows = np.asarray(tables).copy()
-        rows[slot] = block_table_row(pages, self.max_blocks)
-        return jax.device_put(rows, tables.sharding)
-
     def _set_target_table(self, slot: int, pages):
-        self.cache = self.cache.replace(block_tables=self._with_row(self.cache.block_tables, slot, pages))
+        self.cache = _set_slot_table(self.cache, slot, block_table_row(pages, self.max_blocks))
 
     def _set_drafter_table(self, slot: int, pages):
-        self.dcache = self.dcache.replace(block_tables=self._with_row(self.dcache.block_tables, slot, pages))
-
-    def _set_drafter_rows(self, slot: int, rows: int, last_key: int):
-        self.dcache = self.dcache.replace(rows=self.dcache.rows.at[slot].set(rows),
-                                          last_pair_key=self.dcache.last_pair_key.at[slot].set(last_key))
+        self.dcache = _set_slot_table(self.dcache, slot, block_table_row(pages, self.max_blocks))
 
     # -------------------------------------------------------------- prefill of one turn
-    def _target_prefill(self, slot, prompt, hashes, start, cached, gen, sess):
+    def _target_prefill(self, slot, prompt, hashes, start, cached, gen, sess, appends):
         """Prefill of ``prompt[start:]`` in chunks that end on multiples of ``SNAPSHOT_INTERVAL``.
 
         ``start`` is 0, a prefill snapshot's position (a multiple), or a turn end's
@@ -318,6 +346,7 @@ class Engine:
         so that state, and the snapshots this prefill then leaves, may differ by
         rounding from what a recompute would produce; no exactness is claimed there.
         The hiddens of positions ``start..L-1`` land in the slot's hidden store.
+        ``appends`` (`_drafter_appends`) then run, the first inside the last chunk's call.
         Returns the logits at ``L-1``.
         """
         n = len(prompt)
@@ -327,14 +356,20 @@ class Engine:
             end = min(n, (pos // chunk + 1) * chunk)
             toks = np.zeros((1, chunk), np.int32)
             toks[0, : end - pos] = prompt[pos:end]
-            self.cache, self.hiddens, logits = _prefill_slot(
-                self.cfg, self.params, self.cache, self.hiddens, slot, jnp.asarray(toks),
-                jnp.array([pos], jnp.int32), jnp.array([end - pos], jnp.int32), jnp.array([cached], jnp.int32),
-                impl=self.spec.impl)
+            last = end == n and appends
+            self.cache, self.hiddens, dcache, logits = _prefill_slot(
+                self.cfg, self.head_params, self.cache, self.hiddens, slot, toks, np.array([pos], np.int32),
+                np.array([end - pos], np.int32), np.array([cached], np.int32),
+                self.dcache if last else None, appends[0] if last else None, impl=self.spec.impl)
+            if last:
+                self.dcache = dcache
             if end % chunk == 0 and end < n:
                 lin = _linear_of_slot(self.cache.linear, slot)
                 self.snapshots.put(hashes, Snapshot(end, lin.conv, lin.recurrent, sess, gen))
             pos = end
+        for args in appends[1:]:
+            self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, slot, *args,
+                                       impl=self.spec.impl)
         return logits
 
     def _check_request(self, req: TurnRequest):
@@ -467,51 +502,59 @@ class Engine:
         self._set_target_table(slot, lv.target_pages)
         if lv.snap is not None:
             self.cache = _set_slot_linear(self.cache, slot, LinearState(lv.snap.conv, lv.snap.recurrent))
-        logits = self._target_prefill(slot, prompt, lv.hashes, start, lv.cached, lv.generation, lv.session)
+        appends = self._start_drafter(lv, prompt, start) if self.ecfg.speculative else []
+        logits = self._target_prefill(slot, prompt, lv.hashes, start, lv.cached, lv.generation, lv.session, appends)
         self.hidden_ranges[slot] = lv.hidden_range
         self._rng, key = jax.random.split(self._rng)
         lv.first_token = pick_token(logits[None], self.spec.temperature, key)
         lv.first_hidden = _hidden_at(self.hiddens, slot, n - 1)
-        if self.ecfg.speculative:
-            self._start_drafter(lv, prompt, start)
         jax.block_until_ready((lv.first_token, self.dcache.rows))
         lv.stats.ttft_s += time.perf_counter() - t0
 
-    def _start_drafter(self, lv: _Live, prompt, start):
+    def _start_drafter(self, lv: _Live, prompt, start) -> list[tuple]:
+        """Install the turn's drafter rows on its slot; return the appends that the target
+        prefill then runs (`_drafter_appends`): the carry's tail, or a whole-prompt prefill."""
         if lv.adopted is not None:  # the blocks move from the carry slot to this sequence
             del self.carried[lv.adopted.session_hash]
             lv.drafter_pages = list(lv.adopted.block_table) + lv.drafter_pages
-        self._set_drafter_table(lv.slot, lv.drafter_pages)
         rows, last_key = lv.drafter_rows
-        self._set_drafter_rows(lv.slot, rows, last_key)
+        self.dcache = _install_drafter(self.dcache, lv.slot, block_table_row(lv.drafter_pages, self.max_blocks),
+                                       rows, last_key)
         if lv.plan is not None:
-            self._append(lv.slot, prompt, lv.plan.first_key, lv.plan.rows)
             lv.stats.drafter_appended = lv.plan.rows
-        elif rows == 0 and self.drafter_prefill_on and start == 0:
+            return _drafter_appends(prompt, lv.plan.first_key, lv.plan.rows)
+        if rows == 0 and self.drafter_prefill_on and start == 0:
             # A whole-prompt drafter prefill needs the hiddens of every prompt position,
             # so it runs only when the target prefill started at 0 (the reference's guard).
-            self._append(lv.slot, prompt, 0, len(prompt) - 1)
             lv.stats.drafter_prefilled = len(prompt) - 1
-
-    def _append(self, slot, prompt, first_key, count):
-        """Drafter rows for keys ``first_key .. first_key+count-1`` from the slot's hidden store."""
-        ids = np.asarray(list(prompt) + [0], np.int32)
-        for off, width in append_chunks(count):
-            keys = first_key + off + np.arange(width)
-            tok = ids[np.clip(keys + 1, 0, len(prompt))][None]
-            self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, slot, jnp.asarray(tok),
-                                       jnp.array([first_key + off], jnp.int32),
-                                       jnp.array([min(width, count - off)], jnp.int32), impl=self.spec.impl)
+            return _drafter_appends(prompt, 0, len(prompt) - 1)
+        return []
 
     def precompile_appends(self) -> None:
-        """Compile every drafter-append bucket (count 0 writes nothing), so no timed turn does."""
+        """Compile the prefill chunk and every drafter-append width, standalone and inside a
+        turn's last prefill chunk, so that no timed turn compiles.
+
+        Runs each program once on slot 0 with nothing to write (a prefill of 0 tokens from
+        position 0, appends of 0 rows); the only trace is garbage in slot 0's hidden store,
+        which is marked empty (the next turn on slot 0 prefills every hidden it reads).
+        """
         if not self.ecfg.speculative:
             return
+        zero = np.zeros((1,), np.int32)
+        chunk = np.zeros((1, SNAPSHOT_INTERVAL), np.int32)
         with sharding.on_mesh(self.mesh):
-            for chunk in APPEND_BUCKETS:
-                self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, 0,
-                                           jnp.zeros((1, chunk), jnp.int32), jnp.zeros((1,), jnp.int32),
-                                           jnp.zeros((1,), jnp.int32), impl=self.spec.impl)
+            # The arguments exactly as `_target_prefill` passes them (an omitted default would
+            # be another jit signature, compiled again by the first turn).
+            self.cache, self.hiddens, _, _ = _prefill_slot(self.cfg, self.head_params, self.cache, self.hiddens, 0,
+                                                           chunk, zero, zero, zero, None, None, impl=self.spec.impl)
+            for width in APPEND_BUCKETS:
+                empty = (np.zeros((1, width), np.int32), zero, zero)
+                self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, 0, *empty,
+                                           impl=self.spec.impl)
+                self.cache, self.hiddens, self.dcache, _ = _prefill_slot(
+                    self.cfg, self.head_params, self.cache, self.hiddens, 0, chunk, zero, zero, zero, self.dcache,
+                    empty, impl=self.spec.impl)
+        self.hidden_ranges[0] = carry_lib.StoreRange.EMPTY
 
     def _drop_carry(self, entry: carry_lib.CarriedDrafter):
         self.carried.pop(entry.session_hash, None)

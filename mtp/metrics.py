@@ -38,6 +38,11 @@ class AcceptanceStats:
         return AcceptanceStats(self.steps + other.steps, self.draft_tokens + other.draft_tokens,
                                self.accepted + other.accepted, pad(a) + pad(b))
 
+    def counts(self) -> tuple:
+        """The raw counters, for exact comparisons between runs (the derived rates are NaN,
+        never equal to themselves, for a turn without a verify step)."""
+        return self.steps, self.draft_tokens, self.accepted, tuple(self.accepted_at_least.tolist())
+
     @property
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.accepted / self.steps if self.steps else float("nan")

@@ -195,7 +195,7 @@ def engine_case(name: str, tp: int, ep: int, seed: int, mixing: float = 0.01) ->
         for a, b in zip(single, multi):
             sa, sb = ({k: getattr(r.stats, k) for k in ENGINE_STATS} for r in (a, b))
             check(sa == sb, f"{label} {a.request.session_id}: turn stats differ sharded {sb} vs single {sa}")
-            check(a.stats.acceptance.as_dict() == b.stats.acceptance.as_dict(),
+            check(a.stats.acceptance.counts() == b.stats.acceptance.counts(),
                   f"{label} {a.request.session_id}: acceptance differs sharded {b.stats.acceptance} vs "
                   f"single {a.stats.acceptance}")
         check_layout(engine.cache, S.cache_sharding(engine.cache, cfg, mesh), None, f"{label} target cache")

@@ -281,3 +281,37 @@ def test_a_disarmed_carry_reports_itself_apart_from_an_empty_slot(model, kw, arm
     assert eng.carry_armed is armed and r.stats.carry_armed is armed
     assert r.stats.carry_outcome == ("no_carry" if armed else "disarmed")
     assert r.stats.as_dict()["carry_outcome"] == r.stats.carry_outcome
+
+
+def test_a_carrys_tail_rides_on_the_last_prefill_chunk_and_nothing_compiles_after_precompile(workload, reference):
+    """On a GPU a small model's warm TTFT is mostly dispatches, so a turn's first drafter append
+    (the carry's tail, or a whole-prompt drafter prefill up to one chunk) runs inside its
+    last target-prefill call: no standalone append is dispatched. `precompile_appends`
+    compiles every fused and standalone width beforehand, and the turns it leaves behind
+    are the same: a timed run then compiles nothing."""
+    import jax
+
+    from mtp import engine as engine_mod
+
+    cfg = tiny_config("tiny_dense").replace(tie_word_embeddings=False)
+    params = agreeing_params(cfg, 3, 0.01)
+    prompts, sessions = workload
+    standalone = []
+    real = engine_mod._append_slot
+    kw = dict(max_context=256, num_pages=160, drafter_pages=160, marconi_min_tokens=64)
+    plain = run_sessions(Engine(cfg, params, EngineConfig(policy="cold", speculative=False, **kw), SPEC),
+                         sessions, prompts)
+    jax.clear_caches()
+    eng = Engine(cfg, params, EngineConfig(policy="carry", **kw), SPEC)
+    eng.precompile_appends()
+    compiled = (engine_mod._prefill_slot._cache_size(), real._cache_size())
+    assert compiled == (1 + len(engine_mod.APPEND_BUCKETS), len(engine_mod.APPEND_BUCKETS))
+    engine_mod._append_slot = lambda *a, **k: standalone.append(1) or real(*a, **k)
+    try:
+        res = run_sessions(eng, sessions, prompts)
+    finally:
+        engine_mod._append_slot = real
+    assert [r.output for r in res] == [r.output for r in plain]
+    assert sum(r.stats.drafter_appended > 0 for r in res) >= 4 and sum(r.stats.drafter_prefilled > 0 for r in res) >= 1
+    assert not standalone  # every append here fits one chunk
+    assert (engine_mod._prefill_slot._cache_size(), real._cache_size()) == compiled
