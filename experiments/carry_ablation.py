@@ -3,9 +3,11 @@ r"""The drafter-context ablation: cold, blind, rebuild, carry and the multi-slot
     python -m experiments.carry_ablation [--config configs/carry_ablation.py] \
         [--config.num_sessions=-1] [--config.out_dir=...]
 
-Runs the embedded default model over its multi-turn evaluation sessions once per
-drafter policy (plus a plain-greedy reference), checks every policy's tokens equal
-the reference's, and reports per policy, split into cold (first) and warm turns:
+Serves the embedded default model's multi-turn evaluation sessions under every
+drafter policy, the policies interleaved group by group so that their timings are
+side by side (`harness.run_policies_interleaved`), plus a plain-greedy reference;
+checks every policy's tokens equal the reference's, and reports per policy, split
+into cold (first) and warm turns:
 TTFT, decode tokens/s, verify steps, accepted tokens per step, mean acceptance
 length, per-position acceptance and drafter rows prefilled / adopted / appended;
 with paired bootstrap 95% intervals for ``carry - blind`` and ``carry - rebuild``.
@@ -24,8 +26,8 @@ import numpy as np
 from absl import app, logging
 from ml_collections import config_flags
 
-from experiments.harness import eos_id, greedy_reference, index_turns, load_experiment, lossless, run_policy, \
-    write_atomic
+from experiments.harness import (eos_id, greedy_reference, index_turns, load_experiment, lossless,
+                                 run_policies_interleaved, write_atomic)
 from mtp import carry as carry_lib
 from mtp.analysis import acceptance_length, paired_bootstrap, summarize
 from mtp.engine import EngineConfig
@@ -112,13 +114,14 @@ def main(argv):
     total = sum(len(s.turns) for s in sessions)
     logging.info("plain greedy reference over %d sessions, %d turns", len(sessions), total)
     ref = greedy_reference(cfg, params, sessions, prompts, c, max_new, "greedy reference", total, mesh)
+    ecfgs = {name: EngineConfig(policy=policy, batch_slots=slots, carry_slots=carry_slots,
+                                max_context=c.max_context, num_pages=c.num_pages, drafter_pages=c.num_pages,
+                                mtp_quant=c.mtp_quant)
+             for name, (policy, slots, carry_slots) in c.variants.items()}
     per_turn, same = {}, {}
-    for name, (policy, slots, carry_slots) in c.variants.items():
-        ecfg = EngineConfig(policy=policy, batch_slots=slots, carry_slots=carry_slots, max_context=c.max_context,
-                            num_pages=c.num_pages, drafter_pages=c.num_pages, mtp_quant=c.mtp_quant)
-        turns = index_turns(run_policy(cfg, params, sessions, prompts, spec, ecfg, name, total, mesh))
-        per_turn[name] = turns
-        same[name] = lossless(turns, ref)
+    for name, res in run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs, total, mesh).items():
+        per_turn[name] = index_turns(res)
+        same[name] = lossless(per_turn[name], ref)
         logging.info("%s: token-identical to plain greedy: %s", name, same[name])
     variants = {}
     for name, turns in per_turn.items():

@@ -58,20 +58,48 @@ def session_subset(sessions, count: int, flag: str):
     return sessions[:count]
 
 
-def run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total, mesh=None):
-    """All sessions through a fresh engine, after a warm-up that keeps compiles out of the timings.
-
-    The warm-up runs two turns on a throwaway engine (jit caches are per process), so
-    the timed engine starts with empty prefix, snapshot and carry state.
-    """
+def _timed_engine(cfg, params, sessions, prompts, spec, ecfg, mesh):
+    """A fresh engine whose programs are compiled: a throwaway engine first serves two turns
+    (jit caches are per process), so the one returned starts with empty prefix, snapshot and
+    carry state and no timed turn compiles."""
     warm = [dataclasses.replace(s, turns=s.turns[:2]) for s in sessions[: ecfg.batch_slots]]
     run_sessions(Engine(cfg, params, ecfg, spec, mesh), warm, prompts)
     eng = Engine(cfg, params, ecfg, spec, mesh)
     eng.precompile_appends()
+    return eng
+
+
+def run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total, mesh=None):
+    """All sessions through one compiled engine (`_timed_engine`)."""
+    eng = _timed_engine(cfg, params, sessions, prompts, spec, ecfg, mesh)
     bar = tqdm(total=total, desc=f"{label:>16}", unit="turn", leave=False)
     res = run_sessions(eng, sessions, prompts, on_turn=lambda r: bar.update())
     bar.close()
     return res
+
+
+def run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs: dict, total, mesh=None) -> dict:
+    """``{name: results}`` of every engine config over the same sessions, served side by side.
+
+    Each config gets its own compiled engine, and the sessions go through them in groups
+    as wide as the widest batch, every config serving a group before the next group
+    starts, in an order that rotates from group to group. Run one config after another,
+    a process's drift (host load, clocks, what the previous config left in memory) lands
+    on whole policies and biases their differences; interleaved, it lands on all of them
+    alike, so the paired TTFT differences compare policies, not moments. Tokens do not
+    depend on the grouping; waves of a batch-2 config pair sessions within a group only.
+    """
+    engines = {name: _timed_engine(cfg, params, sessions, prompts, spec, e, mesh) for name, e in ecfgs.items()}
+    width = max(e.batch_slots for e in ecfgs.values())
+    results = {name: [] for name in ecfgs}
+    names = list(ecfgs)
+    bar = tqdm(total=total * len(names), desc="all policies", unit="turn", leave=False)
+    for g, start in enumerate(range(0, len(sessions), width)):
+        group = sessions[start:start + width]
+        for name in names[g % len(names):] + names[:g % len(names)]:
+            results[name] += run_sessions(engines[name], group, prompts, on_turn=lambda r: bar.update())
+    bar.close()
+    return results
 
 
 def index_turns(results):
