@@ -535,8 +535,10 @@ class Engine:
         turn's last prefill chunk, so that no timed turn compiles.
 
         Runs each program once on slot 0 with nothing to write (a prefill of 0 tokens from
-        position 0, appends of 0 rows); the only trace is garbage in slot 0's hidden store,
-        which is marked empty (the next turn on slot 0 prefills every hidden it reads).
+        position 0, appends of 0 rows). What it leaves: garbage in slot 0's hidden store,
+        which is marked empty (the next turn on slot 0 prefills every hidden it reads), and
+        in page 0, the null page an idle slot's block table points at, which no sequence owns.
+        Call it between waves, never with a turn in flight.
         """
         if not self.ecfg.speculative:
             return
