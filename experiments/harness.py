@@ -4,6 +4,7 @@ turns, check them against plain greedy decoding, write results."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import pathlib
 
@@ -15,7 +16,7 @@ from mtp import sharding
 from mtp.checkpoint import load_config, load_pretrained
 from mtp.data.sessions import load_preamble, load_sessions
 from mtp.data.tokenizer import Tokenizer
-from mtp.engine import Engine, EngineConfig, TextPrompts, run_sessions
+from mtp.engine import Engine, EngineConfig, TextPrompts, run_sessions, session_waves
 from mtp.speculative import SpecConfig
 
 
@@ -33,13 +34,20 @@ def load_experiment(c):
     devices or the checkpoint cannot take is refused by those flags' names before any
     tensor is read.
     """
+    for flag in ("tp", "ep"):
+        if c[flag] < 1:
+            raise app.UsageError(f"--config.{flag}={c[flag]}: give a positive number of devices (1: no split)")
     mesh = None
     if c.tp * c.ep > 1:
+        model_cfg = load_config(c.checkpoint)  # a malformed config.json is its own error, not the flags'
         try:
             mesh = sharding.make_mesh(c.tp, c.ep)
-            sharding.param_specs(load_config(c.checkpoint), mesh)
+            specs = sharding.param_specs(model_cfg, mesh)
         except ValueError as e:
             raise app.UsageError(f"--config.tp={c.tp} --config.ep={c.ep}: {e}") from None
+        if not any(axis is not None for spec in specs.values() for axis in spec):
+            raise app.UsageError(f"--config.tp={c.tp} --config.ep={c.ep}: divides none of {c.checkpoint}'s heads, "
+                                 f"FFN columns, vocabulary or experts, so every device would hold the whole model")
         cfg, params = sharding.load_sharded(c.checkpoint, mesh, dtype=jnp.dtype(c.dtype))
     else:
         cfg, params = load_pretrained(c.checkpoint, dtype=jnp.dtype(c.dtype))
@@ -65,7 +73,7 @@ def _timed_engine(cfg, params, sessions, prompts, spec, ecfg, mesh):
     warm = [dataclasses.replace(s, turns=s.turns[:2]) for s in sessions[: ecfg.batch_slots]]
     run_sessions(Engine(cfg, params, ecfg, spec, mesh), warm, prompts)
     eng = Engine(cfg, params, ecfg, spec, mesh)
-    eng.precompile_appends()
+    eng.precompile()
     return eng
 
 
@@ -81,23 +89,29 @@ def run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total, mesh=No
 def run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs: dict, total, mesh=None) -> dict:
     """``{name: results}`` of every engine config over the same sessions, served side by side.
 
-    Each config gets its own compiled engine, and the sessions go through them in groups
-    as wide as the widest batch, every config serving a group before the next group
-    starts, in an order that rotates from group to group. Run one config after another,
-    a process's drift (host load, clocks, what the previous config left in memory) lands
-    on whole policies and biases their differences; interleaved, it lands on all of them
-    alike, so the paired TTFT differences compare policies, not moments. Tokens do not
-    depend on the grouping; waves of a batch-2 config pair sessions within a group only.
+    Each config gets its own compiled engine (all alive at once: N configs hold N
+    engines' page pools and hidden stores), and the engines take turns wave by wave, in
+    an order that rotates every round, each on exactly the schedule it would follow
+    alone (`engine.session_waves`). Run one config after another, a process's drift
+    (host load, clocks, what the previous config left in memory) lands on whole policies
+    and biases their differences; interleaved, it lands on all of them alike, so the
+    paired TTFT differences compare policies, not moments.
     """
     engines = {name: _timed_engine(cfg, params, sessions, prompts, spec, e, mesh) for name, e in ecfgs.items()}
-    width = max(e.batch_slots for e in ecfgs.values())
+    waves = {name: session_waves(eng, sessions, prompts) for name, eng in engines.items()}
     results = {name: [] for name in ecfgs}
-    names = list(ecfgs)
-    bar = tqdm(total=total * len(names), desc="all policies", unit="turn", leave=False)
-    for g, start in enumerate(range(0, len(sessions), width)):
-        group = sessions[start:start + width]
-        for name in names[g % len(names):] + names[:g % len(names)]:
-            results[name] += run_sessions(engines[name], group, prompts, on_turn=lambda r: bar.update())
+    bar = tqdm(total=total * len(ecfgs), desc="all policies", unit="turn", leave=False)
+    for round_ in itertools.count():
+        if not waves:
+            break
+        names = list(waves)
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            wave = next(waves[name], None)
+            if wave is None:
+                del waves[name]
+                continue
+            results[name] += wave
+            bar.update(len(wave))
     bar.close()
     return results
 

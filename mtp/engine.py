@@ -503,8 +503,14 @@ class Engine:
         if lv.snap is not None:
             self.cache = _set_slot_linear(self.cache, slot, LinearState(lv.snap.conv, lv.snap.recurrent))
         appends = self._start_drafter(lv, prompt, start) if self.ecfg.speculative else []
+        # The chunks overwrite the slot's hidden store as they go: until the prefill is
+        # done, nothing in it is vouched for.
+        self.hidden_ranges[slot] = carry_lib.StoreRange.EMPTY
         logits = self._target_prefill(slot, prompt, lv.hashes, start, lv.cached, lv.generation, lv.session, appends)
         self.hidden_ranges[slot] = lv.hidden_range
+        if lv.adopted is not None:  # the prefill (and the append in it) ran: the blocks are this turn's now
+            del self.carried[lv.adopted.session_hash]
+            lv.drafter_pages = list(lv.adopted.block_table) + lv.drafter_pages
         self._rng, key = jax.random.split(self._rng)
         lv.first_token = pick_token(logits[None], self.spec.temperature, key)
         lv.first_hidden = _hidden_at(self.hiddens, slot, n - 1)
@@ -513,13 +519,17 @@ class Engine:
 
     def _start_drafter(self, lv: _Live, prompt, start) -> list[tuple]:
         """Install the turn's drafter rows on its slot; return the appends that the target
-        prefill then runs (`_drafter_appends`): the carry's tail, or a whole-prompt prefill."""
-        if lv.adopted is not None:  # the blocks move from the carry slot to this sequence
-            del self.carried[lv.adopted.session_hash]
-            lv.drafter_pages = list(lv.adopted.block_table) + lv.drafter_pages
+        prefill then runs (`_drafter_appends`): the carry's tail, or a whole-prompt prefill.
+
+        An adopted entry's blocks head the slot's table, but the entry stays in
+        `Engine.carried` (and its pages out of ``lv.drafter_pages``) until the prefill has
+        run, so a turn that fails to start leaves the session its carry: the appended rows
+        lie past the entry's own, which they leave intact.
+        """
+        adopted = list(lv.adopted.block_table) if lv.adopted is not None else []
         rows, last_key = lv.drafter_rows
-        self.dcache = _install_drafter(self.dcache, lv.slot, block_table_row(lv.drafter_pages, self.max_blocks),
-                                       rows, last_key)
+        self.dcache = _install_drafter(self.dcache, lv.slot,
+                                       block_table_row(adopted + lv.drafter_pages, self.max_blocks), rows, last_key)
         if lv.plan is not None:
             lv.stats.drafter_appended = lv.plan.rows
             return _drafter_appends(prompt, lv.plan.first_key, lv.plan.rows)
@@ -530,18 +540,17 @@ class Engine:
             return _drafter_appends(prompt, 0, len(prompt) - 1)
         return []
 
-    def precompile_appends(self) -> None:
-        """Compile the prefill chunk and every drafter-append width, standalone and inside a
-        turn's last prefill chunk, so that no timed turn compiles.
+    def precompile(self) -> None:
+        """Compile the prefill chunk and, speculative, every drafter-append width, standalone and
+        inside a turn's last prefill chunk, so that no timed turn compiles.
 
         Runs each program once on slot 0 with nothing to write (a prefill of 0 tokens from
         position 0, appends of 0 rows). What it leaves: garbage in slot 0's hidden store,
         which is marked empty (the next turn on slot 0 prefills every hidden it reads), and
-        in page 0, the null page an idle slot's block table points at, which no sequence owns.
+        in page 0, the null page an idle slot's block table points at, which no sequence
+        owns; slot 0's lengths, recurrent state and drafter rows are left as they were.
         Call it between waves, never with a turn in flight.
         """
-        if not self.ecfg.speculative:
-            return
         zero = np.zeros((1,), np.int32)
         chunk = np.zeros((1, SNAPSHOT_INTERVAL), np.int32)
         with sharding.on_mesh(self.mesh):
@@ -549,7 +558,7 @@ class Engine:
             # be another jit signature, compiled again by the first turn).
             self.cache, self.hiddens, _, _ = _prefill_slot(self.cfg, self.head_params, self.cache, self.hiddens, 0,
                                                            chunk, zero, zero, zero, None, None, impl=self.spec.impl)
-            for width in APPEND_BUCKETS:
+            for width in APPEND_BUCKETS if self.ecfg.speculative else ():
                 empty = (np.zeros((1, width), np.int32), zero, zero)
                 self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, 0, *empty,
                                            impl=self.spec.impl)
@@ -713,16 +722,18 @@ class TextPrompts:
         return self.tokenizer.decode(ids)
 
 
-def run_sessions(engine: Engine, sessions, prompts, on_turn=None) -> list[TurnResult]:
-    """Serve every turn of every session, in waves of up to ``batch_slots`` distinct sessions.
+def session_waves(engine: Engine, sessions, prompts):
+    """Serve every turn of every session, one wave of up to ``batch_slots`` distinct sessions
+    per step of this generator, which yields each wave's results.
 
     Turn ``i`` of a session is served only after its turn ``i - 1`` (its prompt
     extends that turn's full sequence). Sessions take slots in order, so with one
-    slot each session runs to its end before the next begins.
+    slot each session runs to its end before the next begins. A caller that advances
+    several engines' generators in turn serves them side by side, each on exactly the
+    schedule it would follow alone.
     """
     state = {s.session_id: (0, None, []) for s in sessions}  # next turn, prev full ids, history
     pending = collections.deque(sessions)
-    results = []
     while pending:
         wave = []
         for s in list(pending):
@@ -734,13 +745,22 @@ def run_sessions(engine: Engine, sessions, prompts, on_turn=None) -> list[TurnRe
             i, prev, history = state[s.session_id]
             ids = prompts.prompt(s, i, prev, history)
             reqs.append(TurnRequest(s.session_id, tuple(ids), s.turns[i].max_new_tokens))
-        for s, res in zip(wave, engine.run_wave(reqs)):
+        results = engine.run_wave(reqs)
+        for s, res in zip(wave, results):
             i, prev, history = state[s.session_id]
             history = history + [(s.turns[i].user, prompts.reply_text(res.output))]
             state[s.session_id] = (i + 1, list(res.request.prompt) + res.output, history)
+            if i + 1 == len(s.turns):
+                pending.remove(s)
+        yield results
+
+
+def run_sessions(engine: Engine, sessions, prompts, on_turn=None) -> list[TurnResult]:
+    """Every turn of every session (`session_waves`), in the order served."""
+    results = []
+    for wave in session_waves(engine, sessions, prompts):
+        for res in wave:
             results.append(res)
             if on_turn is not None:
                 on_turn(res)
-            if i + 1 == len(s.turns):
-                pending.remove(s)
     return results

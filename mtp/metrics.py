@@ -39,8 +39,9 @@ class AcceptanceStats:
                                self.accepted + other.accepted, pad(a) + pad(b))
 
     def counts(self) -> tuple:
-        """The raw counters, for exact comparisons between runs (the derived rates are NaN,
-        never equal to themselves, for a turn without a verify step)."""
+        """The raw counters, for exact comparisons of one turn's (or one run's) stats between
+        runs: the derived rates are NaN, never equal to themselves, for a turn without a
+        verify step. Sums over turns of different widths may differ in trailing zeros."""
         return self.steps, self.draft_tokens, self.accepted, tuple(self.accepted_at_least.tolist())
 
     @property

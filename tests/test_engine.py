@@ -1,7 +1,7 @@
 """The session engine: every drafter policy is lossless, and the carry's ownership holds."""
 
-
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -283,12 +283,13 @@ def test_a_disarmed_carry_reports_itself_apart_from_an_empty_slot(model, kw, arm
     assert r.stats.as_dict()["carry_outcome"] == r.stats.carry_outcome
 
 
-def test_a_carrys_tail_rides_on_the_last_prefill_chunk_and_nothing_compiles_after_precompile(workload, reference):
+def test_a_turns_first_drafter_append_rides_on_its_last_prefill_call(workload, monkeypatch):
     """On a GPU a small model's warm TTFT is mostly dispatches, so a turn's first drafter append
     (the carry's tail, or a whole-prompt drafter prefill up to one chunk) runs inside its
-    last target-prefill call: no standalone append is dispatched. `precompile_appends`
-    compiles every fused and standalone width beforehand, and the turns it leaves behind
-    are the same: a timed run then compiles nothing."""
+    last target-prefill call: no standalone append is dispatched, and the drafter KV,
+    the carried entries and the acceptance are those of the same appends run as calls of
+    their own. `precompile` compiles every prefill and append program a turn runs, so a
+    timed run compiles none of them."""
     import jax
 
     from mtp import engine as engine_mod
@@ -296,22 +297,59 @@ def test_a_carrys_tail_rides_on_the_last_prefill_chunk_and_nothing_compiles_afte
     cfg = tiny_config("tiny_dense").replace(tie_word_embeddings=False)
     params = agreeing_params(cfg, 3, 0.01)
     prompts, sessions = workload
-    standalone = []
-    real = engine_mod._append_slot
     kw = dict(max_context=256, num_pages=160, drafter_pages=160, marconi_min_tokens=64)
-    plain = run_sessions(Engine(cfg, params, EngineConfig(policy="cold", speculative=False, **kw), SPEC),
-                         sessions, prompts)
+    prefill, append = engine_mod._prefill_slot, engine_mod._append_slot
+
+    def unfused(cfg, params, cache, hiddens, b, tokens, start, num_new, write_from, dcache, args, *, impl):
+        cache, hiddens, _, logits = prefill(cfg, params, cache, hiddens, b, tokens, start, num_new, write_from,
+                                            None, None, impl=impl)
+        if args is not None:
+            dcache = append(cfg, params, dcache, hiddens, b, *args, impl=impl)
+        return cache, hiddens, dcache, logits
+
+    monkeypatch.setattr(engine_mod, "_prefill_slot", unfused)
+    separate = Engine(cfg, params, EngineConfig(policy="carry", **kw), SPEC)
+    want = run_sessions(separate, sessions, prompts)
+    monkeypatch.setattr(engine_mod, "_prefill_slot", prefill)
+
     jax.clear_caches()
     eng = Engine(cfg, params, EngineConfig(policy="carry", **kw), SPEC)
-    eng.precompile_appends()
-    compiled = (engine_mod._prefill_slot._cache_size(), real._cache_size())
+    eng.precompile()
+    compiled = (prefill._cache_size(), append._cache_size())
     assert compiled == (1 + len(engine_mod.APPEND_BUCKETS), len(engine_mod.APPEND_BUCKETS))
-    engine_mod._append_slot = lambda *a, **k: standalone.append(1) or real(*a, **k)
-    try:
-        res = run_sessions(eng, sessions, prompts)
-    finally:
-        engine_mod._append_slot = real
-    assert [r.output for r in res] == [r.output for r in plain]
-    assert sum(r.stats.drafter_appended > 0 for r in res) >= 4 and sum(r.stats.drafter_prefilled > 0 for r in res) >= 1
+    standalone = []
+    monkeypatch.setattr(engine_mod, "_append_slot", lambda *a, **k: standalone.append(1) or append(*a, **k))
+    got = run_sessions(eng, sessions, prompts)
     assert not standalone  # every append here fits one chunk
-    assert (engine_mod._prefill_slot._cache_size(), real._cache_size()) == compiled
+    assert (prefill._cache_size(), append._cache_size()) == compiled
+    assert sum(r.stats.drafter_appended > 0 for r in got) >= 4 and sum(r.stats.drafter_prefilled > 0 for r in got) >= 1
+    for g, w in zip(got, want):
+        assert g.output == w.output and g.stats.acceptance.counts() == w.stats.acceptance.counts()
+    assert {k: (e.rows, e.last_pair_key, e.block_table) for k, e in eng.carried.items()} == \
+        {k: (e.rows, e.last_pair_key, e.block_table) for k, e in separate.carried.items()}
+    np.testing.assert_allclose(np.asarray(eng.dcache.kv.k[0]), np.asarray(separate.dcache.kv.k[0]), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(eng.dcache.kv.v[0]), np.asarray(separate.dcache.kv.v[0]), rtol=1e-5,
+                               atol=1e-6)
+    assert np.abs(np.asarray(eng.dcache.kv.k[0])[1:]).sum() > 0  # rows were written, not two empty pools
+
+
+def test_a_turn_that_fails_to_start_leaves_its_session_the_carry(model, monkeypatch):
+    """The adopted entry leaves `Engine.carried` only once the turn's prefill has run."""
+    from mtp import engine as engine_mod
+
+    prompts, sessions = IdPrompts(list(range(1, 71))), id_sessions(1, 2, seed=9)
+    eng = _engine(model, policy="carry")
+    run_sessions(eng, [dataclasses.replace(sessions[0], turns=sessions[0].turns[:1])], prompts)
+    (entry,) = eng.carried.values()
+    held = eng.dpages.num_free
+    first = run_sessions(_engine(model, policy="cold", speculative=False), sessions[:1], prompts)[0]
+    req = TurnRequest("s0", tuple(first.request.prompt) + tuple(first.output) + (5, 6, 7), 4)
+    real = engine_mod._prefill_slot
+    monkeypatch.setattr(engine_mod, "_prefill_slot", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device")))
+    with pytest.raises(RuntimeError, match="device"):
+        eng.run_wave([req])
+    assert list(eng.carried.values()) == [entry] and eng.dpages.num_free == held
+    monkeypatch.setattr(engine_mod, "_prefill_slot", real)
+    (res,) = eng.run_wave([req])
+    assert res.stats.carry_outcome == "adopted" and res.stats.drafter_adopted == entry.rows

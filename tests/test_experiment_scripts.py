@@ -1,5 +1,6 @@
-"""experiments/sweep.py, generate.py and carry_ablation.py around their runs, with the runs faked: each
-check runs in its own process, since the scripts' absl flags would clash in one."""
+"""The experiment scripts as processes: sweep.py, generate.py and carry_ablation.py around faked
+runs (their planning, writing and failure paths), and carry_ablation for real on simulated device
+meshes. Each check runs in its own process, since the scripts' absl flags would clash in one."""
 
 import json
 import pathlib
@@ -175,8 +176,10 @@ def test_carry_ablation_runs_on_a_tensor_parallel_mesh(tmp_path):
 
 
 def test_carry_ablation_names_a_mesh_it_cannot_build(tmp_path):
-    for flags, says in ((("--config.tp=4",), "needs 4 devices, only 2"),
-                        (("--config.tp=1", "--config.ep=2"), "num_experts=0")):
-        proc = _carry_ablation_on_devices(tmp_path, 2, *flags)
+    for devices, flags, says in ((2, ("--config.tp=4",), "needs 4 devices, only 2"),
+                                 (2, ("--config.tp=1", "--config.ep=2"), "num_experts=0"),
+                                 (2, ("--config.tp=0",), "--config.tp=0: give a positive number"),
+                                 (8, ("--config.tp=7",), "divides none of")):
+        proc = _carry_ablation_on_devices(tmp_path, devices, *flags)
         assert proc.returncode != 0 and "--config.tp=" in proc.stderr and says in proc.stderr, proc.stderr[-3000:]
         assert not (tmp_path / "out").exists()

@@ -27,7 +27,7 @@ from mtp.generation import generate
 from mtp.model import target
 from mtp.pallas.paged_attention import kernel_unsupported
 from mtp.speculative import SpecConfig
-from tests.test_engine import IdPrompts
+from tests.conftest import IdPrompts
 
 CKPT = pathlib.Path(__file__).resolve().parents[1] / "assets" / "default_model"
 PROMPTS = [[5, 17, 300, 42, 7, 99, 1000, 12, 13, 8, 77], [8, 9, 10, 400]]

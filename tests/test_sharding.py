@@ -57,7 +57,6 @@ def test_sharded_decoding_is_token_identical(worker_summary, index, config, tp, 
     assert case["params_split"] > 0
 
 
-
 @pytest.mark.parametrize("index, config, tp, ep", [(0, "tiny_tp", 2, 1), (1, "tiny_moe", 2, 2)])
 def test_engine_on_a_mesh_serves_the_same_turns(worker_summary, index, config, tp, ep):
     """The worker raised on any token, turn-stat, acceptance or cache-layout mismatch between the
