@@ -300,11 +300,10 @@ def test_a_turns_first_drafter_append_rides_on_its_last_prefill_call(workload, m
     kw = dict(max_context=256, num_pages=160, drafter_pages=160, marconi_min_tokens=64)
     prefill, append = engine_mod._prefill_slot, engine_mod._append_slot
 
-    def unfused(cfg, params, cache, hiddens, b, tokens, start, num_new, write_from, dcache, args, *, impl):
-        cache, hiddens, _, logits = prefill(cfg, params, cache, hiddens, b, tokens, start, num_new, write_from,
-                                            None, None, impl=impl)
-        if args is not None:
-            dcache = append(cfg, params, dcache, hiddens, b, *args, impl=impl)
+    def unfused(cfg, params, cache, hiddens, chunk, dcache, row, *, impl):
+        cache, hiddens, _, logits = prefill(cfg, params, cache, hiddens, chunk, None, None, impl=impl)
+        if row is not None:
+            dcache = append(cfg, params, dcache, hiddens, int(chunk[0, -4]), row, impl=impl)
         return cache, hiddens, dcache, logits
 
     monkeypatch.setattr(engine_mod, "_prefill_slot", unfused)
