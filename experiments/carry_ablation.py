@@ -4,7 +4,7 @@ r"""The drafter-context ablation: cold, blind, rebuild, carry and the multi-slot
         [--config.num_sessions=-1] [--config.out_dir=...]
 
 Serves the embedded default model's multi-turn evaluation sessions under every
-drafter policy, the policies interleaved group by group so that their timings are
+drafter policy, the policies interleaved wave by wave so that their timings are
 side by side (`harness.run_policies_interleaved`), plus a plain-greedy reference;
 checks every policy's tokens equal the reference's, and reports per policy, split
 into cold (first) and warm turns:

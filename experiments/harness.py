@@ -4,7 +4,6 @@ turns, check them against plain greedy decoding, write results."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import pathlib
 
@@ -101,17 +100,17 @@ def run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs: dict, 
     waves = {name: session_waves(eng, sessions, prompts) for name, eng in engines.items()}
     results = {name: [] for name in ecfgs}
     bar = tqdm(total=total * len(ecfgs), desc="all policies", unit="turn", leave=False)
-    for round_ in itertools.count():
-        if not waves:
-            break
+    round_ = 0
+    while waves:
         names = list(waves)
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
             wave = next(waves[name], None)
             if wave is None:
                 del waves[name]
-                continue
-            results[name] += wave
-            bar.update(len(wave))
+            else:
+                results[name] += wave
+                bar.update(len(wave))
+        round_ += 1
     bar.close()
     return results
 

@@ -200,18 +200,22 @@ def _set_slot_linear(cache: TargetCache, b, linear: LinearState):
     return cache.replace(linear=_put_slot(cache.linear, b, linear))
 
 
+def _with_table_row(cache: TargetCache | DrafterCache, b, row):
+    return cache.replace(block_tables=jax.lax.dynamic_update_slice_in_dim(cache.block_tables, row[None], b, axis=0))
+
+
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _set_slot_table(cache: TargetCache | DrafterCache, b, row):
     """Slot ``b``'s block-table row set on the device: no read-back of the table, so the
     host never waits for the device's queued work at a turn's start or end."""
-    return cache.replace(block_tables=jax.lax.dynamic_update_slice_in_dim(cache.block_tables, row[None], b, axis=0))
+    return _with_table_row(cache, b, row)
 
 
 @functools.partial(jax.jit, donate_argnames=("dcache",))
 def _install_drafter(dcache: DrafterCache, b, row, rows, last_key):
     """Slot ``b``'s drafter block table, resident rows and newest key, in one call."""
-    return dcache.replace(block_tables=jax.lax.dynamic_update_slice_in_dim(dcache.block_tables, row[None], b, axis=0),
-                          rows=dcache.rows.at[b].set(rows), last_pair_key=dcache.last_pair_key.at[b].set(last_key))
+    dcache = _with_table_row(dcache, b, row)
+    return dcache.replace(rows=dcache.rows.at[b].set(rows), last_pair_key=dcache.last_pair_key.at[b].set(last_key))
 
 
 def _append_of_slot(cfg, params, dcache: DrafterCache, hiddens, b, append, *, impl):
@@ -532,7 +536,7 @@ class Engine:
         jax.block_until_ready((lv.first_token, self.dcache.rows))
         lv.stats.ttft_s += time.perf_counter() - t0
 
-    def _start_drafter(self, lv: _Live, prompt, start) -> list[tuple]:
+    def _start_drafter(self, lv: _Live, prompt, start) -> list[np.ndarray]:
         """Install the turn's drafter rows on its slot; return the appends that the target
         prefill then runs (`_drafter_appends`): the carry's tail, or a whole-prompt prefill.
 

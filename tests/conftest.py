@@ -73,6 +73,14 @@ class IdPrompts:
         return " ".join(map(str, ids))
 
 
+def turn_decisions(stats) -> dict:
+    """What the engine decided for a turn (`mtp.engine.TurnStats`), for comparing two runs of it
+    (its acceptance compares apart, by `AcceptanceStats.counts`; its timings never)."""
+    return {k: getattr(stats, k) for k in ("path", "cached_tokens", "prefilled_tokens", "drafter_prefilled",
+                                           "drafter_adopted", "drafter_appended", "carry_outcome", "carry_armed",
+                                           "output_len")}
+
+
 def id_sessions(n: int, turns: int, seed: int, max_new: int = 10):
     """``n`` sessions of ``turns`` turns, each a user chunk of 4-19 random ids in [1, 97) and a
     reply budget of 4..``max_new`` tokens (for `IdPrompts`)."""

@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import IdPrompts, agreeing_params, id_sessions, random_params, tiny_config  # noqa: E402
+from tests.conftest import (IdPrompts, agreeing_params, id_sessions, random_params, tiny_config,  # noqa: E402
+                            turn_decisions)
 from mtp import checkpoint, generation  # noqa: E402
 from mtp import sharding as S  # noqa: E402
 from mtp.cache.state import TargetCache  # noqa: E402
@@ -163,10 +164,6 @@ def decode_case(name: str, tp: int, ep: int, seed: int, mixing: float = 0.01) ->
     return result
 
 
-ENGINE_STATS = ("path", "cached_tokens", "prefilled_tokens", "drafter_prefilled", "drafter_adopted",
-                "drafter_appended", "carry_outcome", "carry_armed", "output_len")
-
-
 def engine_case(name: str, tp: int, ep: int, seed: int, mixing: float = 0.01) -> dict:
     """Multi-turn sessions through the engine on a mesh and on one device: the same tokens (equal
     to plain greedy decoding), the same per-turn path and carry decisions, the same
@@ -193,7 +190,7 @@ def engine_case(name: str, tp: int, ep: int, seed: int, mixing: float = 0.01) ->
         check([r.output for r in multi] == [r.output for r in single],
               f"{label}: sharded tokens {[r.output for r in multi]} != single-device {[r.output for r in single]}")
         for a, b in zip(single, multi):
-            sa, sb = ({k: getattr(r.stats, k) for k in ENGINE_STATS} for r in (a, b))
+            sa, sb = turn_decisions(a.stats), turn_decisions(b.stats)
             check(sa == sb, f"{label} {a.request.session_id}: turn stats differ sharded {sb} vs single {sa}")
             check(a.stats.acceptance.counts() == b.stats.acceptance.counts(),
                   f"{label} {a.request.session_id}: acceptance differs sharded {b.stats.acceptance} vs "
