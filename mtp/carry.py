@@ -29,6 +29,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Optional
 
+import numpy as np
+
 __all__ = [
     "AppendPlan",
     "CarriedDrafter",
@@ -106,10 +108,14 @@ class CarriedDrafter:
     last_pair_key: Optional[int]
     tokens: tuple[int, ...]
     session_hash: int
+    # ``tokens`` as an array, made once at the deposit: the next turn's prefix comparison
+    # is then one vector compare at its start instead of a Python loop over the session.
+    _token_array: np.ndarray = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_table", _as_int_tuple("block_table", self.block_table))
         object.__setattr__(self, "tokens", _as_int_tuple("tokens", self.tokens))
+        object.__setattr__(self, "_token_array", np.asarray(self.tokens, np.int64))
         _check_count("rows", self.rows)
         _check_count("session_hash", self.session_hash)
         if self.last_pair_key is None:
@@ -127,12 +133,9 @@ class CarriedDrafter:
 
     def common_prefix_len(self, prompt: Sequence[int]) -> int:
         """Number of leading tokens on which ``prompt`` agrees with the carried sequence."""
-        n = 0
-        for a, b in zip(self.tokens, prompt):
-            if a != int(b):
-                break
-            n += 1
-        return n
+        n = min(len(self.tokens), len(prompt))
+        differ = np.flatnonzero(self._token_array[:n] != np.asarray(prompt[:n], np.int64))
+        return int(differ[0]) if differ.size else n
 
     def session_matches(self, session_hash: int) -> bool:
         """Whether these rows belong to ``session_hash``.

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from flax import struct
 from jax.sharding import Mesh
 
 from mtp import carry as carry_lib
@@ -146,23 +147,36 @@ def _put_slot(tree, b, value):
     return jax.tree.map(lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v.astype(a.dtype), b, axis=0), tree, value)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache", "hiddens", "dcache"))
-def _prefill_slot(cfg, params, cache: TargetCache, hiddens, chunk, dcache: DrafterCache | None, append, *, impl):
+@struct.dataclass
+class _ChunkEnd:
+    """What a prefill chunk leaves beside the caches: the token its last position picks, the
+    hidden there (the first propose's input), and the slot's Gated DeltaNet state (a snapshot)."""
+
+    token: jax.Array  # [1] int32
+    hidden: jax.Array  # [1, H]
+    linear: LinearState  # the slot's, batch 1
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "width", "temperature", "impl"),
+                   donate_argnames=("cache", "hiddens", "dcache"))
+def _prefill_slot(cfg, params, cache: TargetCache, hiddens, dcache: DrafterCache | None, rng, chunk, *, width: int,
+                  temperature: float, impl):
     """One aligned prefill chunk; its hiddens land in the slot's hidden store.
 
-    ``chunk`` is one int32 row (`_chunk_row`): the chunk's tokens, then its slot ``b``,
-    start, token count and the position KV is written from, so that a call copies one
-    array to the device, not five (on the H200 a chunk with its arguments already there
-    took 1.49 ms against 1.87 ms with five host arrays). With ``append`` (a row of
-    `_drafter_appends`), the drafter rows that read the hiddens written so far are
-    appended to ``dcache`` in the same call: a turn's last chunk carries its first
-    drafter append, so a carry's tail costs no dispatch of its own (on a GPU a small
-    model's warm TTFT is mostly dispatches). Returns the cache, the hidden store, the
-    drafter cache (None without one), and the logits of the chunk's last token.
+    ``chunk`` is one int32 row (`_chunk_row`): the chunk's ``width`` tokens, then its slot
+    ``b``, start, token count and the position KV is written from, then, with ``dcache``,
+    a drafter append (a row of `_drafter_appends`): the drafter rows that read the hiddens
+    written so far are appended in the same call. A turn's last chunk carries its first
+    drafter append, so a carry's tail costs neither a dispatch nor a host-to-device copy of
+    its own (on a GPU a small model's warm TTFT is mostly dispatches, and each host array
+    an argument costs one copy: a chunk took 1.49 ms with its arguments on the device
+    against 1.87 ms with five host arrays). The first token is picked here too, from the
+    chunk's last position with a key split off ``rng``, so that a turn's start dispatches
+    nothing after its last chunk. Returns the cache, the hidden store, the drafter cache
+    (None without one), ``rng`` advanced, and the `_ChunkEnd`.
     """
-    t = chunk.shape[1] - 4
-    tokens, b, start, num_new, write_from = (chunk[:, :t], chunk[0, t], chunk[:, t + 1], chunk[:, t + 2],
-                                             chunk[:, t + 3])
+    tokens, b, start, num_new, write_from = (chunk[:, :width], chunk[0, width], chunk[:, width + 1],
+                                             chunk[:, width + 2], chunk[:, width + 3])
     view = cache.replace(linear=_slot(cache.linear, b), block_tables=_slot(cache.block_tables, b),
                          lengths=_slot(cache.lengths, b))
     view, out = target.prefill(cfg, params, view, tokens, start, num_new, write_from, impl=impl)
@@ -170,34 +184,36 @@ def _prefill_slot(cfg, params, cache: TargetCache, hiddens, chunk, dcache: Draft
     hiddens = jax.lax.dynamic_update_slice(hiddens, h, (b, start[0], 0))
     cache = cache.replace(kv=view.kv, linear=_put_slot(cache.linear, b, view.linear),
                           lengths=_put_slot(cache.lengths, b, view.lengths))
-    if append is not None:
-        dcache = _append_of_slot(cfg, params, dcache, hiddens, b, append, impl=impl)
-    return cache, hiddens, dcache, out.logits[0, num_new[0] - 1]
+    if dcache is not None:
+        dcache = _append_of_slot(cfg, params, dcache, hiddens, b, chunk[:, width + 4:], impl=impl)
+    rng, key = jax.random.split(rng)
+    last = num_new[0] - 1
+    end = _ChunkEnd(token=pick_token(out.logits[:, last], temperature, key),
+                    hidden=jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False),
+                    linear=_slot(cache.linear, b))
+    return cache, hiddens, dcache, rng, end
 
 
-def _chunk_row(slot: int, tokens, start: int, width: int, write_from: int) -> np.ndarray:
-    """`_prefill_slot`'s ``chunk``: ``tokens`` padded to ``width``, then slot, start, count, write-from."""
+def _chunk_row(slot: int, tokens, start: int, width: int, write_from: int, append=None) -> np.ndarray:
+    """`_prefill_slot`'s ``chunk``: ``tokens`` padded to ``width``, then slot, start, count,
+    write-from, then ``append`` (a row of `_drafter_appends`) if given."""
     row = np.zeros((1, width + 4), np.int32)
     row[0, : len(tokens)] = tokens
     row[0, width:] = slot, start, len(tokens), write_from
-    return row
+    return row if append is None else np.concatenate([row, append], axis=1)
 
 
 _linear_of_slot = jax.jit(lambda linear, b: _slot(linear, b))
-# One compile for every (slot, position): eager indexing would compile per static index.
-_hidden_at = jax.jit(lambda hiddens, b, pos: jax.lax.dynamic_slice_in_dim(hiddens[b], pos, 1, axis=0))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def _copy_page(cache: TargetCache, src, dst):
-    """Copy one KV page (every attention layer): a shared partial page is extended in a copy."""
+def _copy_page(cache: TargetCache, src_dst):
+    """Copy one KV page (every attention layer): a shared partial page is extended in a copy.
+
+    ``src_dst``: the two page ids in one array (one host-to-device copy)."""
+    src, dst = src_dst[0], src_dst[1]
     return cache.replace(kv=cache.kv.replace(k=tuple(k.at[dst].set(k[src]) for k in cache.kv.k),
                                              v=tuple(v.at[dst].set(v[src]) for v in cache.kv.v)))
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _set_slot_linear(cache: TargetCache, b, linear: LinearState):
-    return cache.replace(linear=_put_slot(cache.linear, b, linear))
 
 
 def _with_table_row(cache: TargetCache | DrafterCache, b, row):
@@ -207,15 +223,34 @@ def _with_table_row(cache: TargetCache | DrafterCache, b, row):
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _set_slot_table(cache: TargetCache | DrafterCache, b, row):
     """Slot ``b``'s block-table row set on the device: no read-back of the table, so the
-    host never waits for the device's queued work at a turn's start or end."""
+    host never waits for the device's queued work at a turn's end."""
     return _with_table_row(cache, b, row)
 
 
-@functools.partial(jax.jit, donate_argnames=("dcache",))
-def _install_drafter(dcache: DrafterCache, b, row, rows, last_key):
-    """Slot ``b``'s drafter block table, resident rows and newest key, in one call."""
-    dcache = _with_table_row(dcache, b, row)
-    return dcache.replace(rows=dcache.rows.at[b].set(rows), last_pair_key=dcache.last_pair_key.at[b].set(last_key))
+@functools.partial(jax.jit, donate_argnames=("cache", "dcache"))
+def _begin_turn(cache: TargetCache, dcache: DrafterCache | None, setup, linear: LinearState | None):
+    """A turn's slot state in one call: its target block table, the Gated DeltaNet state it
+    restores (``linear``, or None), and its drafter's block table, resident rows and newest
+    key (with ``dcache``).
+
+    ``setup`` is one int32 row (`_setup_row`): slot, drafter rows, newest key, then the
+    target's and the drafter's table rows. On the H200 each small call cost 0.17-0.25 ms,
+    mostly its host arrays' copies; three calls with seven host arrays became one with one.
+    """
+    b, width = setup[0], cache.block_tables.shape[1]
+    cache = _with_table_row(cache, b, setup[3: 3 + width])
+    if linear is not None:
+        cache = cache.replace(linear=_put_slot(cache.linear, b, linear))
+    if dcache is not None:
+        dcache = _with_table_row(dcache, b, setup[3 + width:])
+        dcache = dcache.replace(rows=dcache.rows.at[b].set(setup[1]),
+                                last_pair_key=dcache.last_pair_key.at[b].set(setup[2]))
+    return cache, dcache
+
+
+def _setup_row(slot: int, target_table, drafter_table, rows: int, last_key: int) -> np.ndarray:
+    """`_begin_turn`'s ``setup``."""
+    return np.concatenate([np.array([slot, rows, last_key], np.int32), target_table, drafter_table])
 
 
 def _append_of_slot(cfg, params, dcache: DrafterCache, hiddens, b, append, *, impl):
@@ -240,13 +275,15 @@ _append_slot = functools.partial(jax.jit, static_argnames=("cfg", "impl"), donat
 def _drafter_appends(prompt, first_key, count) -> list[np.ndarray]:
     """One int32 row per `append_chunks` call that writes drafter rows for keys ``first_key ..
     first_key + count - 1`` (key ``k`` pairs ``prompt[k + 1]`` with the hidden at ``k``): the
-    call's tokens, then its first key and row count."""
-    ids = np.asarray(list(prompt) + [0], np.int32)
+    call's tokens (zero past ``count``), then its first key and row count. Reads only the
+    tail it appends, so a carry's turn start does not walk the whole session."""
     out = []
     for off, width in append_chunks(count):
-        keys = first_key + off + np.arange(width)
-        out.append(np.concatenate([ids[np.clip(keys + 1, 0, len(prompt))],
-                                   [first_key + off, min(width, count - off)]]).astype(np.int32)[None])
+        key, n = first_key + off, min(width, count - off)
+        row = np.zeros((1, width + 2), np.int32)
+        row[0, :n] = prompt[key + 1: key + 1 + n]
+        row[0, width:] = key, n
+        out.append(row)
     return out
 
 
@@ -368,28 +405,32 @@ class Engine:
         rounding from what a recompute would produce; no exactness is claimed there.
         The hiddens of positions ``start..L-1`` land in the slot's hidden store.
         ``appends`` (`_drafter_appends`) then run, the first inside the last chunk's call.
-        Returns the logits at ``L-1``.
+        Returns the last chunk's `_ChunkEnd` (the first token, picked with the engine's
+        next key).
         """
         n = len(prompt)
         chunk = SNAPSHOT_INTERVAL
-        pos, logits = start, None
+        pos = start
         while pos < n:
             end = min(n, (pos // chunk + 1) * chunk)
-            last = end == n and appends
-            self.cache, self.hiddens, dcache, logits = _prefill_slot(
-                self.cfg, self.head_params, self.cache, self.hiddens, _chunk_row(slot, prompt[pos:end], pos, chunk,
-                                                                                 cached),
-                self.dcache if last else None, appends[0] if last else None, impl=self.spec.impl)
-            if last:
+            fused = end == n and appends
+            self.cache, self.hiddens, dcache, rng, chunk_end = self._prefill_chunk(
+                _chunk_row(slot, prompt[pos:end], pos, chunk, cached, appends[0] if fused else None),
+                self.dcache if fused else None)
+            if fused:
                 self.dcache = dcache
             if end % chunk == 0 and end < n:
-                lin = _linear_of_slot(self.cache.linear, slot)
-                self.snapshots.put(hashes, Snapshot(end, lin.conv, lin.recurrent, sess, gen))
+                self.snapshots.put(hashes, Snapshot(end, chunk_end.linear.conv, chunk_end.linear.recurrent, sess, gen))
             pos = end
+        self._rng = rng  # one key per turn, from its last chunk
         for row in appends[1:]:
             self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, slot, row,
                                        impl=self.spec.impl)
-        return logits
+        return chunk_end
+
+    def _prefill_chunk(self, row, dcache):
+        return _prefill_slot(self.cfg, self.head_params, self.cache, self.hiddens, dcache, self._rng, row,
+                             width=SNAPSHOT_INTERVAL, temperature=self.spec.temperature, impl=self.spec.impl)
 
     def _check_request(self, req: TurnRequest):
         """Refuse a request this engine cannot serve, before any turn of its wave takes a page."""
@@ -443,7 +484,7 @@ class Engine:
                 if turn_end is not None and (snap is None or turn_end.length > snap.position):
                     snap = turn_end.snapshot
                     if turn_end.tail_page is not None:
-                        self.cache = _copy_page(self.cache, turn_end.tail_page, own[0])
+                        self.cache = _copy_page(self.cache, np.array([turn_end.tail_page, own[0]], np.int32))
                     cached = turn_end.length
             path = "cold" if not warm else ("restore" if snap else "kv_only")
             start = snap.position if snap else 0
@@ -513,76 +554,78 @@ class Engine:
         return self.dpages.allocate(count)
 
     def _start_turn(self, lv: _Live):
-        """Run a reserved turn's prefills and install its drafter; nothing here allocates."""
+        """Set up a reserved turn's slot, run its prefills; nothing here allocates."""
         t0 = time.perf_counter()
         prompt, slot = list(lv.request.prompt), lv.slot
-        n = len(prompt)
         start = lv.snap.position if lv.snap else 0
-        self._set_target_table(slot, lv.target_pages)
-        if lv.snap is not None:
-            self.cache = _set_slot_linear(self.cache, slot, LinearState(lv.snap.conv, lv.snap.recurrent))
-        appends = self._start_drafter(lv, prompt, start) if self.ecfg.speculative else []
+        drafter_pages, appends = self._drafter_start(lv, prompt, start) if self.ecfg.speculative else ([], [])
+        self.cache, dcache = _begin_turn(
+            self.cache, self.dcache if self.ecfg.speculative else None,
+            _setup_row(slot, block_table_row(lv.target_pages, self.max_blocks),
+                       block_table_row(drafter_pages, self.max_blocks), *lv.drafter_rows),
+            LinearState(lv.snap.conv, lv.snap.recurrent) if lv.snap is not None else None)
+        if self.ecfg.speculative:
+            self.dcache = dcache
         # The chunks overwrite the slot's hidden store as they go: until the prefill is
         # done, nothing in it is vouched for.
         self.hidden_ranges[slot] = carry_lib.StoreRange.EMPTY
-        logits = self._target_prefill(slot, prompt, lv.hashes, start, lv.cached, lv.generation, lv.session, appends)
+        end = self._target_prefill(slot, prompt, lv.hashes, start, lv.cached, lv.generation, lv.session, appends)
         self.hidden_ranges[slot] = lv.hidden_range
         if lv.adopted is not None:  # the prefill (and the append in it) ran: the blocks are this turn's now
             del self.carried[lv.adopted.session_hash]
             lv.drafter_pages = list(lv.adopted.block_table) + lv.drafter_pages
-        self._rng, key = jax.random.split(self._rng)
-        lv.first_token = pick_token(logits[None], self.spec.temperature, key)
-        lv.first_hidden = _hidden_at(self.hiddens, slot, n - 1)
+        lv.first_token, lv.first_hidden = end.token, end.hidden
         jax.block_until_ready((lv.first_token, self.dcache.rows))
         lv.stats.ttft_s += time.perf_counter() - t0
 
-    def _start_drafter(self, lv: _Live, prompt, start) -> list[np.ndarray]:
-        """Install the turn's drafter rows on its slot; return the appends that the target
-        prefill then runs (`_drafter_appends`): the carry's tail, or a whole-prompt prefill.
+    def _drafter_start(self, lv: _Live, prompt, start) -> tuple[list[int], list[np.ndarray]]:
+        """The turn's drafter pages in table order, and the appends that the target prefill
+        then runs (`_drafter_appends`): the carry's tail, or a whole-prompt prefill.
 
         An adopted entry's blocks head the slot's table, but the entry stays in
         `Engine.carried` (and its pages out of ``lv.drafter_pages``) until the prefill has
         run, so a turn that fails to start leaves the session its carry: the appended rows
         lie past the entry's own, which they leave intact.
         """
-        adopted = list(lv.adopted.block_table) if lv.adopted is not None else []
-        rows, last_key = lv.drafter_rows
-        self.dcache = _install_drafter(self.dcache, lv.slot,
-                                       block_table_row(adopted + lv.drafter_pages, self.max_blocks), rows, last_key)
+        pages = (list(lv.adopted.block_table) if lv.adopted is not None else []) + lv.drafter_pages
         if lv.plan is not None:
             lv.stats.drafter_appended = lv.plan.rows
-            return _drafter_appends(prompt, lv.plan.first_key, lv.plan.rows)
-        if rows == 0 and self.drafter_prefill_on and start == 0:
+            return pages, _drafter_appends(prompt, lv.plan.first_key, lv.plan.rows)
+        if lv.drafter_rows[0] == 0 and self.drafter_prefill_on and start == 0:
             # A whole-prompt drafter prefill needs the hiddens of every prompt position,
             # so it runs only when the target prefill started at 0 (the reference's guard).
             lv.stats.drafter_prefilled = len(prompt) - 1
-            return _drafter_appends(prompt, 0, len(prompt) - 1)
-        return []
+            return pages, _drafter_appends(prompt, 0, len(prompt) - 1)
+        return pages, []
 
     def precompile(self) -> None:
-        """Compile the prefill chunk and, speculative, every drafter-append width, standalone and
-        inside a turn's last prefill chunk, so that no timed turn compiles.
+        """Compile a turn's setup, the prefill chunk and, speculative, every drafter-append width,
+        standalone and inside a turn's last prefill chunk, so that no timed turn compiles.
 
-        Runs each program once on slot 0 with nothing to write (a prefill of 0 tokens from
-        position 0, appends of 0 rows). What it leaves: garbage in slot 0's hidden store,
-        which is marked empty (the next turn on slot 0 prefills every hidden it reads), and
-        in page 0, the null page an idle slot's block table points at, which no sequence
-        owns; slot 0's lengths, recurrent state and drafter rows are left as they were.
-        Call it between waves, never with a turn in flight.
+        Runs each program once on slot 0 with nothing to write (its own setup, a prefill of
+        0 tokens from position 0, appends of 0 rows). What it leaves: garbage in slot 0's
+        hidden store, which is marked empty (the next turn on slot 0 prefills every hidden
+        it reads); no page is written, and slot 0's tables, lengths, recurrent state and
+        drafter rows are left as they were. Call it between waves, never with a turn in flight.
         """
         chunk = _chunk_row(0, [], 0, SNAPSHOT_INTERVAL, 0)
+        spec = self.ecfg.speculative
         with sharding.on_mesh(self.mesh):
-            # The arguments exactly as `_target_prefill` passes them (an omitted default would
-            # be another jit signature, compiled again by the first turn).
-            self.cache, self.hiddens, _, _ = _prefill_slot(self.cfg, self.head_params, self.cache, self.hiddens,
-                                                           chunk, None, None, impl=self.spec.impl)
-            for width in APPEND_BUCKETS if self.ecfg.speculative else ():
+            setup = _setup_row(0, np.asarray(self.cache.block_tables[0]), np.asarray(self.dcache.block_tables[0]),
+                               int(self.dcache.rows[0]), int(self.dcache.last_pair_key[0]))
+            for linear in (None, _linear_of_slot(self.cache.linear, 0)):
+                self.cache, dcache = _begin_turn(self.cache, self.dcache if spec else None, setup, linear)
+                if spec:
+                    self.dcache = dcache
+            # The calls exactly as `_target_prefill` makes them (an omitted default would be
+            # another jit signature, compiled again by the first turn).
+            self.cache, self.hiddens, _, _, _ = self._prefill_chunk(chunk, None)
+            for width in APPEND_BUCKETS if spec else ():
                 empty = np.zeros((1, width + 2), np.int32)
                 self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, 0, empty,
                                            impl=self.spec.impl)
-                self.cache, self.hiddens, self.dcache, _ = _prefill_slot(
-                    self.cfg, self.head_params, self.cache, self.hiddens, chunk, self.dcache, empty,
-                    impl=self.spec.impl)
+                self.cache, self.hiddens, self.dcache, _, _ = self._prefill_chunk(
+                    _chunk_row(0, [], 0, SNAPSHOT_INTERVAL, 0, empty), self.dcache)
         self.hidden_ranges[0] = carry_lib.StoreRange.EMPTY
 
     def _drop_carry(self, entry: carry_lib.CarriedDrafter):

@@ -300,11 +300,12 @@ def test_a_turns_first_drafter_append_rides_on_its_last_prefill_call(workload, m
     kw = dict(max_context=256, num_pages=160, drafter_pages=160, marconi_min_tokens=64)
     prefill, append = engine_mod._prefill_slot, engine_mod._append_slot
 
-    def unfused(cfg, params, cache, hiddens, chunk, dcache, row, *, impl):
-        cache, hiddens, _, logits = prefill(cfg, params, cache, hiddens, chunk, None, None, impl=impl)
-        if row is not None:
-            dcache = append(cfg, params, dcache, hiddens, int(chunk[0, -4]), row, impl=impl)
-        return cache, hiddens, dcache, logits
+    def unfused(cfg, params, cache, hiddens, dcache, rng, chunk, *, width, temperature, impl):
+        cache, hiddens, _, rng, end = prefill(cfg, params, cache, hiddens, None, rng, chunk[:, :width + 4],
+                                              width=width, temperature=temperature, impl=impl)
+        if dcache is not None:
+            dcache = append(cfg, params, dcache, hiddens, int(chunk[0, width]), chunk[:, width + 4:], impl=impl)
+        return cache, hiddens, dcache, rng, end
 
     monkeypatch.setattr(engine_mod, "_prefill_slot", unfused)
     separate = Engine(cfg, params, EngineConfig(policy="carry", **kw), SPEC)
@@ -314,13 +315,13 @@ def test_a_turns_first_drafter_append_rides_on_its_last_prefill_call(workload, m
     jax.clear_caches()
     eng = Engine(cfg, params, EngineConfig(policy="carry", **kw), SPEC)
     eng.precompile()
-    compiled = (prefill._cache_size(), append._cache_size())
-    assert compiled == (1 + len(engine_mod.APPEND_BUCKETS), len(engine_mod.APPEND_BUCKETS))
+    compiled = (prefill._cache_size(), append._cache_size(), engine_mod._begin_turn._cache_size())
+    assert compiled == (1 + len(engine_mod.APPEND_BUCKETS), len(engine_mod.APPEND_BUCKETS), 2)
     standalone = []
     monkeypatch.setattr(engine_mod, "_append_slot", lambda *a, **k: standalone.append(1) or append(*a, **k))
     got = run_sessions(eng, sessions, prompts)
     assert not standalone  # every append here fits one chunk
-    assert (prefill._cache_size(), append._cache_size()) == compiled
+    assert (prefill._cache_size(), append._cache_size(), engine_mod._begin_turn._cache_size()) == compiled
     assert sum(r.stats.drafter_appended > 0 for r in got) >= 4 and sum(r.stats.drafter_prefilled > 0 for r in got) >= 1
     for g, w in zip(got, want):
         assert g.output == w.output and g.stats.acceptance.counts() == w.stats.acceptance.counts()

@@ -1,8 +1,13 @@
-"""The page allocator refuses bad page ids whole: a refused call changes nothing."""
+"""The page allocator refuses bad page ids whole: a refused call changes nothing. Padding
+writes into paged KV land nowhere."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from mtp.cache.pages import PageAllocator
+from mtp.cache.pages import PageAllocator, block_table_row
+from mtp.cache.state import write_pages
 
 
 def _state(pool):
@@ -52,3 +57,23 @@ def test_sharing_unallocated_pages_changes_nothing():
     assert _state(pool) == before
     pool.share([a, a])
     assert pool.refcount(a) == 3
+
+
+def test_write_pages_lands_valid_rows_and_drops_padding_and_overflow():
+    """Each valid row lands at its page and offset; a masked row, a negative position and one
+    past the block table write nothing anywhere, the null page included."""
+    rng = np.random.default_rng(7)
+    pages = jnp.asarray(rng.standard_normal((9, 4, 2, 3)), jnp.float32)
+    tables = jnp.asarray(np.stack([block_table_row([5, 2], 3), block_table_row([7, 1, 8], 3)]))
+    positions = np.array([[0, 3, 4, 7, 8, -1], [2, 5, 11, 12, 6, 1]], np.int32)  # 8 and 12 lie past the tables
+    valid = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 1]], bool)
+    values = jnp.asarray(rng.standard_normal((2, 6, 2, 3)), jnp.float32)
+    got = np.asarray(jax.jit(write_pages)(pages, values, tables, jnp.asarray(positions), jnp.asarray(valid)))
+    want = np.asarray(pages).copy()
+    table = np.asarray(tables)
+    for b, t in zip(*np.nonzero(valid & (positions >= 0) & (positions < 12))):
+        pos = positions[b, t]
+        if pos // 4 < 2 + b:  # slot 0 holds two pages, slot 1 three; the rest of a row is the null page
+            want[table[b, pos // 4], pos % 4] = np.asarray(values)[b, t]
+    np.testing.assert_array_equal(got, want)
+    assert (got != np.asarray(pages)).any(axis=(1, 2, 3)).sum() == 5  # pages 5, 2, 7, 1, 8; never page 0
