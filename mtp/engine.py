@@ -148,19 +148,30 @@ def _put_slot(tree, b, value):
 
 
 @struct.dataclass
-class _ChunkEnd:
-    """What a prefill chunk leaves beside the caches: the token its last position picks, the
-    hidden there (the first propose's input), and the slot's Gated DeltaNet state (a snapshot)."""
+class TurnStarts:
+    """Per batch slot, the first token its turn's prompt picked and the hidden at the prompt's
+    last position (the first propose's input); and the key the next pick splits.
 
-    token: jax.Array  # [1] int32
-    hidden: jax.Array  # [1, H]
-    linear: LinearState  # the slot's, batch 1
+    Every prefill chunk writes its slot's row in place (donated), so a chunk's outputs keep
+    their device addresses from call to call. Outputs that moved made XLA update the
+    chunk's CUDA graphs: on the H200 a chunk's dispatch took 1.06-1.08 ms with fresh
+    outputs held alive against 0.70 ms when they reused their buffers (session 21).
+    """
+
+    token: jax.Array  # [B] int32
+    hidden: jax.Array  # [B, H]
+    rng: jax.Array
+
+    @classmethod
+    def create(cls, batch: int, hidden_size: int, dtype, seed: int = 0) -> "TurnStarts":
+        return cls(token=jnp.zeros((batch,), jnp.int32), hidden=jnp.zeros((batch, hidden_size), dtype),
+                   rng=jax.random.key(seed))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "width", "temperature", "impl"),
-                   donate_argnames=("cache", "hiddens", "dcache"))
-def _prefill_slot(cfg, params, cache: TargetCache, hiddens, dcache: DrafterCache | None, rng, chunk, *, width: int,
-                  temperature: float, impl):
+                   donate_argnames=("cache", "hiddens", "dcache", "starts"))
+def _prefill_slot(cfg, params, cache: TargetCache, hiddens, dcache: DrafterCache | None, starts: TurnStarts, chunk, *,
+                  width: int, temperature: float, impl):
     """One aligned prefill chunk; its hiddens land in the slot's hidden store.
 
     ``chunk`` is one int32 row (`_chunk_row`): the chunk's ``width`` tokens, then its slot
@@ -170,10 +181,10 @@ def _prefill_slot(cfg, params, cache: TargetCache, hiddens, dcache: DrafterCache
     drafter append, so a carry's tail costs neither a dispatch nor a host-to-device copy of
     its own (on a GPU a small model's warm TTFT is mostly dispatches, and each host array
     an argument costs one copy: a chunk took 1.49 ms with its arguments on the device
-    against 1.87 ms with five host arrays). The first token is picked here too, from the
-    chunk's last position with a key split off ``rng``, so that a turn's start dispatches
-    nothing after its last chunk. Returns the cache, the hidden store, the drafter cache
-    (None without one), ``rng`` advanced, and the `_ChunkEnd`.
+    against 1.87 ms with five host arrays). The slot's first token is picked here too, from
+    the chunk's last position, into ``starts`` (the last chunk's pick is the turn's), so that
+    a turn's start dispatches nothing after its last chunk. Returns the cache, the hidden
+    store, the drafter cache (None without one) and ``starts``.
     """
     tokens, b, start, num_new, write_from = (chunk[:, :width], chunk[0, width], chunk[:, width + 1],
                                              chunk[:, width + 2], chunk[:, width + 3])
@@ -186,12 +197,13 @@ def _prefill_slot(cfg, params, cache: TargetCache, hiddens, dcache: DrafterCache
                           lengths=_put_slot(cache.lengths, b, view.lengths))
     if dcache is not None:
         dcache = _append_of_slot(cfg, params, dcache, hiddens, b, chunk[:, width + 4:], impl=impl)
-    rng, key = jax.random.split(rng)
+    rng, key = jax.random.split(starts.rng)
     last = num_new[0] - 1
-    end = _ChunkEnd(token=pick_token(out.logits[:, last], temperature, key),
-                    hidden=jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False),
-                    linear=_slot(cache.linear, b))
-    return cache, hiddens, dcache, rng, end
+    token = pick_token(out.logits[:, last], temperature, key)
+    hidden = jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False).astype(starts.hidden.dtype)
+    starts = TurnStarts(token=jax.lax.dynamic_update_slice(starts.token, token, (b,)),
+                        hidden=jax.lax.dynamic_update_slice(starts.hidden, hidden, (b, 0)), rng=rng)
+    return cache, hiddens, dcache, starts
 
 
 def _chunk_row(slot: int, tokens, start: int, width: int, write_from: int, append=None) -> np.ndarray:
@@ -308,8 +320,6 @@ class _Live:
     drafter_rows: tuple[int, int]  # (rows, last pair key) installed before any append
     plan: carry_lib.AppendPlan | None
     stats: TurnStats
-    first_token: jax.Array | None = None
-    first_hidden: jax.Array | None = None
 
 
 class Engine:
@@ -357,6 +367,7 @@ class Engine:
         self.carried: collections.OrderedDict[int, carry_lib.CarriedDrafter] = collections.OrderedDict()
         self._tickets = itertools.count(1)
         self._rng = jax.random.key(0)
+        self.starts = sharding.replicated(TurnStarts.create(b, cfg.hidden_size, self.dtype, seed=1), mesh)
         self.multi_slot_carry = engine_cfg.carry_slots > 1
 
     # -------------------------------------------------------------- policy switches
@@ -405,8 +416,7 @@ class Engine:
         rounding from what a recompute would produce; no exactness is claimed there.
         The hiddens of positions ``start..L-1`` land in the slot's hidden store.
         ``appends`` (`_drafter_appends`) then run, the first inside the last chunk's call.
-        Returns the last chunk's `_ChunkEnd` (the first token, picked with the engine's
-        next key).
+        The turn's first token and the hidden at ``L-1`` land in the slot's `TurnStarts` row.
         """
         n = len(prompt)
         chunk = SNAPSHOT_INTERVAL
@@ -414,22 +424,21 @@ class Engine:
         while pos < n:
             end = min(n, (pos // chunk + 1) * chunk)
             fused = end == n and appends
-            self.cache, self.hiddens, dcache, rng, chunk_end = self._prefill_chunk(
+            self.cache, self.hiddens, dcache, self.starts = self._prefill_chunk(
                 _chunk_row(slot, prompt[pos:end], pos, chunk, cached, appends[0] if fused else None),
                 self.dcache if fused else None)
             if fused:
                 self.dcache = dcache
             if end % chunk == 0 and end < n:
-                self.snapshots.put(hashes, Snapshot(end, chunk_end.linear.conv, chunk_end.linear.recurrent, sess, gen))
+                lin = _linear_of_slot(self.cache.linear, slot)
+                self.snapshots.put(hashes, Snapshot(end, lin.conv, lin.recurrent, sess, gen))
             pos = end
-        self._rng = rng  # one key per turn, from its last chunk
         for row in appends[1:]:
             self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, slot, row,
                                        impl=self.spec.impl)
-        return chunk_end
 
     def _prefill_chunk(self, row, dcache):
-        return _prefill_slot(self.cfg, self.head_params, self.cache, self.hiddens, dcache, self._rng, row,
+        return _prefill_slot(self.cfg, self.head_params, self.cache, self.hiddens, dcache, self.starts, row,
                              width=SNAPSHOT_INTERVAL, temperature=self.spec.temperature, impl=self.spec.impl)
 
     def _check_request(self, req: TurnRequest):
@@ -569,13 +578,12 @@ class Engine:
         # The chunks overwrite the slot's hidden store as they go: until the prefill is
         # done, nothing in it is vouched for.
         self.hidden_ranges[slot] = carry_lib.StoreRange.EMPTY
-        end = self._target_prefill(slot, prompt, lv.hashes, start, lv.cached, lv.generation, lv.session, appends)
+        self._target_prefill(slot, prompt, lv.hashes, start, lv.cached, lv.generation, lv.session, appends)
         self.hidden_ranges[slot] = lv.hidden_range
         if lv.adopted is not None:  # the prefill (and the append in it) ran: the blocks are this turn's now
             del self.carried[lv.adopted.session_hash]
             lv.drafter_pages = list(lv.adopted.block_table) + lv.drafter_pages
-        lv.first_token, lv.first_hidden = end.token, end.hidden
-        jax.block_until_ready((lv.first_token, self.dcache.rows))
+        jax.block_until_ready((self.starts.token, self.dcache.rows))
         lv.stats.ttft_s += time.perf_counter() - t0
 
     def _drafter_start(self, lv: _Live, prompt, start) -> tuple[list[int], list[np.ndarray]]:
@@ -619,12 +627,12 @@ class Engine:
                     self.dcache = dcache
             # The calls exactly as `_target_prefill` makes them (an omitted default would be
             # another jit signature, compiled again by the first turn).
-            self.cache, self.hiddens, _, _, _ = self._prefill_chunk(chunk, None)
+            self.cache, self.hiddens, _, self.starts = self._prefill_chunk(chunk, None)
             for width in APPEND_BUCKETS if spec else ():
                 empty = np.zeros((1, width + 2), np.int32)
                 self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, 0, empty,
                                            impl=self.spec.impl)
-                self.cache, self.hiddens, self.dcache, _, _ = self._prefill_chunk(
+                self.cache, self.hiddens, self.dcache, self.starts = self._prefill_chunk(
                     _chunk_row(0, [], 0, SNAPSHOT_INTERVAL, 0, empty), self.dcache)
         self.hidden_ranges[0] = carry_lib.StoreRange.EMPTY
 
@@ -679,15 +687,10 @@ class Engine:
         return results
 
     def _decode(self, live: list[_Live]):
-        b = self.ecfg.batch_slots
-        first = jnp.zeros((b,), jnp.int32)
-        hidden = jnp.zeros((b, self.cfg.hidden_size), self.dtype)
-        budget = np.zeros((b,), np.int32)
+        budget = np.zeros((self.ecfg.batch_slots,), np.int32)  # 0: an idle slot, done from the start
         for lv in live:
-            first = first.at[lv.slot].set(lv.first_token[0])
-            hidden = hidden.at[lv.slot].set(lv.first_hidden[0].astype(self.dtype))
             budget[lv.slot] = lv.request.max_new_tokens
-        spec = self.spec
+        first, hidden, spec = self.starts.token, self.starts.hidden, self.spec
         self._rng, key = jax.random.split(self._rng)
         t0 = time.perf_counter()
         if self.ecfg.speculative:

@@ -336,10 +336,11 @@ def create_cache(cls: type, cfg: ModelConfig, mesh: Mesh | None, *args):
     return _sharded_create(cls, cfg, mesh, args)()
 
 
-def replicated(array: jax.Array, mesh: Mesh | None) -> jax.Array:
-    """``array`` whole on every device of ``mesh`` (unchanged without one): the small state
-    every shard reads, such as block tables or the engine's captured hiddens."""
-    return array if mesh is None else jax.device_put(array, NamedSharding(mesh, P()))
+def replicated(tree, mesh: Mesh | None):
+    """``tree`` (an array or a pytree of them) whole on every device of ``mesh`` (unchanged
+    without one): the small state every shard reads, such as block tables or the engine's
+    captured hiddens."""
+    return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, P()))
 
 
 def on_mesh(mesh: Mesh | None):

@@ -300,12 +300,12 @@ def test_a_turns_first_drafter_append_rides_on_its_last_prefill_call(workload, m
     kw = dict(max_context=256, num_pages=160, drafter_pages=160, marconi_min_tokens=64)
     prefill, append = engine_mod._prefill_slot, engine_mod._append_slot
 
-    def unfused(cfg, params, cache, hiddens, dcache, rng, chunk, *, width, temperature, impl):
-        cache, hiddens, _, rng, end = prefill(cfg, params, cache, hiddens, None, rng, chunk[:, :width + 4],
-                                              width=width, temperature=temperature, impl=impl)
+    def unfused(cfg, params, cache, hiddens, dcache, starts, chunk, *, width, temperature, impl):
+        cache, hiddens, _, starts = prefill(cfg, params, cache, hiddens, None, starts, chunk[:, :width + 4],
+                                            width=width, temperature=temperature, impl=impl)
         if dcache is not None:
             dcache = append(cfg, params, dcache, hiddens, int(chunk[0, width]), chunk[:, width + 4:], impl=impl)
-        return cache, hiddens, dcache, rng, end
+        return cache, hiddens, dcache, starts
 
     monkeypatch.setattr(engine_mod, "_prefill_slot", unfused)
     separate = Engine(cfg, params, EngineConfig(policy="carry", **kw), SPEC)
@@ -332,6 +332,28 @@ def test_a_turns_first_drafter_append_rides_on_its_last_prefill_call(workload, m
     np.testing.assert_allclose(np.asarray(eng.dcache.kv.v[0]), np.asarray(separate.dcache.kv.v[0]), rtol=1e-5,
                                atol=1e-6)
     assert np.abs(np.asarray(eng.dcache.kv.k[0])[1:]).sum() > 0  # rows were written, not two empty pools
+
+
+def test_a_prefill_chunk_writes_every_output_into_its_donated_inputs(model, workload):
+    """A turn's prefill chunks (plain, and fused with a drafter append) leave every cache, the
+    hidden store and the turn's first token, hidden and key in the buffers they came in: on a
+    GPU, an output that moved would make XLA re-record the chunk's CUDA graphs (session 21:
+    1.06 against 0.70 ms a chunk). The turns still equal their greedy references."""
+    import jax
+
+    eng = _engine(model, policy="carry")
+    eng.precompile()
+
+    def buffers():
+        starts = (eng.starts.token, eng.starts.hidden, jax.random.key_data(eng.starts.rng))
+        return [x.unsafe_buffer_pointer() for x in jax.tree.leaves((eng.cache, eng.hiddens, eng.dcache, starts))]
+
+    before = buffers()
+    prompts, sessions = workload
+    results = run_sessions(eng, sessions[:2], prompts)
+    assert sum(r.stats.drafter_appended > 0 for r in results) >= 1  # the fused chunk ran
+    assert buffers() == before
+    assert int(eng.starts.token[0]) == results[-1].output[0]
 
 
 def test_a_turn_that_fails_to_start_leaves_its_session_the_carry(model, monkeypatch):
