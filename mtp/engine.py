@@ -150,22 +150,25 @@ def _put_slot(tree, b, value):
 @struct.dataclass
 class TurnStarts:
     """Per batch slot, the first token its turn's prompt picked and the hidden at the prompt's
-    last position (the first propose's input); and the key the next pick splits.
+    last position (the first propose's input).
 
     Every prefill chunk writes its slot's row in place (donated), so a chunk's outputs keep
-    their device addresses from call to call. Outputs that moved made XLA update the
-    chunk's CUDA graphs: on the H200 a chunk's dispatch took 1.06-1.08 ms with fresh
-    outputs held alive against 0.70 ms when they reused their buffers (session 21).
+    their device buffers from call to call. On the H200 a chunk's dispatch took 1.06-1.08
+    ms with the previous call's fresh outputs still held against 0.70 ms when they reused
+    their buffers, synced totals equal (session 21); the likely cause is XLA updating the
+    chunk's CUDA graphs for addresses that moved.
     """
 
     token: jax.Array  # [B] int32
     hidden: jax.Array  # [B, H]
-    rng: jax.Array
 
     @classmethod
-    def create(cls, batch: int, hidden_size: int, dtype, seed: int = 0) -> "TurnStarts":
-        return cls(token=jnp.zeros((batch,), jnp.int32), hidden=jnp.zeros((batch, hidden_size), dtype),
-                   rng=jax.random.key(seed))
+    def create(cls, batch: int, hidden_size: int, dtype) -> "TurnStarts":
+        return cls(token=jnp.zeros((batch,), jnp.int32), hidden=jnp.zeros((batch, hidden_size), dtype))
+
+
+_CHUNK_META = 5  # after a chunk's tokens: slot, start, token count, write-from, turn (`_chunk_row`)
+_FIRST_TOKEN_KEY = 1  # a turn's first token is sampled with fold_in(key(this), the turn's generation)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "width", "temperature", "impl"),
@@ -175,7 +178,7 @@ def _prefill_slot(cfg, params, cache: TargetCache, hiddens, dcache: DrafterCache
     """One aligned prefill chunk; its hiddens land in the slot's hidden store.
 
     ``chunk`` is one int32 row (`_chunk_row`): the chunk's ``width`` tokens, then its slot
-    ``b``, start, token count and the position KV is written from, then, with ``dcache``,
+    ``b``, start, token count, the position KV is written from and the turn, then, with ``dcache``,
     a drafter append (a row of `_drafter_appends`): the drafter rows that read the hiddens
     written so far are appended in the same call. A turn's last chunk carries its first
     drafter append, so a carry's tail costs neither a dispatch nor a host-to-device copy of
@@ -183,11 +186,13 @@ def _prefill_slot(cfg, params, cache: TargetCache, hiddens, dcache: DrafterCache
     an argument costs one copy: a chunk took 1.49 ms with its arguments on the device
     against 1.87 ms with five host arrays). The slot's first token is picked here too, from
     the chunk's last position, into ``starts`` (the last chunk's pick is the turn's), so that
-    a turn's start dispatches nothing after its last chunk. Returns the cache, the hidden
-    store, the drafter cache (None without one) and ``starts``.
+    a turn's start dispatches nothing after its last chunk; sampled, its key depends on the
+    turn alone (not on how many chunks ran before), so every policy draws the same number for
+    the same turn. Returns the cache, the hidden store, the drafter cache (None without one)
+    and ``starts``.
     """
-    tokens, b, start, num_new, write_from = (chunk[:, :width], chunk[0, width], chunk[:, width + 1],
-                                             chunk[:, width + 2], chunk[:, width + 3])
+    tokens, b, start, num_new, write_from, turn = (chunk[:, :width], chunk[0, width], chunk[:, width + 1],
+                                                   chunk[:, width + 2], chunk[:, width + 3], chunk[0, width + 4])
     view = cache.replace(linear=_slot(cache.linear, b), block_tables=_slot(cache.block_tables, b),
                          lengths=_slot(cache.lengths, b))
     view, out = target.prefill(cfg, params, view, tokens, start, num_new, write_from, impl=impl)
@@ -196,22 +201,21 @@ def _prefill_slot(cfg, params, cache: TargetCache, hiddens, dcache: DrafterCache
     cache = cache.replace(kv=view.kv, linear=_put_slot(cache.linear, b, view.linear),
                           lengths=_put_slot(cache.lengths, b, view.lengths))
     if dcache is not None:
-        dcache = _append_of_slot(cfg, params, dcache, hiddens, b, chunk[:, width + 4:], impl=impl)
-    rng, key = jax.random.split(starts.rng)
+        dcache = _append_of_slot(cfg, params, dcache, hiddens, b, chunk[:, width + _CHUNK_META:], impl=impl)
     last = num_new[0] - 1
-    token = pick_token(out.logits[:, last], temperature, key)
+    token = pick_token(out.logits[:, last], temperature, jax.random.fold_in(jax.random.key(_FIRST_TOKEN_KEY), turn))
     hidden = jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False).astype(starts.hidden.dtype)
     starts = TurnStarts(token=jax.lax.dynamic_update_slice(starts.token, token, (b,)),
-                        hidden=jax.lax.dynamic_update_slice(starts.hidden, hidden, (b, 0)), rng=rng)
+                        hidden=jax.lax.dynamic_update_slice(starts.hidden, hidden, (b, 0)))
     return cache, hiddens, dcache, starts
 
 
-def _chunk_row(slot: int, tokens, start: int, width: int, write_from: int, append=None) -> np.ndarray:
+def _chunk_row(slot: int, tokens, start: int, width: int, write_from: int, turn: int, append=None) -> np.ndarray:
     """`_prefill_slot`'s ``chunk``: ``tokens`` padded to ``width``, then slot, start, count,
-    write-from, then ``append`` (a row of `_drafter_appends`) if given."""
-    row = np.zeros((1, width + 4), np.int32)
+    write-from and turn (its generation), then ``append`` (a row of `_drafter_appends`) if given."""
+    row = np.zeros((1, width + _CHUNK_META), np.int32)
     row[0, : len(tokens)] = tokens
-    row[0, width:] = slot, start, len(tokens), write_from
+    row[0, width:] = slot, start, len(tokens), write_from, turn
     return row if append is None else np.concatenate([row, append], axis=1)
 
 
@@ -367,7 +371,7 @@ class Engine:
         self.carried: collections.OrderedDict[int, carry_lib.CarriedDrafter] = collections.OrderedDict()
         self._tickets = itertools.count(1)
         self._rng = jax.random.key(0)
-        self.starts = sharding.replicated(TurnStarts.create(b, cfg.hidden_size, self.dtype, seed=1), mesh)
+        self.starts = sharding.replicated(TurnStarts.create(b, cfg.hidden_size, self.dtype), mesh)
         self.multi_slot_carry = engine_cfg.carry_slots > 1
 
     # -------------------------------------------------------------- policy switches
@@ -425,7 +429,7 @@ class Engine:
             end = min(n, (pos // chunk + 1) * chunk)
             fused = end == n and appends
             self.cache, self.hiddens, dcache, self.starts = self._prefill_chunk(
-                _chunk_row(slot, prompt[pos:end], pos, chunk, cached, appends[0] if fused else None),
+                _chunk_row(slot, prompt[pos:end], pos, chunk, cached, gen, appends[0] if fused else None),
                 self.dcache if fused else None)
             if fused:
                 self.dcache = dcache
@@ -616,7 +620,7 @@ class Engine:
         it reads); no page is written, and slot 0's tables, lengths, recurrent state and
         drafter rows are left as they were. Call it between waves, never with a turn in flight.
         """
-        chunk = _chunk_row(0, [], 0, SNAPSHOT_INTERVAL, 0)
+        chunk = _chunk_row(0, [], 0, SNAPSHOT_INTERVAL, 0, 0)
         spec = self.ecfg.speculative
         with sharding.on_mesh(self.mesh):
             setup = _setup_row(0, np.asarray(self.cache.block_tables[0]), np.asarray(self.dcache.block_tables[0]),
@@ -633,7 +637,7 @@ class Engine:
                 self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, 0, empty,
                                            impl=self.spec.impl)
                 self.cache, self.hiddens, self.dcache, self.starts = self._prefill_chunk(
-                    _chunk_row(0, [], 0, SNAPSHOT_INTERVAL, 0, empty), self.dcache)
+                    _chunk_row(0, [], 0, SNAPSHOT_INTERVAL, 0, 0, empty), self.dcache)
         self.hidden_ranges[0] = carry_lib.StoreRange.EMPTY
 
     def _drop_carry(self, entry: carry_lib.CarriedDrafter):

@@ -268,8 +268,12 @@ def load_sharded(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[Model
 
 # ====================================================================== cache layouts
 def _kv_spec(cfg: ModelConfig, tp: int) -> P:
-    """Pages ``[num_pages, page_size, Hkv, D]`` split on KV heads, else replicated."""
-    return P(None, None, TP, None) if cfg.num_key_value_heads % tp == 0 else P()
+    """Pages ``[num_pages, page_size, Hkv, D]`` split on KV heads, else replicated.
+
+    Cache specs name no trailing unsplit dimension, as a jitted call's outputs do: a
+    cache made here then has the layout every call hands back, and the first call on
+    it compiles nothing that a later one would not reuse."""
+    return P(None, None, TP) if cfg.num_key_value_heads % tp == 0 else P()
 
 
 def _conv_state_spec(cfg: ModelConfig, tp: int) -> P:
@@ -284,7 +288,7 @@ def _conv_state_spec(cfg: ModelConfig, tp: int) -> P:
 
 def _recurrent_spec(cfg: ModelConfig, tp: int) -> P:
     """Delta-rule state ``[B, Hv, Dk, Dv]`` split on value heads, like dt_bias and A_log."""
-    return P(None, TP, None, None) if cfg.linear_num_value_heads % tp == 0 else P()
+    return P(None, TP) if cfg.linear_num_value_heads % tp == 0 else P()
 
 
 def cache_sharding(cache: TargetCache | DrafterCache, cfg: ModelConfig, mesh: Mesh):

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from tests.conftest import (IdPrompts, agreeing_params, id_sessions, random_params, tiny_config,  # noqa: E402
                             turn_decisions)
 from mtp import checkpoint, generation  # noqa: E402
+from mtp import engine as E  # noqa: E402
 from mtp import sharding as S  # noqa: E402
 from mtp.cache.state import TargetCache  # noqa: E402
 from mtp.engine import Engine, EngineConfig, run_sessions  # noqa: E402
@@ -185,7 +186,13 @@ def engine_case(name: str, tp: int, ep: int, seed: int, mixing: float = 0.01) ->
         label = f"{name} {policy} B={slots} slots={carry_slots}"
         single = run_sessions(Engine(cfg, params, ecfg, spec), sessions, prompts)
         engine = Engine(cfg, sharded, ecfg, spec, mesh=mesh)
+        engine.precompile()
+        programs = (E._prefill_slot, E._append_slot, E._begin_turn)
+        compiled = [f._cache_size() for f in programs]
         multi = run_sessions(engine, sessions, prompts)
+        check([f._cache_size() for f in programs] == compiled,
+              f"{label}: serving compiled a turn-start program that precompile had not: "
+              f"{compiled} -> {[f._cache_size() for f in programs]}")
         check(keyed(single) == plain, f"{label}: single-device speculative tokens differ from plain greedy")
         check([r.output for r in multi] == [r.output for r in single],
               f"{label}: sharded tokens {[r.output for r in multi]} != single-device {[r.output for r in single]}")

@@ -301,10 +301,11 @@ def test_a_turns_first_drafter_append_rides_on_its_last_prefill_call(workload, m
     prefill, append = engine_mod._prefill_slot, engine_mod._append_slot
 
     def unfused(cfg, params, cache, hiddens, dcache, starts, chunk, *, width, temperature, impl):
-        cache, hiddens, _, starts = prefill(cfg, params, cache, hiddens, None, starts, chunk[:, :width + 4],
+        meta = width + engine_mod._CHUNK_META
+        cache, hiddens, _, starts = prefill(cfg, params, cache, hiddens, None, starts, chunk[:, :meta],
                                             width=width, temperature=temperature, impl=impl)
         if dcache is not None:
-            dcache = append(cfg, params, dcache, hiddens, int(chunk[0, width]), chunk[:, width + 4:], impl=impl)
+            dcache = append(cfg, params, dcache, hiddens, int(chunk[0, width]), chunk[:, meta:], impl=impl)
         return cache, hiddens, dcache, starts
 
     monkeypatch.setattr(engine_mod, "_prefill_slot", unfused)
@@ -334,19 +335,18 @@ def test_a_turns_first_drafter_append_rides_on_its_last_prefill_call(workload, m
     assert np.abs(np.asarray(eng.dcache.kv.k[0])[1:]).sum() > 0  # rows were written, not two empty pools
 
 
-def test_a_prefill_chunk_writes_every_output_into_its_donated_inputs(model, workload):
+def test_a_prefill_chunk_writes_every_output_into_its_donated_inputs(model, workload, reference):
     """A turn's prefill chunks (plain, and fused with a drafter append) leave every cache, the
-    hidden store and the turn's first token, hidden and key in the buffers they came in: on a
-    GPU, an output that moved would make XLA re-record the chunk's CUDA graphs (session 21:
-    1.06 against 0.70 ms a chunk). The turns still equal their greedy references."""
+    hidden store and the turns' first tokens and hiddens in the buffers they came in: on a
+    GPU a chunk whose outputs moved took 1.06 against 0.70 ms to dispatch (session 21). The
+    turns still equal their greedy references."""
     import jax
 
     eng = _engine(model, policy="carry")
     eng.precompile()
 
     def buffers():
-        starts = (eng.starts.token, eng.starts.hidden, jax.random.key_data(eng.starts.rng))
-        return [x.unsafe_buffer_pointer() for x in jax.tree.leaves((eng.cache, eng.hiddens, eng.dcache, starts))]
+        return [x.unsafe_buffer_pointer() for x in jax.tree.leaves((eng.cache, eng.hiddens, eng.dcache, eng.starts))]
 
     before = buffers()
     prompts, sessions = workload
@@ -354,6 +354,26 @@ def test_a_prefill_chunk_writes_every_output_into_its_donated_inputs(model, work
     assert sum(r.stats.drafter_appended > 0 for r in results) >= 1  # the fused chunk ran
     assert buffers() == before
     assert int(eng.starts.token[0]) == results[-1].output[0]
+    for r in results:
+        assert r.output == reference[(r.request.session_id, r.request.prompt)]
+
+
+def test_a_sampled_first_token_depends_on_its_turn_alone(model, workload):
+    """At temperature > 0 a turn's first token is drawn with a key of its own turn, so neither
+    the chunks a prefill ran before it (precompile's included) nor the policy changes it:
+    policies compared turn by turn draw the same random numbers for it."""
+    prompts, sessions = workload
+    spec = dataclasses.replace(SPEC, temperature=1.0)
+    firsts = []
+    for policy, precompile in (("carry", True), ("carry", False), ("blind", False)):
+        cfg, params = model
+        eng = Engine(cfg, params, EngineConfig(policy=policy, max_context=256, num_pages=160, drafter_pages=160,
+                                               marconi_min_tokens=64), spec)
+        if precompile:
+            eng.precompile()
+        firsts.append([r.output[0] for r in run_sessions(eng, sessions, prompts)])
+    assert firsts[0] == firsts[1] == firsts[2]
+    assert len(set(firsts[0])) > 1
 
 
 def test_a_turn_that_fails_to_start_leaves_its_session_the_carry(model, monkeypatch):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp.cache.state import NULL_PAGE
 from mtp.model.layers import Columns
 from mtp.pallas import attn_prologue as ap
 from tests.conftest import decode_through_kernel, tiny_config
@@ -38,6 +39,8 @@ def _case(cfg, seed, b, t, dtype, merged, extra_rows=0, page=4, blocks=3):
         slots = slots.at[-1].set(page * blocks + 1)  # past the block table: writes nothing
     if b * t > 2:
         write = write.at[1].set(False)
+    if b > 1:  # the last sequence's first block is the null page: its tokens there write nothing
+        tables = tables.at[b - 1, first[b - 1, 0] // page].set(NULL_PAGE)
     slots, write = slots.reshape(b, t), write.reshape(b, t)
     positions = slots + 3  # RoPE's sequence positions need not be the cache slots (the drafter's are not)
     shape = (num_pages, page, hkv, d)
@@ -64,11 +67,14 @@ def test_kernel_matches_reference(name, b, t, dtype, merged, extra_rows):
     np.testing.assert_array_equal(got[1], want[1])  # the gate, a view of the GEMM output
     for g, w in zip(got[2:], want[2:]):  # every page, the null page (written by neither) included
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), **tol)
-    slots, page_slots = np.asarray(args[4]), args[5].shape[1] * args[7].shape[1]
-    writes = np.asarray(args[8]) & (slots < page_slots)  # but the one masked and the one past the table
+    slots, page_size, tables = np.asarray(args[4]), args[5].shape[1], np.asarray(args[7])
+    # every token writes but the one masked and the one past the table
+    writes = np.asarray(args[8]) & (slots < page_size * tables.shape[1])
     assert writes.sum() == b * t - min(b * t - 1, 2) > 0
+    lands = writes & (np.take_along_axis(tables, np.minimum(slots // page_size, tables.shape[1] - 1), 1) != NULL_PAGE)
+    assert (lands.sum() < writes.sum()) == (b > 1)  # the null block took a write that lands nowhere
     changed = np.any(np.asarray(got[2], np.float32) != np.asarray(args[5], np.float32), axis=(2, 3))
-    assert changed.sum() == writes.sum()
+    assert changed.sum() == lands.sum()
 
 
 def test_unsupported_inputs_are_named():

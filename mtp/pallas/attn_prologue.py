@@ -71,6 +71,7 @@ def kernel_unsupported(columns, k_pages, rope_positions, cfg: ModelConfig) -> st
 
 def _kernel(pos_ref, slot_ref, write_ref, table_ref, qg_ref, k_ref, v_ref, wq_ref, wk_ref, _k_in, _v_in,
             q_ref, gate_ref, k_pages_ref, v_pages_ref, *, cfg: ModelConfig, starts):
+    from mtp.cache.state import NULL_PAGE  # imports mtp.pallas: so here, not at the top
     f32 = jnp.float32
     d, hq, half = cfg.head_dim, cfg.num_attention_heads, cfg.rotary_dim // 2
     dtype = q_ref.dtype
@@ -112,11 +113,12 @@ def _kernel(pos_ref, slot_ref, write_ref, table_ref, qg_ref, k_ref, v_ref, wq_re
         page_size, max_blocks = k_pages_ref.shape[1], table_ref.shape[1]
         slot = slot_ref[0, 0]
         block = slot // page_size
-        ok = (write_ref[0, 0] != 0) & (slot >= 0) & (block < max_blocks)
+        page = table_ref[0, jnp.clip(block, 0, max_blocks - 1)]
+        ok = (write_ref[0, 0] != 0) & (slot >= 0) & (block < max_blocks) & (page != NULL_PAGE)
 
-        @pl.when(ok)  # a token that writes nothing leaves the cache as it was
+        @pl.when(ok)  # a token that writes nothing leaves the cache, the null page included, as it was
         def _write():
-            page, row = table_ref[0, jnp.minimum(block, max_blocks - 1)], slot % page_size
+            row = slot % page_size
             normed_rotated(k_ref, starts[1] + j * d, wk_ref, into(k_pages_ref, page, row, j))
             v_pages_ref[page, row, j, :] = v_ref[0, pl.ds(starts[2] + j * d, d)].astype(v_pages_ref.dtype)
 
