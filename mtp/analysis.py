@@ -22,6 +22,8 @@ def summarize(turns: Sequence) -> dict:
         "turns": len(turns),
         "ttft_ms_mean": 1e3 * float(np.mean([t.ttft_s for t in turns])),
         "ttft_ms_p50": 1e3 * float(np.median([t.ttft_s for t in turns])),
+        "ttft_wait_ms_p50": 1e3 * float(np.median([t.ttft_wait_s for t in turns])),
+        "start_calls_mean": float(np.mean([t.start_calls for t in turns])),
         "decode_tokens_per_s": out_tokens / max(sum(t.decode_s for t in turns), 1e-9),
         "verify_steps": acc.steps,
         "accepted_per_step": acc.accepted / acc.steps if acc.steps else float("nan"),

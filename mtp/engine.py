@@ -115,6 +115,11 @@ class TurnStats:
     carry_armed: bool  # what the carry's state is reported from (DESIGN §3: configured is not armed)
     carry_source: int  # session hash of the adopted rows' owner (0: none adopted)
     ttft_s: float
+    # Of ``ttft_s``, the time spent blocked on the device once the turn's start had dispatched
+    # its last call; the rest is host work (decisions, dispatches). On a GPU a small model's
+    # turn start is host-bound, and this split says which side a policy's extra cost is on.
+    ttft_wait_s: float
+    start_calls: int  # device calls of the turn's start: page copy, setup, chunks, snapshot reads, further appends
     decode_s: float
     output_len: int
     acceptance: AcceptanceStats
@@ -421,10 +426,11 @@ class Engine:
         The hiddens of positions ``start..L-1`` land in the slot's hidden store.
         ``appends`` (`_drafter_appends`) then run, the first inside the last chunk's call.
         The turn's first token and the hidden at ``L-1`` land in the slot's `TurnStarts` row.
+        Returns how many calls it dispatched.
         """
         n = len(prompt)
         chunk = SNAPSHOT_INTERVAL
-        pos = start
+        pos, calls = start, len(appends[1:])
         while pos < n:
             end = min(n, (pos // chunk + 1) * chunk)
             fused = end == n and appends
@@ -436,10 +442,12 @@ class Engine:
             if end % chunk == 0 and end < n:
                 lin = _linear_of_slot(self.cache.linear, slot)
                 self.snapshots.put(hashes, Snapshot(end, lin.conv, lin.recurrent, sess, gen))
-            pos = end
+                calls += 1
+            pos, calls = end, calls + 1
         for row in appends[1:]:
             self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, slot, row,
                                        impl=self.spec.impl)
+        return calls
 
     def _prefill_chunk(self, row, dcache):
         return _prefill_slot(self.cfg, self.head_params, self.cache, self.hiddens, dcache, self.starts, row,
@@ -487,7 +495,7 @@ class Engine:
             # pages, and the end state of an earlier turn this prompt extends (its
             # partial last page is then copied into this sequence's first own page,
             # now, before another turn's allocation can evict the entry holding it).
-            snap, turn_end = None, None
+            snap, turn_end, copies = None, None, 0
             if use_prefix and self.ecfg.turn_end_snapshots:
                 turn_end = self.turn_ends.match(prompt, len(shared))
             matched = max(cached, turn_end.length if turn_end else 0)
@@ -498,6 +506,7 @@ class Engine:
                     snap = turn_end.snapshot
                     if turn_end.tail_page is not None:
                         self.cache = _copy_page(self.cache, np.array([turn_end.tail_page, own[0]], np.int32))
+                        copies = 1
                     cached = turn_end.length
             path = "cold" if not warm else ("restore" if snap else "kv_only")
             start = snap.position if snap else 0
@@ -505,7 +514,8 @@ class Engine:
                               path=path, prefilled_tokens=n - start, drafter_prefilled=0, drafter_adopted=0,
                               drafter_appended=0, carry_outcome=carry_lib.CarryOutcome.Disarmed.kind,
                               carry_armed=self.carry_armed,
-                              carry_source=0, ttft_s=0.0, decode_s=0.0, output_len=0, acceptance=AcceptanceStats())
+                              carry_source=0, ttft_s=0.0, ttft_wait_s=0.0, start_calls=copies, decode_s=0.0,
+                              output_len=0, acceptance=AcceptanceStats())
             lv = _Live(request=req, slot=slot, generation=gen, session=sess, hashes=hashes, cached=cached, snap=snap,
                        hidden_range=carry_lib.stamped_merge(self.hidden_ranges[slot], gen, start, n - start),
                        target_pages=shared + own, drafter_pages=[], adopted=None, drafter_rows=(0, -1), plan=None,
@@ -582,13 +592,17 @@ class Engine:
         # The chunks overwrite the slot's hidden store as they go: until the prefill is
         # done, nothing in it is vouched for.
         self.hidden_ranges[slot] = carry_lib.StoreRange.EMPTY
-        self._target_prefill(slot, prompt, lv.hashes, start, lv.cached, lv.generation, lv.session, appends)
+        calls = self._target_prefill(slot, prompt, lv.hashes, start, lv.cached, lv.generation, lv.session, appends)
         self.hidden_ranges[slot] = lv.hidden_range
         if lv.adopted is not None:  # the prefill (and the append in it) ran: the blocks are this turn's now
             del self.carried[lv.adopted.session_hash]
             lv.drafter_pages = list(lv.adopted.block_table) + lv.drafter_pages
+        dispatched = time.perf_counter()
         jax.block_until_ready((self.starts.token, self.dcache.rows))
-        lv.stats.ttft_s += time.perf_counter() - t0
+        done = time.perf_counter()
+        lv.stats.ttft_s += done - t0
+        lv.stats.ttft_wait_s = done - dispatched
+        lv.stats.start_calls += 1 + calls  # the setup, then the prefill's
 
     def _drafter_start(self, lv: _Live, prompt, start) -> tuple[list[int], list[np.ndarray]]:
         """The turn's drafter pages in table order, and the appends that the target prefill

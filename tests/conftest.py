@@ -78,7 +78,7 @@ def turn_decisions(stats) -> dict:
     (its acceptance compares apart, by `AcceptanceStats.counts`; its timings never)."""
     return {k: getattr(stats, k) for k in ("path", "cached_tokens", "prefilled_tokens", "drafter_prefilled",
                                            "drafter_adopted", "drafter_appended", "carry_outcome", "carry_armed",
-                                           "output_len")}
+                                           "output_len", "start_calls")}
 
 
 def id_sessions(n: int, turns: int, seed: int, max_new: int = 10):

@@ -2,6 +2,7 @@
 
 import collections
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -356,6 +357,23 @@ def test_a_prefill_chunk_writes_every_output_into_its_donated_inputs(model, work
     assert int(eng.starts.token[0]) == results[-1].output[0]
     for r in results:
         assert r.output == reference[(r.request.session_id, r.request.prompt)]
+
+
+def test_a_turns_start_reports_its_device_calls_and_its_wait(model, workload):
+    """A turn's stats count the device calls its start made and split its TTFT into host work
+    and the wait on the device after the last dispatch. Under ``cold`` every turn prefills
+    from 0: one setup call, its chunks, a snapshot read at each chunk end inside the prompt,
+    and the drafter prefill's appends but the first, which rides on the last chunk."""
+    from mtp.engine import SNAPSHOT_INTERVAL, append_chunks
+
+    prompts, sessions = workload
+    results = run_sessions(_engine(model, policy="cold"), sessions, prompts)
+    for r in results:
+        chunks = math.ceil(r.stats.prompt_len / SNAPSHOT_INTERVAL)
+        appends = len(append_chunks(r.stats.prompt_len - 1))
+        assert r.stats.start_calls == 1 + chunks + (chunks - 1) + (appends - 1)
+        assert 0 <= r.stats.ttft_wait_s <= r.stats.ttft_s
+    assert len({r.stats.start_calls for r in results}) > 1
 
 
 def test_a_sampled_first_token_depends_on_its_turn_alone(model, workload):
