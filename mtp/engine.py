@@ -430,7 +430,7 @@ class Engine:
         """
         n = len(prompt)
         chunk = SNAPSHOT_INTERVAL
-        pos, calls = start, len(appends[1:])
+        pos, calls = start, 0
         while pos < n:
             end = min(n, (pos // chunk + 1) * chunk)
             fused = end == n and appends
@@ -439,15 +439,16 @@ class Engine:
                 self.dcache if fused else None)
             if fused:
                 self.dcache = dcache
+            calls += 1
             if end % chunk == 0 and end < n:
                 lin = _linear_of_slot(self.cache.linear, slot)
                 self.snapshots.put(hashes, Snapshot(end, lin.conv, lin.recurrent, sess, gen))
                 calls += 1
-            pos, calls = end, calls + 1
+            pos = end
         for row in appends[1:]:
             self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, slot, row,
                                        impl=self.spec.impl)
-        return calls
+        return calls + len(appends[1:])
 
     def _prefill_chunk(self, row, dcache):
         return _prefill_slot(self.cfg, self.head_params, self.cache, self.hiddens, dcache, self.starts, row,
