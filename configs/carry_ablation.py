@@ -32,6 +32,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.ep = 1
     c.max_context = 2048
     c.num_pages = 2048
+    # How long one policy's engine serves before the next takes over: "wave" (one turn at
+    # batch 1) or "session" (until one of its sessions ends; see harness.run_policies_interleaved).
+    c.stint = "wave"
     c.bootstrap_samples = 2000
     c.seed = 0
     c.out_dir = "runs/carry_ablation"

@@ -9,7 +9,7 @@ def get_config() -> ml_collections.ConfigDict:
     c = carry_ablation.get_config()
     # The ablation's own fields: the sweep runs no variants and no bootstrap, and its results
     # record this config, so they must not claim them.
-    del c.variants, c.bootstrap_samples, c.seed
+    del c.variants, c.stint, c.bootstrap_samples, c.seed
     c.num_sessions = 2
     c.preamble_only_sessions = "assets/sessions/preamble_only.jsonl"
     c.num_preamble_only = 8

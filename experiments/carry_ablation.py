@@ -107,6 +107,8 @@ def main(argv):
     if c.marconi_min_tokens is not None and not carry_lib.set_marconi_min_tokens(c.marconi_min_tokens):
         logging.warning("the Marconi threshold was fixed before --config.marconi_min_tokens could set it")
     marconi = carry_lib.marconi_min_tokens()
+    if c.stint not in ("wave", "session"):
+        raise app.UsageError(f"--config.stint={c.stint!r}: give 'wave' or 'session'")
     cfg, params, mesh, sessions, prompts = load_experiment(c)
     max_new = max(t.max_new_tokens for s in sessions for t in s.turns)
     spec = SpecConfig(verify_width=c.verify_width, max_new_tokens=max_new, refeed_accepted=c.refeed_accepted,
@@ -119,7 +121,8 @@ def main(argv):
                                 mtp_quant=c.mtp_quant)
              for name, (policy, slots, carry_slots) in c.variants.items()}
     per_turn, same = {}, {}
-    for name, res in run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs, total, mesh).items():
+    for name, res in run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs, total, mesh,
+                                                     stint=c.stint).items():
         per_turn[name] = index_turns(res)
         same[name] = lossless(per_turn[name], ref)
         logging.info("%s: token-identical to plain greedy: %s", name, same[name])
@@ -149,7 +152,8 @@ def main(argv):
     ok = all(same.values())
     report = {
         "header": (f"{len(sessions)} sessions, {total} turns, K={c.verify_width}, mtp_quant={c.mtp_quant}, "
-                   f"prompt_mode={c.prompt_mode}, marconi_min_tokens={marconi}, dtype={c.dtype}; "
+                   f"prompt_mode={c.prompt_mode}, marconi_min_tokens={marconi}, dtype={c.dtype}, "
+                   f"policies interleaved by {c.stint}; "
                    f"{platform.processor() or platform.machine()} on {jax.default_backend()}"
                    f"{f' (mesh tp={c.tp} x ep={c.ep})' if mesh is not None else ''}, "
                    f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s"),

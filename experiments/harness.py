@@ -3,6 +3,7 @@ turns, check them against plain greedy decoding, write results."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import pathlib
@@ -85,31 +86,47 @@ def run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total, mesh=No
     return res
 
 
-def run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs: dict, total, mesh=None) -> dict:
+def run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs: dict, total, mesh=None,
+                             stint: str = "wave") -> dict:
     """``{name: results}`` of every engine config over the same sessions, served side by side.
 
     Each config gets its own compiled engine (all alive at once: N configs hold N
-    engines' page pools and hidden stores), and the engines take turns wave by wave, in
-    an order that rotates every round, each on exactly the schedule it would follow
-    alone (`engine.session_waves`). Run one config after another, a process's drift
-    (host load, clocks, what the previous config left in memory) lands on whole policies
-    and biases their differences; interleaved, it lands on all of them alike, so the
-    paired TTFT differences compare policies, not moments.
+    engines' page pools and hidden stores), and the engines take turns, in an order
+    that rotates every round, each on exactly the schedule it would follow alone
+    (`engine.session_waves`). Run one config after another, a process's drift (host
+    load, clocks, what the previous config left in memory) lands on whole policies and
+    biases their differences; interleaved, it lands on all of them alike, so the paired
+    TTFT differences compare policies, not moments.
+
+    ``stint`` is how long an engine serves before the next one takes over: one
+    ``"wave"``, or until one of its sessions ends (``"session"``: with one slot, a whole
+    session). The engines share their compiled programs (jit caches are per process)
+    but not their buffers, so on a GPU the first call of a program after another
+    engine's may find every cache address moved and pay for updating its CUDA graphs;
+    per session, a session's warm turns run as they would on a server holding one
+    engine.
     """
+    if stint not in ("wave", "session"):
+        raise ValueError(f"stint={stint!r}: give 'wave' or 'session'")
     engines = {name: _timed_engine(cfg, params, sessions, prompts, spec, e, mesh) for name, e in ecfgs.items()}
     waves = {name: session_waves(eng, sessions, prompts) for name, eng in engines.items()}
+    turns_of = {s.session_id: len(s.turns) for s in sessions}
+    served = {name: collections.Counter() for name in ecfgs}
     results = {name: [] for name in ecfgs}
     bar = tqdm(total=total * len(ecfgs), desc="all policies", unit="turn", leave=False)
     round_ = 0
     while waves:
         names = list(waves)
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            wave = next(waves[name], None)
-            if wave is None:
-                del waves[name]
-            else:
+            for wave in waves[name]:
                 results[name] += wave
                 bar.update(len(wave))
+                served[name].update(r.request.session_id for r in wave)
+                if stint == "wave" or any(served[name][r.request.session_id] == turns_of[r.request.session_id]
+                                          for r in wave):
+                    break
+            else:
+                del waves[name]
         round_ += 1
     bar.close()
     return results

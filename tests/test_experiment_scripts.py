@@ -94,7 +94,7 @@ print("checked")
     rows = data["tables"].pop("mtp_quant")
     assert not data["tables"] and [r["value"] for r in rows] == ["bf16", "fp8"] and all(r["lossless"] for r in rows)
     assert "1 of 2 axes" in data["header"] and "## mtp_quant" in (tmp_path / "results.md").read_text()
-    assert not {"variants", "bootstrap_samples", "seed"} & data["config"].keys()  # the sweep reads none of them
+    assert not {"variants", "stint", "bootstrap_samples", "seed"} & data["config"].keys()  # the sweep reads none of them
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "results.md"]
 
 
@@ -183,3 +183,10 @@ def test_carry_ablation_names_a_mesh_it_cannot_build(tmp_path):
         proc = _carry_ablation_on_devices(tmp_path, devices, *flags)
         assert proc.returncode != 0 and "--config.tp=" in proc.stderr and says in proc.stderr, proc.stderr[-3000:]
         assert not (tmp_path / "out").exists()
+
+
+def test_carry_ablation_names_a_bad_stint(tmp_path):
+    proc = _carry_ablation_on_devices(tmp_path, 1, "--config.stint=turn")
+    assert proc.returncode != 0 and "--config.stint='turn': give 'wave' or 'session'" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()

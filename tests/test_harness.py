@@ -83,15 +83,23 @@ def test_interleaved_policies_serve_the_turns_each_serves_alone(monkeypatch):
     alone = {n: harness.index_turns(harness.run_policy(cfg, params, sessions, prompts, spec, e, n, 11))
              for n, e in ecfgs.items()}
     alone_waves = {n: [w for c, w in waves if c == n] for n in ecfgs}
-    waves.clear()
-    together = harness.run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs, 11)
-    assert {n: [w for c, w in waves if c == n] for n in ecfgs} == alone_waves
     assert ("s0", "s2") in alone_waves["multi_B2"]  # s1 ended after one turn and s2 took its slot
-    assert [c for c, _ in waves[:6]] == ["blind", "carry", "multi_B2", "carry", "multi_B2", "blind"]
-    for name, res in together.items():
-        turns = harness.index_turns(res)
-        assert turns.keys() == alone[name].keys()
-        for k, r in turns.items():
-            a = alone[name][k]
-            assert r.output == a.output and r.stats.acceptance.counts() == a.stats.acceptance.counts()
-            assert turn_decisions(r.stats) == turn_decisions(a.stats)
+    # One wave per engine in turn, or each engine until one of its sessions ends: s0's three
+    # turns, then s1's one (multi_B2's first wave holds both, and s1 ends there; its second
+    # round takes two waves, until s0 ends).
+    first_waves = {"wave": ["blind", "carry", "multi_B2", "carry", "multi_B2", "blind"],
+                   "session": ["blind"] * 3 + ["carry"] * 3 + ["multi_B2", "carry", "multi_B2", "multi_B2", "blind"]}
+    for stint, order in first_waves.items():
+        waves.clear()
+        together = harness.run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs, 11, stint=stint)
+        assert {n: [w for c, w in waves if c == n] for n in ecfgs} == alone_waves
+        assert [c for c, _ in waves[:len(order)]] == order, stint
+        for name, res in together.items():
+            turns = harness.index_turns(res)
+            assert turns.keys() == alone[name].keys()
+            for k, r in turns.items():
+                a = alone[name][k]
+                assert r.output == a.output and r.stats.acceptance.counts() == a.stats.acceptance.counts()
+                assert turn_decisions(r.stats) == turn_decisions(a.stats)
+    with pytest.raises(ValueError, match="stint='turn'"):
+        harness.run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs, 11, stint="turn")
