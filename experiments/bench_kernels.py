@@ -369,8 +369,7 @@ def bench_ffn_chain(reps, num_layers=16, m=2):
     from mtp.pallas.backend import decode_loop_compiler_options
 
     chain, x, ws = ffn_program(num_layers, m)
-    loop_options = {k: v.replace(",WHILE,CONDITIONAL", "") if isinstance(v, str) else v
-                    for k, v in decode_loop_compiler_options().items()}
+    loop_options = {k: v.replace(",WHILE,CONDITIONAL", "") for k, v in decode_loop_compiler_options().items()}
     settings = {"XLA defaults": {}, "the decode loop's (concurrent)": loop_options,
                 "no command buffers": {"xla_gpu_enable_command_buffer": ""}}
     out = {"M": m, "layers": num_layers, "w_bytes_per_layer": 3 * x.shape[1] * ws[0][2].shape[1] * 2}

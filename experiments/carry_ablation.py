@@ -26,8 +26,8 @@ import numpy as np
 from absl import app, logging
 from ml_collections import config_flags
 
-from experiments.harness import (eos_id, greedy_reference, index_turns, load_experiment, lossless,
-                                 run_policies_interleaved, write_atomic)
+from experiments.harness import (STINTS, environment, eos_id, greedy_reference, index_turns, load_experiment,
+                                 lossless, run_policies_interleaved, write_atomic)
 from mtp import carry as carry_lib
 from mtp.analysis import acceptance_length, paired_bootstrap, summarize
 from mtp.engine import EngineConfig
@@ -107,7 +107,7 @@ def main(argv):
     if c.marconi_min_tokens is not None and not carry_lib.set_marconi_min_tokens(c.marconi_min_tokens):
         logging.warning("the Marconi threshold was fixed before --config.marconi_min_tokens could set it")
     marconi = carry_lib.marconi_min_tokens()
-    if c.stint not in ("wave", "session"):
+    if c.stint not in STINTS:
         raise app.UsageError(f"--config.stint={c.stint!r}: give 'wave' or 'session'")
     cfg, params, mesh, sessions, prompts = load_experiment(c)
     max_new = max(t.max_new_tokens for s in sessions for t in s.turns)
@@ -158,6 +158,7 @@ def main(argv):
                    f"{f' (mesh tp={c.tp} x ep={c.ep})' if mesh is not None else ''}, "
                    f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s"),
         "config": c.to_dict(),
+        "environment": environment(),
         "lossless": "every policy's tokens equal the plain greedy loop's" if ok else
                     f"MISMATCH: {[n for n, v in same.items() if not v]}",
         "lossless_by_variant": same,

@@ -86,6 +86,16 @@ def run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total, mesh=No
     return res
 
 
+STINTS = ("wave", "session")  # `run_policies_interleaved`'s turn-taking
+_ENVIRONMENT_PREFIXES = ("MTP_", "XLA_", "JAX_")
+
+
+def environment() -> dict[str, str]:
+    """The variables that change what a run compiles or how it runs (XLA and JAX flags, this
+    project's switches), for its results: two runs that differ only there must say so."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENVIRONMENT_PREFIXES)}
+
+
 def run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs: dict, total, mesh=None,
                              stint: str = "wave") -> dict:
     """``{name: results}`` of every engine config over the same sessions, served side by side.
@@ -102,11 +112,11 @@ def run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs: dict, 
     ``"wave"``, or until one of its sessions ends (``"session"``: with one slot, a whole
     session). The engines share their compiled programs (jit caches are per process)
     but not their buffers, so on a GPU the first call of a program after another
-    engine's may find every cache address moved and pay for updating its CUDA graphs;
-    per session, a session's warm turns run as they would on a server holding one
-    engine.
+    engine's finds every cache address moved and XLA re-records its CUDA graphs; per
+    session, a one-slot engine's warm turns never follow another engine's (on the H200
+    this changed no paired difference: results/engine_h200.md section 5).
     """
-    if stint not in ("wave", "session"):
+    if stint not in STINTS:
         raise ValueError(f"stint={stint!r}: give 'wave' or 'session'")
     engines = {name: _timed_engine(cfg, params, sessions, prompts, spec, e, mesh) for name, e in ecfgs.items()}
     waves = {name: session_waves(eng, sessions, prompts) for name, eng in engines.items()}

@@ -19,8 +19,8 @@ import time
 from absl import app, logging
 from ml_collections import config_flags
 
-from experiments.harness import (eos_id, greedy_reference, index_turns, load_experiment, lossless, run_policy,
-                                 session_subset, write_atomic)
+from experiments.harness import (environment, eos_id, greedy_reference, index_turns, load_experiment, lossless,
+                                 run_policy, session_subset, write_atomic)
 from mtp.analysis import summarize
 from mtp.data.sessions import load_sessions
 from mtp.engine import EngineConfig
@@ -92,8 +92,8 @@ def plan(c, cfg0, sessions, preamble_only) -> dict:
 
 def _write(out: pathlib.Path, header: str, c, tables: dict) -> str:
     """results.json and results.md of the axes run so far; returns the markdown."""
-    write_atomic(out / "results.json", json.dumps({"header": header, "config": c.to_dict(), "tables": tables},
-                                                  indent=1, default=float))
+    report = {"header": header, "config": c.to_dict(), "environment": environment(), "tables": tables}
+    write_atomic(out / "results.json", json.dumps(report, indent=1, default=float))
     lines = [f"# Acceptance sweeps\n\n{header}\n"]
     for axis, rows in tables.items():
         lines += [f"\n## {axis}\n", "| value | lossless | TTFT p50 ms | decode tok/s | mean acc. len | "

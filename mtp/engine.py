@@ -59,7 +59,6 @@ from mtp.config import ModelConfig
 from mtp.metrics import AcceptanceStats
 from mtp.model import target
 from mtp.model.params import Params
-from mtp.pallas import backend
 from mtp.mtp_head import APPEND_BUCKETS, DrafterCache, append_chunks, append_rows, quantize_head
 from mtp.speculative import SpecConfig, greedy_loop, pick_token, speculative_loop
 
@@ -177,11 +176,8 @@ _CHUNK_META = 5  # after a chunk's tokens: slot, start, token count, write-from,
 _FIRST_TOKEN_KEY = 1  # a turn's first token is sampled with fold_in(key(this), the turn's generation)
 
 
-_ENGINE_CALL = backend.graph_update_compiler_options()  # XLA options of every jitted call below
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "width", "temperature", "impl"),
-                   donate_argnames=("cache", "hiddens", "dcache", "starts"), compiler_options=_ENGINE_CALL)
+                   donate_argnames=("cache", "hiddens", "dcache", "starts"))
 def _prefill_slot(cfg, params, cache: TargetCache, hiddens, dcache: DrafterCache | None, starts: TurnStarts, chunk, *,
                   width: int, temperature: float, impl):
     """One aligned prefill chunk; its hiddens land in the slot's hidden store.
@@ -228,10 +224,10 @@ def _chunk_row(slot: int, tokens, start: int, width: int, write_from: int, turn:
     return row if append is None else np.concatenate([row, append], axis=1)
 
 
-_linear_of_slot = jax.jit(lambda linear, b: _slot(linear, b), compiler_options=_ENGINE_CALL)
+_linear_of_slot = jax.jit(lambda linear, b: _slot(linear, b))
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",), compiler_options=_ENGINE_CALL)
+@functools.partial(jax.jit, donate_argnames=("cache",))
 def _copy_page(cache: TargetCache, src_dst):
     """Copy one KV page (every attention layer): a shared partial page is extended in a copy.
 
@@ -245,14 +241,14 @@ def _with_table_row(cache: TargetCache | DrafterCache, b, row):
     return cache.replace(block_tables=jax.lax.dynamic_update_slice_in_dim(cache.block_tables, row[None], b, axis=0))
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",), compiler_options=_ENGINE_CALL)
+@functools.partial(jax.jit, donate_argnames=("cache",))
 def _set_slot_table(cache: TargetCache | DrafterCache, b, row):
     """Slot ``b``'s block-table row set on the device: no read-back of the table, so the
     host never waits for the device's queued work at a turn's end."""
     return _with_table_row(cache, b, row)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache", "dcache"), compiler_options=_ENGINE_CALL)
+@functools.partial(jax.jit, donate_argnames=("cache", "dcache"))
 def _begin_turn(cache: TargetCache, dcache: DrafterCache | None, setup, linear: LinearState | None):
     """A turn's slot state in one call: its target block table, the Gated DeltaNet state it
     restores (``linear``, or None), and its drafter's block table, resident rows and newest
@@ -293,8 +289,7 @@ def _append_of_slot(cfg, params, dcache: DrafterCache, hiddens, b, append, *, im
                           last_pair_key=_put_slot(dcache.last_pair_key, b, view.last_pair_key))
 
 
-_append_slot = functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("dcache",),
-                                 compiler_options=_ENGINE_CALL)(
+_append_slot = functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("dcache",))(
     _append_of_slot)
 
 

@@ -95,6 +95,7 @@ print("checked")
     assert not data["tables"] and [r["value"] for r in rows] == ["bf16", "fp8"] and all(r["lossless"] for r in rows)
     assert "1 of 2 axes" in data["header"] and "## mtp_quant" in (tmp_path / "results.md").read_text()
     assert not {"variants", "stint", "bootstrap_samples", "seed"} & data["config"].keys()  # the sweep reads none of them
+    assert data["environment"] == {"JAX_PLATFORMS": "cpu"}  # ENV: the variables that change a run, recorded
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "results.md"]
 
 
@@ -170,6 +171,7 @@ def test_carry_ablation_runs_on_a_tensor_parallel_mesh(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     assert "(mesh tp=2 x ep=1)" in report["header"]
+    assert report["environment"] == {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     assert report["lossless_by_variant"] == {"carry": True}
     warm = report["variants"]["carry"]["warm"]
     assert warm["turns"] > 0 and warm["drafter_rows_adopted"] > 0 and warm["drafter_rows_appended"] > 0

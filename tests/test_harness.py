@@ -86,7 +86,7 @@ def test_interleaved_policies_serve_the_turns_each_serves_alone(monkeypatch):
     assert ("s0", "s2") in alone_waves["multi_B2"]  # s1 ended after one turn and s2 took its slot
     # One wave per engine in turn, or each engine until one of its sessions ends: s0's three
     # turns, then s1's one (multi_B2's first wave holds both, and s1 ends there; its second
-    # round takes two waves, until s0 ends).
+    # round takes two waves, until s0 and s2 end in the same wave).
     first_waves = {"wave": ["blind", "carry", "multi_B2", "carry", "multi_B2", "blind"],
                    "session": ["blind"] * 3 + ["carry"] * 3 + ["multi_B2", "carry", "multi_B2", "multi_B2", "blind"]}
     for stint, order in first_waves.items():

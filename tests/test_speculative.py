@@ -389,25 +389,6 @@ def test_decode_loop_graph_options_are_valid_xla_options(monkeypatch):
         backend.decode_loop_compiler_options()
 
 
-def test_graph_update_options_are_valid_xla_options_and_reach_every_engine_call(monkeypatch):
-    """The engine's and the decode loops' calls are compiled with the temp buffer kept out of
-    CUDA-graph updates (a GPU-only effect; XLA still checks the fields and values on the CPU);
-    ``MTP_GRAPH_UPDATE=always`` drops them, anything else is refused by the variable's name."""
-    from mtp import engine
-
-    opts = backend.graph_update_compiler_options()
-    assert opts == {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP", "xla_gpu_temp_buffer_use_separate_color": True}
-    assert engine._ENGINE_CALL == opts and opts.items() <= backend.decode_loop_compiler_options().items()
-    assert float(jax.jit(lambda x: x + 1, compiler_options=opts)(1.0)) == 2.0
-    with pytest.raises(Exception, match="SKIP_TMP"):
-        jax.jit(lambda x: x + 1, compiler_options={"xla_gpu_command_buffer_update_mode": "SKIP_TMP"})(1.0)
-    monkeypatch.setenv(backend.GRAPH_UPDATE_ENV_VAR, "always")
-    assert backend.graph_update_compiler_options() == {}
-    monkeypatch.setenv(backend.GRAPH_UPDATE_ENV_VAR, "skip")
-    with pytest.raises(ValueError, match="MTP_GRAPH_UPDATE='skip'"):
-        backend.graph_update_compiler_options()
-
-
 def test_generate_names_missing_and_empty_prompts():
     cfg = tiny_config("tiny_dense")
     params = random_params(cfg, seed=0)

@@ -247,7 +247,7 @@ LOOP_GRAPH_ENV_VAR = "MTP_DECODE_LOOP_GRAPH"
 _COMMAND_BUFFER_DEFAULTS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"  # XLA's own
 
 
-def decode_loop_compiler_options() -> dict[str, str | bool]:
+def decode_loop_compiler_options() -> dict[str, str]:
     """XLA options for the jitted decode loops: the ``while_loop`` itself inside the CUDA graph.
 
     By default XLA records a loop iteration's kernels into CUDA graphs but drives the
@@ -266,30 +266,5 @@ def decode_loop_compiler_options() -> dict[str, str | bool]:
         raise ValueError(f"{LOOP_GRAPH_ENV_VAR}={value!r}: set it to 0, 1 or while")
     if value == "0":
         return {}
-    graphs = {"xla_gpu_enable_command_buffer": _COMMAND_BUFFER_DEFAULTS + ",WHILE,CONDITIONAL",
-              **graph_update_compiler_options()}
+    graphs = {"xla_gpu_enable_command_buffer": _COMMAND_BUFFER_DEFAULTS + ",WHILE,CONDITIONAL"}
     return graphs if value == "while" else {**graphs, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-
-
-GRAPH_UPDATE_ENV_VAR = "MTP_GRAPH_UPDATE"
-
-
-def graph_update_compiler_options() -> dict[str, str | bool]:
-    """XLA options for every jitted call the engine serves a turn with: a CUDA graph is not
-    re-recorded because the call's scratch (temp) buffer moved.
-
-    XLA records a call's kernels into CUDA graphs and re-records a graph whenever a
-    buffer it reads or writes sits at another address than at its last run. In the
-    served flow the temp allocation moves from call to call, so every prefill chunk
-    re-recorded all its graphs: 1.1 ms of host time per chunk of the default model on
-    the H200, about half a warm turn's start (session 22, XLA's command-buffer log,
-    `results/engine_h200.md` section 5). ``SKIP_TEMP`` keeps the temp allocation out of
-    that check (XLA maps it at a fixed virtual address), which cut the chunk's graph
-    updates to ~0.25 ms. A GPU field of XLA's DebugOptions; other backends ignore it.
-    ``MTP_GRAPH_UPDATE=always`` keeps XLA's default; the variable is read on import.
-    """
-    value = os.environ.get(GRAPH_UPDATE_ENV_VAR, "skip_temp")
-    if value not in ("skip_temp", "always"):
-        raise ValueError(f"{GRAPH_UPDATE_ENV_VAR}={value!r}: set it to skip_temp or always")
-    return ({"xla_gpu_command_buffer_update_mode": "SKIP_TEMP", "xla_gpu_temp_buffer_use_separate_color": True}
-            if value == "skip_temp" else {})
