@@ -25,10 +25,10 @@ import os
 import pathlib
 import shlex
 import statistics
-import subprocess
-import sys
 
 from absl import app, flags, logging
+
+from experiments.ab_runs import VARIANTS, run_in_tree, variant_trees
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("old_tree", ".", "Source tree of the old variant (a directory with mtp/ and experiments/).")
@@ -43,27 +43,8 @@ flags.DEFINE_string("bench_script", "experiments/bench_decode.py", "The benchmar
 flags.DEFINE_integer("timeout", 300, "Seconds per benchmark invocation.", lower_bound=1)
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "runs/ab_decode"), "Where ab.json / ab.md go.")
 
-VARIANTS = ("old", "new")
 # (row field, whether larger is faster): part A rows carry ms per step, part B rows tokens/s.
 METRICS = (("ms", False), ("tokens_per_s", True))
-
-
-def parse_env(entries: list[str], flag: str) -> dict[str, str]:
-    env = {}
-    for entry in entries:
-        key, sep, value = entry.partition("=")
-        if not sep or not key:
-            raise app.UsageError(f"--{flag}={entry!r}: expected KEY=VALUE")
-        env[key] = value
-    return env
-
-
-def check_tree(tree: pathlib.Path, flag: str, bench_script: str) -> pathlib.Path:
-    tree = tree.resolve()
-    if not (tree / bench_script).is_file() or not (tree / "mtp").is_dir():
-        raise app.UsageError(f"--{flag}={tree}: no {bench_script} and mtp/ there; unpack a revision with "
-                             f"`git archive REV mtp experiments configs | tar -x -C {tree}`")
-    return tree
 
 
 def schedule(rounds: int, benches: list[str]) -> list[tuple[int, str, int]]:
@@ -74,17 +55,7 @@ def schedule(rounds: int, benches: list[str]) -> list[tuple[int, str, int]]:
 def run_bench(tree: pathlib.Path, env: dict[str, str], args: str, out: pathlib.Path,
               bench_script: str, timeout: int) -> list[dict]:
     """One benchmark invocation in ``tree``; its rows ([] when it failed: the log says why)."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, bench_script, *shlex.split(args), f"--out_dir={out}"]
-    full_env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1", **env}
-    with open(out / "log.txt", "w") as log:
-        try:
-            rc = subprocess.run(cmd, cwd=tree, env=full_env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    if rc != 0:
-        logging.error("%s in %s exited %s; see %s", args, tree, rc, out / "log.txt")
+    run_in_tree(tree, env, [bench_script, *shlex.split(args), f"--out_dir={out}"], out / "log.txt", timeout)
     results = out / "results.json"  # written after every measurement: a cut run keeps its rows
     return json.loads(results.read_text())["rows"] if results.exists() else []
 
@@ -135,15 +106,7 @@ def markdown(entries: list[dict], header: str) -> str:
 
 def main(argv):
     del argv
-    here = pathlib.Path.cwd()
-    trees = {"old": check_tree(pathlib.Path(FLAGS.old_tree), "old_tree", FLAGS.bench_script),
-             "new": check_tree(pathlib.Path(FLAGS.new_tree), "new_tree", FLAGS.bench_script)}
-    envs = {"old": parse_env(FLAGS.old_env, "old_env"), "new": parse_env(FLAGS.new_env, "new_env")}
-    if trees["old"] == trees["new"] and envs["old"] == envs["new"]:
-        raise app.UsageError("old and new are the same tree with the same environment: nothing to compare")
-    for tree in trees.values():
-        if not (tree / "assets").exists() and (here / "assets").is_dir():
-            (tree / "assets").symlink_to(here / "assets")  # part B loads the shipped model from ./assets
+    trees, envs = variant_trees(FLAGS.old_tree, FLAGS.new_tree, FLAGS.old_env, FLAGS.new_env, FLAGS.bench_script)
     out = pathlib.Path(FLAGS.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs = []

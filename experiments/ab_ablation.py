@@ -1,0 +1,112 @@
+r"""The carry ablation under two variants, interleaved in one call: how this project compares TTFT
+across XLA settings, environments or source trees.
+
+Each round runs ``python -m experiments.carry_ablation`` once per variant (old, then new) as its
+own process, and the table lists, run by run, the paired differences each process measured
+between its policies (``carry - blind`` and the others: within one process, turn by turn) and
+the policies' warm TTFT p50. Absolute TTFTs move ~20% between processes of one tree on the H200
+(results/engine_h200.md section 4), so the paired differences are what two variants are compared
+by. On the GPU machine, from the repository root:
+
+    # XLA's graph-update flags off and on (results/engine_h200.md section 5)
+    PYTHONPATH=.:runs/pylib python3 experiments/ab_ablation.py --rounds 2 \
+        --new_env "XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_temp_buffer_use_separate_color=true"
+    # this tree against an older revision (unpacked first: git archive REV mtp experiments configs)
+    PYTHONPATH=.:runs/pylib python3 experiments/ab_ablation.py --old_tree runs/old
+
+Writes ``ab.json`` (every run's summary) and ``ab.md`` (the table) to ``--out_dir``, after every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shlex
+
+from absl import app, flags, logging
+
+from experiments.ab_runs import VARIANTS, run_in_tree, variant_trees
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("old_tree", ".", "Source tree of the old variant (a directory with mtp/ and experiments/).")
+flags.DEFINE_string("new_tree", ".", "Source tree of the new variant.")
+flags.DEFINE_multi_string("old_env", [], "KEY=VALUE set for the old variant's runs (repeatable).")
+flags.DEFINE_multi_string("new_env", [], "KEY=VALUE set for the new variant's runs (repeatable).")
+flags.DEFINE_integer("rounds", 2, "Rounds; each runs old, then new.", lower_bound=1)
+flags.DEFINE_string("ablation_args", "--config.num_sessions=30", "carry_ablation's arguments, for every run.")
+flags.DEFINE_integer("timeout", 400, "Seconds per run.", lower_bound=1)
+flags.DEFINE_string("out_dir", os.environ.get("OUT", "runs/ab_ablation"), "Where ab.json / ab.md go.")
+
+SCRIPT = "experiments/carry_ablation.py"
+
+
+def run_summary(report: dict) -> dict:
+    """What one run measured: lossless or not, each policy's warm TTFT p50 and device wait, and each
+    paired comparison's TTFT and wait differences (mean and 95% interval, ms)."""
+    return {
+        "lossless": all(report["lossless_by_variant"].values()),
+        "warm_ttft_ms_p50": {n: v["warm"]["ttft_ms_p50"] for n, v in report["variants"].items() if v["warm"]["turns"]},
+        "warm_wait_ms_p50": {n: v["warm"]["ttft_wait_ms_p50"] for n, v in report["variants"].items()
+                             if v["warm"]["turns"]},
+        "paired_ms": {f"{key} {metric}": (r["mean_diff"], *r["ci95"]) for key, cmp in report["comparisons"].items()
+                      for metric, r in cmp.items() if metric in ("ttft_ms", "ttft_wait_ms")},
+    }
+
+
+def markdown(runs: list[dict], header: str) -> str:
+    """One row per quantity, one column per variant: its runs' values in round order."""
+    done = [r for r in runs if r["summary"] is not None]
+    quantities = []
+    for r in done:
+        for q in [f"{k} (paired)" for k in r["summary"]["paired_ms"]] + \
+                 [f"{n} warm TTFT p50" for n in r["summary"]["warm_ttft_ms_p50"]]:
+            if q not in quantities:
+                quantities.append(q)
+
+    def cell(summary, q):
+        if q.endswith(" (paired)"):
+            v = summary["paired_ms"].get(q[: -len(" (paired)")])
+            return f"{v[0]:+.2f} [{v[1]:+.2f}, {v[2]:+.2f}]" if v else "—"
+        v = summary["warm_ttft_ms_p50"].get(q[: -len(" warm TTFT p50")])
+        return f"{v:.2f}" if v is not None else "—"
+
+    lines = [header, "", "| ms | " + " | ".join(f"{v} (runs in round order)" for v in VARIANTS) + " |",
+             "|---|" + "---|" * len(VARIANTS)]
+    for q in quantities:
+        cols = ["; ".join(cell(r["summary"], q) for r in done if r["variant"] == v) or "—" for v in VARIANTS]
+        lines.append(f"| {q} | " + " | ".join(cols) + " |")
+    failed = [f"{r['variant']} round {r['round']} ({r['rc']})" for r in runs if r["summary"] is None]
+    lossy = [f"{r['variant']} round {r['round']}" for r in done if not r["summary"]["lossless"]]
+    lines += ["", f"Failed runs: {', '.join(failed) or 'none'}. Not lossless: {', '.join(lossy) or 'none'}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    trees, envs = variant_trees(FLAGS.old_tree, FLAGS.new_tree, FLAGS.old_env, FLAGS.new_env, SCRIPT)
+    out = pathlib.Path(FLAGS.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    header = (f"old: {trees['old']} {envs['old'] or ''}; new: {trees['new']} {envs['new'] or ''}; "
+              f"`carry_ablation {FLAGS.ablation_args}`, {FLAGS.rounds} rounds, old then new in each")
+    runs = []
+    for rnd in range(1, FLAGS.rounds + 1):
+        for variant in VARIANTS:
+            run_dir = out / f"{variant}_{rnd}"
+            logging.info("round %d, %s", rnd, variant)
+            argv = ["-m", "experiments.carry_ablation", *shlex.split(FLAGS.ablation_args),
+                    f"--config.out_dir={run_dir}"]
+            results = run_dir / "results.json"
+            results.unlink(missing_ok=True)  # a results.json here is this run's, never an earlier call's
+            rc = run_in_tree(trees[variant], envs[variant], argv, run_dir / "log.txt", FLAGS.timeout)
+            # A run that was not lossless exits non-zero after writing its results: they are kept, and flagged.
+            summary = run_summary(json.loads(results.read_text())) if results.exists() else None
+            runs.append({"variant": variant, "round": rnd, "rc": rc, "summary": summary})
+            (out / "ab.json").write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()}, "envs": envs,
+                                                     "ablation_args": FLAGS.ablation_args, "runs": runs}, indent=1))
+            (out / "ab.md").write_text(markdown(runs, header))
+    print((out / "ab.md").read_text())
+
+
+if __name__ == "__main__":
+    app.run(main)

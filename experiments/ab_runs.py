@@ -1,0 +1,69 @@
+"""What the interleaved A/B runners share (`ab_decode`, `ab_ablation`): two variants, each a source
+tree and an environment, run one after the other in every round as separate processes.
+
+The lent GPUs are shared and drift from one minute to the next, and absolute times move ~20%
+between processes of one tree, so a number from another run is no baseline: variants alternate
+``old, new, old, new, ...`` inside one call, and a claim compares them round by round.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+from absl import app, logging
+
+VARIANTS = ("old", "new")
+
+
+def parse_env(entries: list[str], flag: str) -> dict[str, str]:
+    env = {}
+    for entry in entries:
+        key, sep, value = entry.partition("=")
+        if not sep or not key:
+            raise app.UsageError(f"--{flag}={entry!r}: expected KEY=VALUE")
+        env[key] = value
+    return env
+
+
+def check_tree(tree: pathlib.Path, flag: str, script: str) -> pathlib.Path:
+    tree = tree.resolve()
+    if not (tree / script).is_file() or not (tree / "mtp").is_dir():
+        raise app.UsageError(f"--{flag}={tree}: no {script} and mtp/ there; unpack a revision with "
+                             f"`git archive REV mtp experiments configs | tar -x -C {tree}`")
+    return tree
+
+
+def variant_trees(old_tree: str, new_tree: str, old_env: list[str], new_env: list[str], script: str):
+    """``({variant: tree}, {variant: env})``, checked: each tree holds ``script``, and the two
+    variants differ. A tree without ``assets/`` (an archive of code only) gets a link to the
+    current directory's, where the shipped model and sessions are."""
+    trees = {"old": check_tree(pathlib.Path(old_tree), "old_tree", script),
+             "new": check_tree(pathlib.Path(new_tree), "new_tree", script)}
+    envs = {"old": parse_env(old_env, "old_env"), "new": parse_env(new_env, "new_env")}
+    if trees["old"] == trees["new"] and envs["old"] == envs["new"]:
+        raise app.UsageError("old and new are the same tree with the same environment: nothing to compare")
+    here = pathlib.Path.cwd()
+    for tree in trees.values():
+        if not (tree / "assets").exists() and (here / "assets").is_dir():
+            (tree / "assets").symlink_to(here / "assets")
+    return trees, envs
+
+
+def run_in_tree(tree: pathlib.Path, env: dict[str, str], argv: list[str], log_path: pathlib.Path,
+                timeout: int) -> int | str:
+    """``python argv`` from ``tree`` with ``tree`` on the path and ``env`` set; its output goes to
+    ``log_path``. Returns the exit status, or "timeout"."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1", **env}
+    with open(log_path, "w") as log:
+        try:
+            rc = subprocess.run([sys.executable, *argv], cwd=tree, env=full_env, stdout=log,
+                                stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0:
+        logging.error("%s in %s exited %s; see %s", " ".join(argv), tree, rc, log_path)
+    return rc
