@@ -26,13 +26,10 @@ import shlex
 
 from absl import app, flags, logging
 
-from experiments.ab_runs import VARIANTS, run_in_tree, variant_trees
+from experiments.ab_runs import VARIANTS, define_variant_flags, run_in_tree, variant_trees
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("old_tree", ".", "Source tree of the old variant (a directory with mtp/ and experiments/).")
-flags.DEFINE_string("new_tree", ".", "Source tree of the new variant.")
-flags.DEFINE_multi_string("old_env", [], "KEY=VALUE set for the old variant's runs (repeatable).")
-flags.DEFINE_multi_string("new_env", [], "KEY=VALUE set for the new variant's runs (repeatable).")
+define_variant_flags()
 flags.DEFINE_integer("rounds", 2, "Rounds; each runs old, then new.", lower_bound=1)
 flags.DEFINE_string("ablation_args", "--config.num_sessions=30", "carry_ablation's arguments, for every run.")
 flags.DEFINE_integer("timeout", 400, "Seconds per run.", lower_bound=1)

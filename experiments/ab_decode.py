@@ -28,13 +28,10 @@ import statistics
 
 from absl import app, flags, logging
 
-from experiments.ab_runs import VARIANTS, run_in_tree, variant_trees
+from experiments.ab_runs import VARIANTS, define_variant_flags, run_in_tree, variant_trees
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("old_tree", ".", "Source tree of the old variant (a directory with mtp/ and experiments/).")
-flags.DEFINE_string("new_tree", ".", "Source tree of the new variant.")
-flags.DEFINE_multi_string("old_env", [], "KEY=VALUE set for the old variant's runs (repeatable).")
-flags.DEFINE_multi_string("new_env", [], "KEY=VALUE set for the new variant's runs (repeatable).")
+define_variant_flags()
 flags.DEFINE_integer("rounds", 2, "Rounds; each runs every --bench for old, then new.", lower_bound=1)
 flags.DEFINE_multi_string("bench", ["--parts A --batches 1,8 --decode_only --reps 7",
                                     "--parts B --batches 1 --spec_ks 2 --reps 7"],

@@ -13,9 +13,17 @@ import pathlib
 import subprocess
 import sys
 
-from absl import app, logging
+from absl import app, flags, logging
 
 VARIANTS = ("old", "new")
+
+
+def define_variant_flags():
+    """``--old_tree``, ``--new_tree``, ``--old_env``, ``--new_env``: what the two variants are."""
+    flags.DEFINE_string("old_tree", ".", "Source tree of the old variant (a directory with mtp/ and experiments/).")
+    flags.DEFINE_string("new_tree", ".", "Source tree of the new variant.")
+    flags.DEFINE_multi_string("old_env", [], "KEY=VALUE set for the old variant's runs (repeatable).")
+    flags.DEFINE_multi_string("new_env", [], "KEY=VALUE set for the new variant's runs (repeatable).")
 
 
 def parse_env(entries: list[str], flag: str) -> dict[str, str]:
