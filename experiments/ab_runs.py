@@ -62,10 +62,16 @@ def variant_trees(old_tree: str, new_tree: str, old_env: list[str], new_env: lis
 
 def run_in_tree(tree: pathlib.Path, env: dict[str, str], argv: list[str], log_path: pathlib.Path,
                 timeout: int) -> int | str:
-    """``python argv`` from ``tree`` with ``tree`` on the path and ``env`` set; its output goes to
-    ``log_path``. Returns the exit status, or "timeout"."""
+    """``python argv`` from ``tree`` with ``env`` set; its output goes to ``log_path``. Returns the
+    exit status, or "timeout".
+
+    ``tree`` heads the child's path, so its ``mtp`` and ``experiments`` are the ones imported;
+    the caller's ``PYTHONPATH`` follows, made absolute (pure-Python packages carried beside the
+    code, such as ``runs/pylib`` on the lent GPU machine, stay importable from another tree).
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    full_env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1", **env}
+    inherited = [str(pathlib.Path(e).resolve()) for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *inherited]), "PYTHONUNBUFFERED": "1", **env}
     with open(log_path, "w") as log:
         try:
             rc = subprocess.run([sys.executable, *argv], cwd=tree, env=full_env, stdout=log,

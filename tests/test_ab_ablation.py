@@ -13,6 +13,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # environment (SHIFT), and records the order it ran in; LOSSY=1 makes it fail as a lossy run does.
 FAKE_ABLATION = textwrap.dedent("""
     import json, os, pathlib, sys
+    import carried  # a package on the caller's PYTHONPATH, as runs/pylib on the GPU machine
     out = pathlib.Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--config.out_dir=")))
     out.mkdir(parents=True, exist_ok=True)
     base = float(pathlib.Path("base.txt").read_text()) + float(os.environ.get("SHIFT", "0"))
@@ -34,13 +35,17 @@ def _tree(root: pathlib.Path, name: str, base: float) -> pathlib.Path:
     tree = root / name
     (tree / "mtp").mkdir(parents=True)
     (tree / "experiments").mkdir()
+    # A package as in a real tree: a namespace package would lose to the repository's own on the path.
+    (tree / "experiments" / "__init__.py").write_text("")
     (tree / "experiments" / "carry_ablation.py").write_text(FAKE_ABLATION)
     (tree / "base.txt").write_text(str(base))
     return tree
 
 
 def _run(tmp_path, *args):
-    env = {"PYTHONPATH": str(REPO), "ORDER_FILE": str(tmp_path / "order.txt"), "PATH": "/usr/bin:/bin"}
+    (tmp_path / "pylib").mkdir(exist_ok=True)
+    (tmp_path / "pylib" / "carried.py").write_text("")
+    env = {"PYTHONPATH": f"{REPO}:pylib", "ORDER_FILE": str(tmp_path / "order.txt"), "PATH": "/usr/bin:/bin"}
     return subprocess.run([sys.executable, str(REPO / "experiments" / "ab_ablation.py"), f"--out_dir={tmp_path / 'out'}",
                            "--ablation_args=--config.num_sessions=2", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
