@@ -54,25 +54,23 @@ def run_summary(report: dict) -> dict:
 def markdown(runs: list[dict], header: str) -> str:
     """One row per quantity, one column per variant: its runs' values in round order."""
     done = [r for r in runs if r["summary"] is not None]
-    quantities = []
+    rows = {}  # row label -> (summary field, key), in the order first seen
     for r in done:
-        for q in [f"{k} (paired)" for k in r["summary"]["paired_ms"]] + \
-                 [f"{n} warm TTFT p50" for n in r["summary"]["warm_ttft_ms_p50"]]:
-            if q not in quantities:
-                quantities.append(q)
+        rows.update({f"{k} (paired)": ("paired_ms", k) for k in r["summary"]["paired_ms"]})
+    for r in done:
+        rows.update({f"{n} warm TTFT p50": ("warm_ttft_ms_p50", n) for n in r["summary"]["warm_ttft_ms_p50"]})
 
-    def cell(summary, q):
-        if q.endswith(" (paired)"):
-            v = summary["paired_ms"].get(q[: -len(" (paired)")])
-            return f"{v[0]:+.2f} [{v[1]:+.2f}, {v[2]:+.2f}]" if v else "—"
-        v = summary["warm_ttft_ms_p50"].get(q[: -len(" warm TTFT p50")])
-        return f"{v:.2f}" if v is not None else "—"
+    def cell(summary, field, key):
+        v = summary[field].get(key)
+        if v is None:
+            return "—"
+        return f"{v[0]:+.2f} [{v[1]:+.2f}, {v[2]:+.2f}]" if field == "paired_ms" else f"{v:.2f}"
 
     lines = [header, "", "| ms | " + " | ".join(f"{v} (runs in round order)" for v in VARIANTS) + " |",
              "|---|" + "---|" * len(VARIANTS)]
-    for q in quantities:
-        cols = ["; ".join(cell(r["summary"], q) for r in done if r["variant"] == v) or "—" for v in VARIANTS]
-        lines.append(f"| {q} | " + " | ".join(cols) + " |")
+    for label, (field, key) in rows.items():
+        cols = ["; ".join(cell(r["summary"], field, key) for r in done if r["variant"] == v) or "—" for v in VARIANTS]
+        lines.append(f"| {label} | " + " | ".join(cols) + " |")
     failed = [f"{r['variant']} round {r['round']} ({r['rc']})" for r in runs if r["summary"] is None]
     lossy = [f"{r['variant']} round {r['round']}" for r in done if not r["summary"]["lossless"]]
     lines += ["", f"Failed runs: {', '.join(failed) or 'none'}. Not lossless: {', '.join(lossy) or 'none'}.", ""]
