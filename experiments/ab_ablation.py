@@ -1,8 +1,8 @@
 r"""The carry ablation under two variants, interleaved in one call: how this project compares TTFT
 across XLA settings, environments or source trees.
 
-Each round runs ``python -m experiments.carry_ablation`` once per variant (old, then new) as its
-own process, and the table lists, run by run, the paired differences each process measured
+Each round runs ``python -m experiments.carry_ablation`` once per variant as its own process
+(old first in odd rounds, new first in even ones), and the table lists, run by run, the paired differences each process measured
 between its policies (``carry - blind`` and the others: within one process, turn by turn) and
 the policies' warm TTFT p50. Absolute TTFTs move ~20% between processes of one tree on the H200
 (results/engine_h200.md section 4), so the paired differences are what two variants are compared
@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import shlex
 
 from absl import app, flags, logging
 
-from experiments.ab_runs import VARIANTS, define_variant_flags, run_in_tree, variant_trees
+from experiments.ab_runs import VARIANTS, define_variant_flags, output_dir, round_order, run_in_tree, variant_trees
+from experiments.results_io import write_atomic
 
 FLAGS = flags.FLAGS
 define_variant_flags()
-flags.DEFINE_integer("rounds", 2, "Rounds; each runs old, then new.", lower_bound=1)
+flags.DEFINE_integer("rounds", 2, "Rounds; each runs both variants, the one that starts alternating.", lower_bound=1)
 flags.DEFINE_string("ablation_args", "--config.num_sessions=30", "carry_ablation's arguments, for every run.")
 flags.DEFINE_integer("timeout", 400, "Seconds per run.", lower_bound=1)
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "runs/ab_ablation"), "Where ab.json / ab.md go.")
@@ -80,13 +80,12 @@ def markdown(runs: list[dict], header: str) -> str:
 def main(argv):
     del argv
     trees, envs = variant_trees(FLAGS.old_tree, FLAGS.new_tree, FLAGS.old_env, FLAGS.new_env, SCRIPT)
-    out = pathlib.Path(FLAGS.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(FLAGS.out_dir)
     header = (f"old: {trees['old']} {envs['old'] or ''}; new: {trees['new']} {envs['new'] or ''}; "
-              f"`carry_ablation {FLAGS.ablation_args}`, {FLAGS.rounds} rounds, old then new in each")
+              f"`carry_ablation {FLAGS.ablation_args}`, {FLAGS.rounds} rounds, the first variant alternating")
     runs = []
     for rnd in range(1, FLAGS.rounds + 1):
-        for variant in VARIANTS:
+        for variant in round_order(rnd):
             run_dir = out / f"{variant}_{rnd}"
             logging.info("round %d, %s", rnd, variant)
             argv = ["-m", "experiments.carry_ablation", *shlex.split(FLAGS.ablation_args),
@@ -97,9 +96,9 @@ def main(argv):
             # A run that was not lossless exits non-zero after writing its results: they are kept, and flagged.
             summary = run_summary(json.loads(results.read_text())) if results.exists() else None
             runs.append({"variant": variant, "round": rnd, "rc": rc, "summary": summary})
-            (out / "ab.json").write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()}, "envs": envs,
-                                                     "ablation_args": FLAGS.ablation_args, "runs": runs}, indent=1))
-            (out / "ab.md").write_text(markdown(runs, header))
+            write_atomic(out / "ab.json", json.dumps({"trees": {k: str(v) for k, v in trees.items()}, "envs": envs,
+                                                      "ablation_args": FLAGS.ablation_args, "runs": runs}, indent=1))
+            write_atomic(out / "ab.md", markdown(runs, header))
     print((out / "ab.md").read_text())
 
 

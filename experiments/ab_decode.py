@@ -28,7 +28,8 @@ import statistics
 
 from absl import app, flags, logging
 
-from experiments.ab_runs import VARIANTS, define_variant_flags, run_in_tree, variant_trees
+from experiments.ab_runs import VARIANTS, define_variant_flags, output_dir, round_order, run_in_tree, variant_trees
+from experiments.results_io import write_atomic
 
 FLAGS = flags.FLAGS
 define_variant_flags()
@@ -45,8 +46,9 @@ METRICS = (("ms", False), ("tokens_per_s", True))
 
 
 def schedule(rounds: int, benches: list[str]) -> list[tuple[int, str, int]]:
-    """``(round, variant, bench index)`` in run order: within a round every bench of old, then of new."""
-    return [(r, v, i) for r in range(1, rounds + 1) for v in VARIANTS for i in range(len(benches))]
+    """``(round, variant, bench index)`` in run order: within a round every bench of one variant, then
+    of the other, the variant that starts alternating from round to round (`ab_runs.round_order`)."""
+    return [(r, v, i) for r in range(1, rounds + 1) for v in round_order(r) for i in range(len(benches))]
 
 
 def run_bench(tree: pathlib.Path, env: dict[str, str], args: str, out: pathlib.Path,
@@ -104,8 +106,7 @@ def markdown(entries: list[dict], header: str) -> str:
 def main(argv):
     del argv
     trees, envs = variant_trees(FLAGS.old_tree, FLAGS.new_tree, FLAGS.old_env, FLAGS.new_env, FLAGS.bench_script)
-    out = pathlib.Path(FLAGS.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(FLAGS.out_dir)
     runs = []
     for rnd, variant, i in schedule(FLAGS.rounds, FLAGS.bench):
         logging.info("round %d, %s: %s", rnd, variant, FLAGS.bench[i])
@@ -115,9 +116,9 @@ def main(argv):
         entries = summarize(runs)
         header = (f"old: {trees['old']} {envs['old'] or ''}; new: {trees['new']} {envs['new'] or ''}; "
                   f"{FLAGS.rounds} rounds, interleaved")
-        (out / "ab.json").write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()},
-                                                 "envs": envs, "runs": runs, "table": entries}, indent=1))
-        (out / "ab.md").write_text(markdown(entries, header))
+        write_atomic(out / "ab.json", json.dumps({"trees": {k: str(v) for k, v in trees.items()},
+                                                  "envs": envs, "runs": runs, "table": entries}, indent=1))
+        write_atomic(out / "ab.md", markdown(entries, header))
     print((out / "ab.md").read_text())
 
 

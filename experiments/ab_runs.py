@@ -2,8 +2,9 @@
 tree and an environment, run one after the other in every round as separate processes.
 
 The lent GPUs are shared and drift from one minute to the next, and absolute times move ~20%
-between processes of one tree, so a number from another run is no baseline: variants alternate
-``old, new, old, new, ...`` inside one call, and a claim compares them round by round.
+between processes of one tree, so a number from another run is no baseline: the variants alternate
+inside one call (``old, new, new, old, old, new, ...``: neither always runs first, so a machine that
+warms up or drifts over the call does not favour one side), and a claim compares them round by round.
 """
 
 from __future__ import annotations
@@ -16,6 +17,19 @@ import sys
 from absl import app, flags, logging
 
 VARIANTS = ("old", "new")
+
+
+def round_order(rnd: int) -> tuple[str, ...]:
+    """The variants in round ``rnd``'s order (1-based): old first in odd rounds, new first in even ones."""
+    return VARIANTS if rnd % 2 else VARIANTS[::-1]
+
+
+def output_dir(path: str) -> pathlib.Path:
+    """``--out_dir``, absolute (each child runs from its own tree, so a relative path would land in
+    that tree and the runner would not find what the child wrote) and created."""
+    out = pathlib.Path(path).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def define_variant_flags():

@@ -39,6 +39,7 @@ from absl import app, flags, logging
 from experiments import cupti
 from experiments.cli import require_ints
 from experiments.model_shapes import BIG, SMALL
+from experiments.results_io import write_atomic, write_json
 from mtp import analysis, sharding
 from mtp.cache.state import TargetCache
 from mtp.config import ModelConfig
@@ -83,7 +84,7 @@ class Report:
         self.data["rows"].append(row)
         logging.info("%s", row)
         print(json.dumps(row), flush=True)
-        (self.out / "results.json").write_text(json.dumps(self.data, indent=1))
+        write_json(self.out / "results.json", self.data)
 
 
 def _median_ms(fn, state, reps, *args):
@@ -462,7 +463,7 @@ def _guarded(report, part, fn, *args) -> bool:
     except Exception as e:  # a benchmark keeps what it measured and says what broke
         logging.exception("part %s failed", part)
         report.data.setdefault("errors", []).append(f"part {part}: {type(e).__name__}: {e}"[:2000])
-        (report.out / "results.json").write_text(json.dumps(report.data, indent=1))
+        write_json(report.out / "results.json", report.data)
         return False
 
 
@@ -511,7 +512,7 @@ def main(argv):
     if "B" in FLAGS.parts and not _guarded(report, "B", part_b, report, FLAGS.reps):
         failed.append("B")
     md = _markdown(report.data)
-    (report.out / "results.md").write_text(md)
+    write_atomic(report.out / "results.md", md)
     print(md)
     if failed:  # after the files, so the rows measured are kept; the exit status is what scripts check
         raise SystemExit(f"part {' and '.join(failed)} failed; the errors are in {report.out}/results.json and "

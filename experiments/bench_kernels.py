@@ -63,6 +63,7 @@ from mtp.pallas.backend import num_sms
 from experiments import cupti
 from experiments.cli import require_ints
 from experiments.model_shapes import BIG, SMALL
+from experiments.results_io import write_atomic, write_json
 from experiments.gemm_probe import ffn_program, gate_up_contexts, per_kernel_us
 
 FLAGS = flags.FLAGS
@@ -710,10 +711,8 @@ def main(_):
 
     def save():
         results["timing"] = "cupti" if _CUPTI["ok"] else "wall"
-        with open(os.path.join(FLAGS.out_dir, "kernels.json"), "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        with open(os.path.join(FLAGS.out_dir, "kernels.md"), "w") as f:
-            f.write(render(results) + "\n")
+        write_json(os.path.join(FLAGS.out_dir, "kernels.json"), results)
+        write_atomic(os.path.join(FLAGS.out_dir, "kernels.md"), render(results) + "\n")
 
     run_pa = FLAGS.only in ("all", "pa") and not FLAGS.small
     if run_pa:

@@ -18,7 +18,6 @@ tokenizer is trained twice to prove it on this machine.
 from __future__ import annotations
 
 import hashlib
-import json
 import pathlib
 import sys
 import time
@@ -27,6 +26,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
+from experiments.results_io import to_json, write_atomic
 from mtp.data import corpus as corpus_lib
 from mtp.data import sessions as sessions_lib
 from mtp.data.tokenizer import train_tokenizer
@@ -131,7 +131,7 @@ def main(argv):
         "timings": {k: round(v, 2) for k, v in timings.items()},
     }
     work_dir.mkdir(parents=True, exist_ok=True)
-    (work_dir / "data_info.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomic(work_dir / "data_info.json", to_json(summary, indent=2) + "\n")
 
     print(f"python {info.python_version}, stdlib {info.stdlib_path}")
     print(f"files: train {info.train_files}, held-out {info.heldout_files} "

@@ -16,7 +16,6 @@ Writes ``results.json``, ``results.md`` and two PNGs to ``out_dir``.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import platform
 import time
@@ -27,9 +26,11 @@ from absl import app, logging
 from ml_collections import config_flags
 
 from experiments.harness import (STINTS, environment, eos_id, greedy_reference, index_turns, load_experiment,
-                                 lossless, run_policies_interleaved, write_atomic)
+                                 lossless, run_policies_interleaved)
+from experiments.results_io import write_atomic, write_json
 from mtp import carry as carry_lib
-from mtp.analysis import acceptance_length, paired_bootstrap, summarize
+from mtp.analysis import paired_bootstrap, summarize
+from mtp.metrics import AcceptanceStats
 from mtp.engine import EngineConfig
 from mtp.speculative import SpecConfig
 
@@ -55,12 +56,13 @@ def _markdown(report) -> str:
                          f"| {s['verify_steps']} | {s['accepted_per_step']:.3f} | {s['mean_acceptance_length']:.3f} "
                          f"| {pos} | {s['drafter_rows_prefilled']} / {s['drafter_rows_adopted']} / "
                          f"{s['drafter_rows_appended']} | {outcomes} |")
-    lines += ["", "Paired bootstrap (warm turns, 95% CI):", "",
-              "| comparison | metric | mean difference | 95% CI | pairs |", "|---|---|---|---|---|"]
+    lines += ["", "Paired differences over warm turns, 95% CI by a bootstrap over sessions (the acceptance "
+              "length pooled over verify steps, as above; TTFT and wait as means per turn):", "",
+              "| comparison | metric | difference | 95% CI | turns | sessions |", "|---|---|---|---|---|---|"]
     for key, cmp in report["comparisons"].items():
         for metric, r in cmp.items():
             lines.append(f"| {key} | {metric} | {r['mean_diff']:+.4f} | [{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}] "
-                         f"| {r['pairs']} |")
+                         f"| {r['pairs']} | {r['sessions']} |")
     lines += ["", f"Lossless: {report['lossless']}", ""]
     return "\n".join(lines)
 
@@ -73,11 +75,11 @@ def _plots(report, per_turn, out: pathlib.Path):
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, turns in per_turn.items():
-        by_idx = {}
+        by_idx = {}  # pooled over the verify steps of every session's turn i, as the table pools
         for (sid, i), r in turns.items():
-            by_idx.setdefault(i, []).append(acceptance_length(r.stats))
+            by_idx[i] = by_idx.get(i, AcceptanceStats()) + r.stats.acceptance
         xs = sorted(by_idx)
-        ax.plot(xs, [np.nanmean(by_idx[x]) for x in xs], marker="o", label=name)
+        ax.plot(xs, [by_idx[x].mean_acceptance_length for x in xs], marker="o", label=name)
     ax.set_xlabel("turn index (0 = cold)")
     ax.set_ylabel("mean acceptance length")
     ax.set_title("Acceptance by turn, per drafter policy")
@@ -98,6 +100,21 @@ def _plots(report, per_turn, out: pathlib.Path):
     fig.tight_layout()
     fig.savefig(out / "ttft.png", dpi=120)
     plt.close(fig)
+
+
+def _compare(ta, tb, keys, c) -> dict:
+    """``ta - tb`` over the turns ``keys``: acceptance length, TTFT and, of the TTFT, the wait on
+    the device (the rest is host work), each with its interval (`analysis.paired_bootstrap`)."""
+    def side(turns, field):
+        return [field(turns[k].stats) for k in keys]
+
+    def boot(field, den=None):
+        return paired_bootstrap(side(ta, field), side(tb, field), [k[0] for k in keys], c.bootstrap_samples,
+                                c.seed, *((side(ta, den), side(tb, den)) if den else ()))
+
+    return {"mean_acceptance_length": boot(lambda s: s.acceptance.accepted, lambda s: s.acceptance.steps),
+            "ttft_ms": boot(lambda s: 1e3 * s.ttft_s),
+            "ttft_wait_ms": boot(lambda s: 1e3 * s.ttft_wait_s)}
 
 
 def main(argv):
@@ -136,19 +153,8 @@ def main(argv):
     for a, b in COMPARISONS:
         if a not in per_turn or b not in per_turn:
             continue
-        ta, tb = per_turn[a], per_turn[b]
-        keys = [k for k in sorted(ref) if k[1] > 0 and k in ta and k in tb]  # a lost turn has no pair
-        comparisons[f"{a} - {b}"] = {
-            "mean_acceptance_length": paired_bootstrap([acceptance_length(ta[k].stats) for k in keys],
-                                                       [acceptance_length(tb[k].stats) for k in keys],
-                                                       c.bootstrap_samples, c.seed),
-            "ttft_ms": paired_bootstrap([1e3 * ta[k].stats.ttft_s for k in keys],
-                                        [1e3 * tb[k].stats.ttft_s for k in keys], c.bootstrap_samples, c.seed),
-            # the part of the TTFT difference spent waiting on the device; the rest is host work
-            "ttft_wait_ms": paired_bootstrap([1e3 * ta[k].stats.ttft_wait_s for k in keys],
-                                             [1e3 * tb[k].stats.ttft_wait_s for k in keys], c.bootstrap_samples,
-                                             c.seed),
-        }
+        keys = [k for k in sorted(ref) if k[1] > 0 and k in per_turn[a] and k in per_turn[b]]  # a lost turn has no pair
+        comparisons[f"{a} - {b}"] = _compare(per_turn[a], per_turn[b], keys, c)
     ok = all(same.values())
     report = {
         "header": (f"{len(sessions)} sessions, {total} turns, K={c.verify_width}, mtp_quant={c.mtp_quant}, "
@@ -169,7 +175,7 @@ def main(argv):
     }
     out = pathlib.Path(c.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "results.json", json.dumps(report, indent=1, default=float))
+    write_json(out / "results.json", report)
     md = _markdown(report)
     write_atomic(out / "results.md", md)
     _plots(report, per_turn, out)

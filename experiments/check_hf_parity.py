@@ -319,7 +319,9 @@ def run_driver() -> None:
     out = pathlib.Path(_OUT.value)
     out = out if out.is_absolute() else REPO_ROOT / out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(_report(results, command.strip()))
+    from experiments.results_io import write_atomic
+
+    write_atomic(out, _report(results, command.strip()))
     logging.info("wrote %s", out)
     failed = [r for r in results if not r["passed"]]
     if failed:

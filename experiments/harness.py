@@ -169,9 +169,3 @@ def lossless(turns, ref) -> bool:
     """
     return turns.keys() == ref.keys() and all(turns[k].output == ref[k].output for k in ref)
 
-
-def write_atomic(path: pathlib.Path, text: str):
-    """Replace ``path`` whole: a run killed mid-write keeps the previous complete file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

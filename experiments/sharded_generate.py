@@ -30,6 +30,7 @@ from absl import app, flags, logging
 import jax
 import numpy as np
 
+from experiments.results_io import to_json, write_atomic
 from mtp import sharding
 from mtp.cache.state import TargetCache
 from mtp.checkpoint import load_pretrained
@@ -184,7 +185,7 @@ def compare(out: str):
         single_device_greedy_vs_speculative=first_mismatch(single_tokens["greedy"], single_tokens["speculative"]),
         sharded_greedy_vs_speculative=first_mismatch(sharded_tokens["greedy"], sharded_tokens["speculative"]),
     )
-    pathlib.Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    write_atomic(out, to_json(report, indent=2) + "\n")
     print("| run | tokens | identical | single-device s | sharded s | accepted / drafts |")
     print("|---|---|---|---|---|---|")
     for name, r in runs.items():

@@ -12,7 +12,6 @@ axis) go to ``out_dir`` after each axis, so a run cut short keeps the axes it fi
 
 from __future__ import annotations
 
-import json
 import pathlib
 import time
 
@@ -20,7 +19,8 @@ from absl import app, logging
 from ml_collections import config_flags
 
 from experiments.harness import (environment, eos_id, greedy_reference, index_turns, load_experiment, lossless,
-                                 run_policy, session_subset, write_atomic)
+                                 run_policy, session_subset)
+from experiments.results_io import write_atomic, write_json
 from mtp.analysis import summarize
 from mtp.data.sessions import load_sessions
 from mtp.engine import EngineConfig
@@ -93,15 +93,17 @@ def plan(c, cfg0, sessions, preamble_only) -> dict:
 def _write(out: pathlib.Path, header: str, c, tables: dict) -> str:
     """results.json and results.md of the axes run so far; returns the markdown."""
     report = {"header": header, "config": c.to_dict(), "environment": environment(), "tables": tables}
-    write_atomic(out / "results.json", json.dumps(report, indent=1, default=float))
+    write_json(out / "results.json", report)
     lines = [f"# Acceptance sweeps\n\n{header}\n"]
     for axis, rows in tables.items():
-        lines += [f"\n## {axis}\n", "| value | lossless | TTFT p50 ms | decode tok/s | mean acc. len | "
-                  "per-position acceptance | draft acceptance rate | paths |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"\n## {axis}\n", "| value | lossless | TTFT p50 ms, all / warm turns | decode tok/s | "
+                  "mean acc. len | per-position acceptance | draft acceptance rate | paths |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            a = r["all"]
+            a, warm = r["all"], r["warm"].get("ttft_ms_p50", float("nan"))
             pos = " / ".join(f"{p:.3f}" for p in a["acceptance_per_position"])
-            lines.append(f"| {r['value']} | {r['lossless']} | {a['ttft_ms_p50']:.1f} | {a['decode_tokens_per_s']:.1f} "
+            lines.append(f"| {r['value']} | {r['lossless']} | {a['ttft_ms_p50']:.1f} / {warm:.1f} "
+                         f"| {a['decode_tokens_per_s']:.1f} "
                          f"| {a['mean_acceptance_length']:.3f} | {pos} | {a['draft_acceptance_rate']:.3f} | {a['paths']} |")
     md = "\n".join(lines) + "\n"
     write_atomic(out / "results.md", md)

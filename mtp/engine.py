@@ -120,8 +120,9 @@ class TurnStats:
     # turn start is host-bound, and this split says which side a policy's extra cost is on.
     ttft_wait_s: float
     start_calls: int  # device calls of the turn's start: page copy, setup, chunks, snapshot reads, further appends
-    decode_s: float
-    output_len: int
+    decode_s: float  # the wave's decode loop, which all its turns share
+    wave_turns: int  # turns decoded together in that loop (a throughput charges each 1/wave_turns of it)
+    output_len: int  # tokens output, the first (picked by the prefill) included
     acceptance: AcceptanceStats
 
     def as_dict(self) -> dict:
@@ -160,8 +161,10 @@ class TurnStarts:
     Every prefill chunk writes its slot's row in place (donated), so a chunk's outputs keep
     their device buffers from call to call. On the H200 a chunk's dispatch took 1.06-1.08
     ms with the previous call's fresh outputs still held against 0.70 ms when they reused
-    their buffers, synced totals equal (session 21); the likely cause is XLA updating the
-    chunk's CUDA graphs for addresses that moved.
+    their buffers, synced totals equal (session 21). XLA's command-buffer log (session 22,
+    results/engine_h200.md §5) shows the served flow re-recording the chunk's CUDA graphs at
+    every call even so (~1.1 ms of host time); process-wide graph-update flags (BUILD.md) cut
+    that to ~0.3 ms.
     """
 
     token: jax.Array  # [B] int32
@@ -516,7 +519,7 @@ class Engine:
                               drafter_appended=0, carry_outcome=carry_lib.CarryOutcome.Disarmed.kind,
                               carry_armed=self.carry_armed,
                               carry_source=0, ttft_s=0.0, ttft_wait_s=0.0, start_calls=copies, decode_s=0.0,
-                              output_len=0, acceptance=AcceptanceStats())
+                              wave_turns=1, output_len=0, acceptance=AcceptanceStats())
             lv = _Live(request=req, slot=slot, generation=gen, session=sess, hashes=hashes, cached=cached, snap=snap,
                        hidden_range=carry_lib.stamped_merge(self.hidden_ranges[slot], gen, start, n - start),
                        target_pages=shared + own, drafter_pages=[], adopted=None, drafter_rows=(0, -1), plan=None,
@@ -696,6 +699,7 @@ class Engine:
         for lv in live:
             out = toks[lv.slot, : n[lv.slot]].tolist()
             lv.stats.decode_s = decode_s
+            lv.stats.wave_turns = len(live)
             lv.stats.output_len = len(out)
             if metrics is not None:
                 lv.stats.acceptance = AcceptanceStats.from_metrics(metrics, [lv.slot])

@@ -42,29 +42,33 @@ def _tree(root: pathlib.Path, name: str, base: float) -> pathlib.Path:
     return tree
 
 
-def _run(tmp_path, *args):
+def _run(tmp_path, *args, out_dir=None):
     (tmp_path / "pylib").mkdir(exist_ok=True)
     (tmp_path / "pylib" / "carried.py").write_text("")
     env = {"PYTHONPATH": f"{REPO}:pylib", "ORDER_FILE": str(tmp_path / "order.txt"), "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, str(REPO / "experiments" / "ab_ablation.py"), f"--out_dir={tmp_path / 'out'}",
+    return subprocess.run([sys.executable, str(REPO / "experiments" / "ab_ablation.py"), f"--out_dir={out_dir or tmp_path / 'out'}",
                            "--ablation_args=--config.num_sessions=2", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
 def test_two_environments_interleaved_with_each_runs_paired_differences(tmp_path):
+    """The variant that runs first alternates; a relative --out_dir is the caller's, though each
+    child runs from its own tree."""
     tree = _tree(tmp_path, "t", 6.0)
-    proc = _run(tmp_path, f"--old_tree={tree}", f"--new_tree={tree}", "--new_env=SHIFT=-1", "--rounds=2")
+    proc = _run(tmp_path, f"--old_tree={tree}", f"--new_tree={tree}", "--new_env=SHIFT=-1", "--rounds=3",
+                out_dir="out")
     assert proc.returncode == 0, proc.stderr
     order = (tmp_path / "order.txt").read_text().split("\n")[:-1]
-    assert order == ["t --config.num_sessions=2"] * 4  # the tree's experiments.carry_ablation, its arguments
+    assert order == ["t --config.num_sessions=2"] * 6  # the tree's experiments.carry_ablation, its arguments
     result = json.loads((tmp_path / "out" / "ab.json").read_text())
-    assert [(r["variant"], r["round"]) for r in result["runs"]] == [("old", 1), ("new", 1), ("old", 2), ("new", 2)]
-    assert [r["summary"]["warm_ttft_ms_p50"]["blind"] for r in result["runs"]] == [6.0, 5.0, 6.0, 5.0]
+    assert [(r["variant"], r["round"]) for r in result["runs"]] == [("old", 1), ("new", 1), ("new", 2), ("old", 2),
+                                                                    ("old", 3), ("new", 3)]
+    assert [r["summary"]["warm_ttft_ms_p50"]["blind"] for r in result["runs"]] == [6.0, 5.0, 5.0, 6.0, 6.0, 5.0]
     assert result["runs"][0]["summary"]["paired_ms"] == {"carry - blind ttft_ms": [0.5, 0.25, 0.75],
                                                          "carry - blind ttft_wait_ms": [0.0, -0.1, 0.1]}
     md = (tmp_path / "out" / "ab.md").read_text()
-    assert "| carry - blind ttft_ms (paired) | +0.50 [+0.25, +0.75]; +0.50 [+0.25, +0.75] |" in md
-    assert "| blind warm TTFT p50 | 6.00; 6.00 | 5.00; 5.00 |" in md
+    assert "| carry - blind ttft_ms (paired) | +0.50 [+0.25, +0.75]; +0.50 [+0.25, +0.75]; +0.50 [+0.25, +0.75] |" in md
+    assert "| blind warm TTFT p50 | 6.00; 6.00; 6.00 | 5.00; 5.00; 5.00 |" in md
     assert "Failed runs: none. Not lossless: none." in md and md in proc.stdout
 
 

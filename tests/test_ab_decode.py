@@ -36,23 +36,26 @@ def _tree(root: pathlib.Path, name: str, speed: float) -> pathlib.Path:
     return tree
 
 
-def _run(tmp_path, *args):
+def _run(tmp_path, *args, out_dir=None):
     env = {"PYTHONPATH": str(REPO), "ORDER_FILE": str(tmp_path / "order.txt"), "PATH": "/usr/bin:/bin"}
     return subprocess.run([sys.executable, str(REPO / "experiments" / "ab_decode.py"), "--bench_script=bench.py",
-                           f"--out_dir={tmp_path / 'out'}", *args], cwd=tmp_path, env=env,
+                           f"--out_dir={out_dir or tmp_path / 'out'}", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
 def test_two_trees_interleaved_and_compared(tmp_path):
+    """The variant that runs first alternates; a relative --out_dir is the caller's, though each
+    benchmark runs from its own tree."""
     old, new = _tree(tmp_path, "old", 1.0), _tree(tmp_path, "new", 1.25)
     proc = _run(tmp_path, f"--old_tree={old}", f"--new_tree={new}", "--rounds=2", "--bench=--parts A",
-                "--bench=--parts B")
+                "--bench=--parts B", out_dir="out")
     assert proc.returncode == 0, proc.stderr
     order = (tmp_path / "order.txt").read_text().split("\n")[:-1]
-    assert order == ["old --parts A", "old --parts B", "new --parts A", "new --parts B"] * 2
+    assert order == ["old --parts A", "old --parts B", "new --parts A", "new --parts B",
+                     "new --parts A", "new --parts B", "old --parts A", "old --parts B"]
     result = json.loads((tmp_path / "out" / "ab.json").read_text())
     assert [(r["variant"], r["round"]) for r in result["runs"]] == [
-        ("old", 1), ("old", 1), ("new", 1), ("new", 1), ("old", 2), ("old", 2), ("new", 2), ("new", 2)]
+        ("old", 1), ("old", 1), ("new", 1), ("new", 1), ("new", 2), ("new", 2), ("old", 2), ("old", 2)]
     speeds = {(e["part"], e["what"]): e["speed"] for e in result["table"]}
     # new is 1.25x faster both ways round: fewer ms per step, more tokens/s
     assert speeds == pytest.approx({("A", "decode"): 1.25, ("B", "plain"): 1.25})
