@@ -596,7 +596,13 @@ class Engine:
         # The chunks overwrite the slot's hidden store as they go: until the prefill is
         # done, nothing in it is vouched for.
         self.hidden_ranges[slot] = carry_lib.StoreRange.EMPTY
-        calls = self._target_prefill(slot, prompt, lv.hashes, start, lv.cached, lv.generation, lv.session, appends)
+        try:
+            calls = self._target_prefill(slot, prompt, lv.hashes, start, lv.cached, lv.generation, lv.session,
+                                         appends)
+        except BaseException:
+            if lv.adopted is not None:  # still carried: the appends may have written over its rows past the kept
+                self.carried[lv.adopted.session_hash] = self._kept_part(lv)
+            raise
         self.hidden_ranges[slot] = lv.hidden_range
         if lv.adopted is not None:  # the prefill (and the append in it) ran: the blocks are this turn's now
             del self.carried[lv.adopted.session_hash]
@@ -614,8 +620,9 @@ class Engine:
 
         An adopted entry's blocks head the slot's table, but the entry stays in
         `Engine.carried` (and its pages out of ``lv.drafter_pages``) until the prefill has
-        run, so a turn that fails to start leaves the session its carry: the appended rows
-        lie past the entry's own, which they leave intact.
+        run, so a turn that fails to start leaves the session its carry (`_kept_part`: the
+        appends start after the rows the turn kept, which a truncated adoption leaves
+        fewer than the entry's).
         """
         pages = (list(lv.adopted.block_table) if lv.adopted is not None else []) + lv.drafter_pages
         if lv.plan is not None:
@@ -627,6 +634,16 @@ class Engine:
             lv.stats.drafter_prefilled = len(prompt) - 1
             return pages, _drafter_appends(prompt, 0, len(prompt) - 1)
         return pages, []
+
+    @staticmethod
+    def _kept_part(lv: _Live) -> carry_lib.CarriedDrafter:
+        """The entry ``lv`` adopted, cut to the rows it kept: all a turn that went no further can
+        hand back, since its appends and drafts wrote from the kept rows on."""
+        rows, last_key = lv.drafter_rows
+        entry = lv.adopted
+        if rows == entry.rows:
+            return entry
+        return dataclasses.replace(entry, rows=rows, last_pair_key=last_key)
 
     def precompile(self) -> None:
         """Compile a turn's setup, the prefill chunk and, speculative, every drafter-append width,
@@ -669,9 +686,10 @@ class Engine:
         A wave that fails before its decode ends gives back everything its turns
         took: every request is checked before any turn takes a page, and every turn
         reserves its pages and carry entry before any turn starts, so no turn has
-        consumed a carried entry when another runs dry. What a reservation freed for
-        good stays freed: a refused carry entry (a retry would refuse it again), and
-        cache or carry entries evicted to make room.
+        consumed a carried entry when another runs dry; a turn that had started hands
+        the entry it adopted back, cut to the rows it kept (`_abandon`). What a
+        reservation freed for good stays freed: a refused carry entry (a retry would
+        refuse it again), and cache or carry entries evicted to make room.
         """
         with sharding.on_mesh(self.mesh):
             return self._run_wave(requests)
@@ -690,7 +708,7 @@ class Engine:
             live = []
             for i, r in enumerate(requests):
                 live.append(self._reserve_turn(r, i, wave_sessions))
-                held.callback(self._release, live[-1])
+                held.callback(self._abandon, live[-1])
             for lv in live:
                 self._start_turn(lv)
             toks, n, metrics, decode_s = self._decode(live)
@@ -726,6 +744,14 @@ class Engine:
         toks, n = np.asarray(toks), np.asarray(n)
         return toks, n, metrics, time.perf_counter() - t0
 
+    def _abandon(self, lv: _Live):
+        """Undo a turn of a wave that failed before it finished: its pages go back, and an entry
+        it adopted and took over (its prefill ran) goes back to the carry (`_kept_part`)."""
+        if lv.adopted is not None and lv.adopted.session_hash not in self.carried:
+            self.carried[lv.adopted.session_hash] = self._kept_part(lv)
+            lv.drafter_pages = lv.drafter_pages[len(lv.adopted.block_table):]
+        self._release(lv)
+
     def _release(self, lv: _Live):
         """Give back every page a turn holds, without registering or depositing anything."""
         self.pages.release(lv.target_pages)
@@ -734,11 +760,11 @@ class Engine:
         self._set_drafter_table(lv.slot, [])
 
     def _finish_turn(self, lv: _Live, full: list[int]):
-        """Register full blocks and the end state, release the turn's pages, deposit the drafter.
+        """Register full blocks and the end state, deposit the drafter, release the turn's pages.
 
-        Both checks run before anything is registered, and a failing one still lets
-        go of the turn's pages: a turn whose end state is inconsistent leaks nothing
-        and leaves nothing behind that describes other tokens.
+        The consistency check runs before anything is registered, so a turn whose end
+        state is inconsistent leaves nothing behind that describes other tokens; and the
+        pages are released whatever raises, so a turn that fails at its end leaks nothing.
         """
         ps = self.ecfg.page_size
         valid = int(self.cache.lengths[lv.slot])  # every token but the last is in the cache
@@ -747,35 +773,44 @@ class Engine:
                 raise RuntimeError(f"session {lv.request.session_id}: the cache holds {valid} positions for a "
                                    f"sequence of {len(full)} tokens; its KV, snapshot and carry would describe "
                                    f"other tokens")
-            entry = None
-            if self.carry_armed:
-                last = int(self.dcache.last_pair_key[lv.slot])
-                entry = carry_lib.CarriedDrafter(block_table=tuple(lv.drafter_pages),
-                                                 rows=int(self.dcache.rows[lv.slot]),
-                                                 last_pair_key=last if last >= 0 else None, tokens=tuple(full),
-                                                 session_hash=lv.session)
-        except Exception:
+            entry = self._carried_entry(lv, full) if self.carry_armed else None
+            if self.ecfg.policy != "cold":
+                hashes = chain_hashes(full[:valid], ps)
+                self.prefix.insert(hashes, lv.target_pages[: len(hashes)])
+                if self.ecfg.turn_end_snapshots:
+                    lin = _linear_of_slot(self.cache.linear, lv.slot)
+                    tail = lv.target_pages[valid // ps] if valid % ps else None
+                    self.turn_ends.put(full[:valid], tail,
+                                       Snapshot(valid, lin.conv, lin.recurrent, lv.session, lv.generation))
+            if entry is not None:
+                if not self.multi_slot_carry:
+                    for old in list(self.carried.values()):
+                        self._drop_carry(old)
+                elif lv.session in self.carried:
+                    self._drop_carry(self.carried[lv.session])
+                self.carried[lv.session] = entry
+                while len(self.carried) > self.ecfg.carry_slots:
+                    self._drop_carry(next(iter(self.carried.values())))
+                lv.drafter_pages = []  # the carry slot owns them now
+        finally:
             self._release(lv)
-            raise
-        if self.ecfg.policy != "cold":
-            hashes = chain_hashes(full[:valid], ps)
-            self.prefix.insert(hashes, lv.target_pages[: len(hashes)])
-            if self.ecfg.turn_end_snapshots:
-                lin = _linear_of_slot(self.cache.linear, lv.slot)
-                tail = lv.target_pages[valid // ps] if valid % ps else None
-                self.turn_ends.put(full[:valid], tail,
-                                   Snapshot(valid, lin.conv, lin.recurrent, lv.session, lv.generation))
-        if entry is not None:
-            if not self.multi_slot_carry:
-                for old in list(self.carried.values()):
-                    self._drop_carry(old)
-            elif lv.session in self.carried:
-                self._drop_carry(self.carried[lv.session])
-            self.carried[lv.session] = entry
-            while len(self.carried) > self.ecfg.carry_slots:
-                self._drop_carry(next(iter(self.carried.values())))
-            lv.drafter_pages = []  # the carry slot owns them now
-        self._release(lv)
+
+    def _carried_entry(self, lv: _Live, full: list[int]) -> carry_lib.CarriedDrafter:
+        """The slot's drafter as the entry ``full`` leaves, its keys cut at ``len(full) - 2``.
+
+        A turn cut short by its budget or by an EOS inside an accepted run of drafts
+        holds rows for keys past the tokens it output (the drafts were verified, not
+        emitted); the cut, `CarriedDrafter.usable_by` against ``full`` itself, keeps an
+        entry's rows within the sequence it names.
+        """
+        last = int(self.dcache.last_pair_key[lv.slot])
+        entry = carry_lib.CarriedDrafter(block_table=tuple(lv.drafter_pages), rows=int(self.dcache.rows[lv.slot]),
+                                         last_pair_key=last if last >= 0 else None, tokens=tuple(full),
+                                         session_hash=lv.session)
+        kept = entry.usable_by(full, lv.session)
+        if kept is None or kept == (entry.rows, entry.last_pair_key):
+            return entry
+        return dataclasses.replace(entry, rows=kept[0], last_pair_key=kept[1])
 
 
 # ------------------------------------------------------------------ sessions of turns

@@ -53,11 +53,12 @@ class IdPrompts:
     """Sessions whose user chunks are token ids (``Turn.user`` holds them space-separated),
     for `mtp.engine.run_sessions` without a tokenizer.
 
-    ``retokenize`` rewrites the last token of the previous full sequence, as a chat
-    template re-tokenizing a turn boundary would.
+    ``retokenize = n > 0`` rewrites the ``n``-th last token of the previous full sequence:
+    at 1, as a chat template re-tokenizing a turn boundary would; deeper, inside the
+    previous output, so that the carry's truncation drops rows it holds.
     """
 
-    def __init__(self, preamble, retokenize=False):
+    def __init__(self, preamble, retokenize: int = 0):
         self.preamble, self.retokenize = list(preamble), retokenize
 
     def prompt(self, session, i, prev, history):
@@ -66,7 +67,7 @@ class IdPrompts:
             return self.preamble + user
         prev = list(prev)
         if self.retokenize:
-            prev[-1] = (prev[-1] + 1) % 97 or 1
+            prev[-self.retokenize] = (prev[-self.retokenize] + 1) % 97 or 1
         return prev + user
 
     def reply_text(self, ids):

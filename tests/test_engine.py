@@ -4,13 +4,17 @@ import collections
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from mtp.cache.pages import PagePoolExhausted
 from mtp.cache.prefix import PrefixCache, TurnEndStore
 from mtp.carry import DrafterContext
-from mtp.engine import Engine, EngineConfig, TurnRequest, run_sessions, session_hash
+from mtp.engine import Engine, EngineConfig, TurnRequest, run_sessions, session_hash, session_waves
+from mtp.model import target
+from mtp.model.layers import attention_kv, rms_norm
+from mtp.mtp_head import fc_input
 from mtp.speculative import SpecConfig
 from tests.conftest import IdPrompts, agreeing_params, id_sessions, random_params, tiny_config
 
@@ -99,13 +103,59 @@ def test_interleaved_sessions_never_adopt_foreign_rows(model):
 def test_retokenized_boundary_truncates_instead_of_refusing(model, workload):
     _, sessions = workload
     rng = np.random.default_rng(1)
-    prompts = IdPrompts(rng.integers(1, 97, 70).tolist(), retokenize=True)
+    prompts = IdPrompts(rng.integers(1, 97, 70).tolist(), retokenize=1)
     res = run_sessions(_engine(model, policy="carry"), sessions[:1], prompts)
     warm = [r.stats for r in res[1:]]
     assert all(s.carry_outcome == "adopted" for s in warm)
     prev_full = [len(r.request.prompt) + len(r.output) for r in res[:-1]]
     for s, full_len in zip(warm, prev_full):
         assert 0 < s.drafter_adopted <= full_len - 3  # the rewritten boundary token's keys are dropped
+
+
+def _carried_keys(eng, entry):
+    """The pair key each of ``entry``'s rows holds, and how far the row's K is from it: the nearest
+    of the keys' K computed from the true target hiddens of ``entry.tokens`` (DESIGN §2: row r
+    holds key k = (embed(t[k+1]), hidden[k]) at RoPE position k + 1)."""
+    cfg, hp = eng.cfg, eng.head_params
+    t = jnp.asarray(entry.tokens, jnp.int32)[None]
+    h = target.forward_with_hiddens(cfg, hp, t).mtp_hidden(cfg.mtp_hidden_source)
+    x = fc_input(cfg, hp, t[:, 1:], h[:, :-1], "reference")
+    p = hp["mtp"]["layers"]["0"]
+    k, _ = attention_kv(p["self_attn"], rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps),
+                        jnp.arange(1, t.shape[1])[None], cfg)
+    want = np.asarray(k[0]).reshape(t.shape[1] - 1, -1)
+    ps, pages = eng.ecfg.page_size, np.asarray(eng.dcache.kv.k[0])
+    got = np.stack([pages[entry.block_table[r // ps], r % ps].reshape(-1) for r in range(entry.rows)])
+    dist = np.abs(got[:, None] - want[None]).max(-1)  # [rows, keys]
+    return dist.argmin(1), dist.min(1)
+
+
+@pytest.mark.parametrize("verify_width, refeed, retokenize", [(5, False, 0), (5, True, 0), (3, False, 4), (5, True, 4)])
+def test_every_carried_row_holds_the_key_its_entry_says(verify_width, refeed, retokenize):
+    """After every turn the carried rows hold distinct pair keys in increasing order, computed
+    from the true hiddens, the newest being ``last_pair_key``, none past the entry's tokens (a
+    budget cuts off verified drafts); the next turn adopts every row, or, when its prompt
+    rewrote a token inside the previous output, exactly the rows before it."""
+    cfg = tiny_config("tiny_dense")
+    params = agreeing_params(cfg, 3, 0.01)
+    spec = SpecConfig(verify_width=verify_width, max_new_tokens=12, refeed_accepted=refeed)
+    eng = Engine(cfg, params, EngineConfig(policy="carry", max_context=400, num_pages=200, drafter_pages=200,
+                                           marconi_min_tokens=16), spec)
+    prompts = IdPrompts(np.random.default_rng(0).integers(1, 97, 40).tolist(), retokenize=retokenize)
+    prev, dropped = None, 0
+    for (res,) in session_waves(eng, id_sessions(1, 6, seed=11, max_new=7), prompts):
+        if prev is not None:
+            assert res.stats.carry_outcome == "adopted"
+            # Keys up to common - 2 survive; `retokenize` = 4 rewrote tokens[-4], so common = len - 4.
+            max_key = len(prev.tokens) - retokenize - 2 if retokenize else prev.last_pair_key
+            assert res.stats.drafter_adopted == prev.rows - (prev.last_pair_key - min(prev.last_pair_key, max_key))
+            dropped += prev.rows - res.stats.drafter_adopted
+        entry = eng.carried[session_hash(res.request.session_id)]
+        keys, err = _carried_keys(eng, entry)
+        assert err.max() < 1e-4, err
+        assert np.all(np.diff(keys) > 0) and keys[-1] == entry.last_pair_key <= len(entry.tokens) - 2
+        prev = entry
+    assert (dropped > 0) == bool(retokenize)
 
 
 @pytest.mark.parametrize("threshold", [0, 64, 128])
@@ -413,3 +463,68 @@ def test_a_turn_that_fails_to_start_leaves_its_session_the_carry(model, monkeypa
     monkeypatch.setattr(engine_mod, "_prefill_slot", real)
     (res,) = eng.run_wave([req])
     assert res.stats.carry_outcome == "adopted" and res.stats.drafter_adopted == entry.rows
+
+
+def _rows_k(eng, entry):
+    ps, pages = eng.ecfg.page_size, np.asarray(eng.dcache.kv.k[0])
+    return np.stack([pages[entry.block_table[r // ps], r % ps] for r in range(entry.rows)])
+
+
+def test_a_truncated_adoption_that_fails_to_start_hands_back_only_the_kept_rows(model, monkeypatch):
+    """A prompt that rewrote a token inside the previous output adopts fewer rows than the entry
+    holds, and its tail append writes from there on, over the entry's later rows: a turn that then
+    fails leaves the session the kept rows, untouched, and no more."""
+    from mtp import engine as engine_mod
+
+    eng = _engine(model, policy="carry", max_context=800, num_pages=400, drafter_pages=400, marconi_min_tokens=10**6)
+    (first,) = eng.run_wave([TurnRequest("a", tuple(range(1, 41)), MAX_NEW)])
+    (entry,) = eng.carried.values()
+    before = _rows_k(eng, entry)
+    full = list(first.request.prompt) + first.output
+    # A tail of 700 tokens: the chunk's fused append, then a second one that fails.
+    retok = full[:10] + [full[10] % 90 + 1] + full[11:] + np.random.default_rng(0).integers(1, 97, 700).tolist()
+    monkeypatch.setattr(engine_mod, "_append_slot", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("append")))
+    with pytest.raises(RuntimeError, match="append"):
+        eng.run_wave([TurnRequest("a", tuple(retok), MAX_NEW)])
+    (kept,) = eng.carried.values()
+    assert kept.rows == 9 and kept.last_pair_key == 8  # keys 0..8 read tokens 0..9, before the rewritten one
+    assert kept.block_table == entry.block_table and kept.tokens == entry.tokens
+    np.testing.assert_array_equal(_rows_k(eng, kept), before[:9])
+    _held_pages_are_owned(eng)
+    monkeypatch.undo()
+    (res,) = eng.run_wave([TurnRequest("a", tuple(full + [5, 6, 7]), 4)])
+    assert res.stats.carry_outcome == "adopted" and res.stats.drafter_adopted == 9
+
+
+def test_a_failed_wave_hands_back_the_carry_of_a_turn_that_had_started(model, workload, monkeypatch):
+    prompts, sessions = workload
+    eng = _engine(model, policy="carry", batch_slots=2, carry_slots=4)
+    firsts = eng.run_wave([TurnRequest(s.session_id, tuple(prompts.prompt(s, 0, None, [])), 6) for s in sessions[:2]])
+    entries = dict(eng.carried)
+    warm = [TurnRequest(r.request.session_id, tuple(r.request.prompt) + tuple(r.output) + (5, 6, 7), 6)
+            for r in firsts]
+    real, calls = Engine._start_turn, []
+
+    def second_fails(self, lv):
+        calls.append(lv.slot)
+        if len(calls) == 2:
+            raise RuntimeError("second start")
+        return real(self, lv)
+
+    monkeypatch.setattr(Engine, "_start_turn", second_fails)
+    with pytest.raises(RuntimeError, match="second start"):
+        eng.run_wave(warm)
+    assert eng.carried == entries  # the first turn had taken its entry over, and handed it back whole
+    _held_pages_are_owned(eng)
+    monkeypatch.undo()
+    res = eng.run_wave(warm)
+    assert [r.stats.drafter_adopted for r in res] == [entries[session_hash(r.request.session_id)].rows for r in res]
+
+
+def test_a_turn_whose_end_fails_leaks_nothing(model, monkeypatch):
+    eng = _engine(model, policy="carry")
+    monkeypatch.setattr(TurnEndStore, "put", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("snapshot")))
+    with pytest.raises(RuntimeError, match="snapshot"):
+        eng.run_wave([TurnRequest("a", tuple(range(1, 21)), MAX_NEW)])
+    assert not eng.carried
+    _held_pages_are_owned(eng)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 from absl import app
 
-from experiments.harness import eos_id, lossless, session_subset, write_atomic
+from experiments.harness import eos_id, lossless, session_subset
 
 
 def test_session_subset_takes_a_prefix_or_all_and_names_a_bad_count():
@@ -34,13 +34,6 @@ def test_lossless_compares_the_turns_before_their_tokens():
 def test_eos_id_is_minus_one_where_the_checkpoint_names_none():
     assert eos_id(SimpleNamespace(eos_token_id=None)) == -1
     assert eos_id(SimpleNamespace(eos_token_id=0)) == 0  # id 0 is an id, not "none"
-
-
-def test_write_atomic_replaces_the_file_whole(tmp_path):
-    path = tmp_path / "results.json"
-    path.write_text("old")
-    write_atomic(path, "new")
-    assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["results.json"]
 
 
 def test_interleaved_policies_serve_the_turns_each_serves_alone(monkeypatch):

@@ -1,0 +1,42 @@
+"""`experiments/results_io.py`: results files are replaced whole and are strict JSON."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from experiments.results_io import to_json, write_atomic, write_json
+
+
+def test_write_atomic_replaces_the_file_whole(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text("old")
+    write_atomic(path, "new")
+    assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_a_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "results.md"
+    path.write_text("complete")
+
+    def cut(self, text):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", cut)
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(path, "half")
+    monkeypatch.undo()
+    assert path.read_text() == "complete"
+
+
+def test_json_is_strict(tmp_path):
+    obj = {"rate": float("nan"), "inf": [float("inf"), 1.5], "n": np.int64(3), "x": np.float32(0.25),
+           "arr": np.arange(3), "path": pathlib.Path("a/b"), "nested": ({"v": np.nan},)}
+    text = to_json(obj)
+    assert "NaN" not in text and "Infinity" not in text
+    back = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard constant {c}"))
+    assert back == {"rate": None, "inf": [None, 1.5], "n": 3, "x": 0.25, "arr": [0, 1, 2], "path": "a/b",
+                    "nested": [{"v": None}]}
+    write_json(tmp_path / "r.json", obj)
+    assert json.loads((tmp_path / "r.json").read_text()) == back
