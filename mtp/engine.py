@@ -58,6 +58,7 @@ from mtp.cache.state import LinearState, TargetCache
 from mtp.config import ModelConfig
 from mtp.metrics import AcceptanceStats
 from mtp.model import target
+from mtp.generation import positions_reached
 from mtp.model.params import Params
 from mtp.mtp_head import APPEND_BUCKETS, DrafterCache, append_chunks, append_rows, quantize_head
 from mtp.speculative import SpecConfig, greedy_loop, pick_token, speculative_loop
@@ -468,6 +469,12 @@ class Engine:
         if req.max_new_tokens > self.spec.max_new_tokens:
             raise ValueError(f"session {req.session_id}: max_new_tokens={req.max_new_tokens} exceeds the compiled "
                              f"loop's buffer SpecConfig.max_new_tokens={self.spec.max_new_tokens}")
+        width = self.spec.verify_width if self.ecfg.speculative else self.spec.plain_width
+        reach = positions_reached(n, req.max_new_tokens, width)
+        if reach > self.cfg.max_position_embeddings:
+            raise ValueError(f"session {req.session_id}: prompt of {n} tokens + {req.max_new_tokens} new tokens runs "
+                             f"the model at {reach} positions ({width}-row decode steps), more than the "
+                             f"checkpoint's max_position_embeddings={self.cfg.max_position_embeddings}")
 
     def _reserve_turn(self, req: TurnRequest, slot: int, wave_sessions: set[int]) -> _Live:
         """Take every page a turn needs and make its path and carry decisions; write no device state

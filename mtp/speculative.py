@@ -294,7 +294,11 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
         dcache = dcache.trim(trim, jnp.where(kept > 0, p0 + kept - 1, prev_last_key))
         hiddens = vout.mtp_hidden(cfg.mtp_hidden_source)
         if spec.refeed_accepted:
-            # Catch-up: rebuild keys p0+kept .. p0+accepted from the target's true hiddens.
+            # Catch-up: rebuild keys p0+kept .. p0+accepted from the target's true hiddens, i.e.
+            # every key whose pair this verify made known (key p0+j reads verified token
+            # t[p0+j+1] and the hidden at p0+j). That includes key p0+accepted, whose drafted
+            # row went with the first rejected draft, if any (without refeed it stays a gap, one
+            # per step), so with refeed the rows are dense: the keys a drafter prefill writes.
             seq_tokens = verify_tokens  # key p0+j reads t[p0+j+1] = verify_tokens[j]
             seq_hidden = jnp.concatenate([s.last_hidden[:, None].astype(hiddens.dtype), hiddens[:, :d]], axis=1)
             shift = kept

@@ -222,6 +222,14 @@ def test_exhausted_pool_and_oversized_prompt_are_clear_errors(model):
         eng.run_wave([TurnRequest("x", tuple([5] * 250), MAX_NEW)])
     with pytest.raises(ValueError, match="unknown drafter policy 'greedy'"):
         EngineConfig(policy="greedy")
+    cfg, params = model
+    short = Engine(cfg.replace(max_position_embeddings=64), params,
+                   EngineConfig(policy="carry", max_context=256, num_pages=160, drafter_pages=160), SPEC)
+    with pytest.raises(ValueError, match=r"session x: .* runs the model at 65 positions .* max_position_embeddings=64"):
+        short.run_wave([TurnRequest("x", tuple(range(1, 55)), MAX_NEW)])  # 54 + 10 - 2 cached, 3 verified on top
+    assert short.pages.num_free == short.pages.num_pages - 1
+    (res,) = short.run_wave([TurnRequest("x", tuple(range(1, 54)), MAX_NEW)])
+    assert len(res.output) == MAX_NEW
 
 
 @pytest.mark.parametrize("turn_end", [True, False])

@@ -77,3 +77,20 @@ def test_write_pages_lands_valid_rows_and_drops_padding_and_overflow():
             want[table[b, pos // 4], pos % 4] = np.asarray(values)[b, t]
     np.testing.assert_array_equal(got, want)
     assert (got != np.asarray(pages)).any(axis=(1, 2, 3)).sum() == 5  # pages 5, 2, 7, 1, 8; never page 0
+
+
+def test_turn_end_eviction_drops_only_entries_whose_page_comes_free():
+    from mtp.cache.prefix import Snapshot, TurnEndStore
+
+    pool = PageAllocator(8, 4, "target KV")
+    store = TurnEndStore(pool, max_entries=8)
+    snap = lambda n: Snapshot(n, (), (), 1, 1)
+    shared, own = pool.allocate(2)
+    store.put([1, 2, 3, 4], None, snap(4))  # page-aligned: holds no page
+    store.put([1, 2, 3, 4, 5], shared, snap(5))  # its page also held by a live turn
+    store.put([1, 2, 3, 4, 5, 6], own, snap(6))
+    pool.release([own])  # the turn that wrote `own` ended: the store is its only owner
+    assert store.evict(1) == 1
+    assert len(store) == 2 and pool.refcount(own) == 0 and pool.refcount(shared) == 2
+    assert store.match([1, 2, 3, 4, 9], 1) is not None  # the aligned entry survived
+    assert store.evict(1) == 0 and len(store) == 2  # nothing left whose drop frees a page

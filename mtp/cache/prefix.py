@@ -177,13 +177,18 @@ class TurnEndStore:
         return best
 
     def evict(self, pages_needed: int) -> int:
+        """Drop least recently used entries until ``pages_needed`` pages came free; returns how
+        many did. An entry whose drop would free nothing (a page-aligned turn end holds no
+        page; another owner still holds its page) is kept: it costs the pool nothing."""
         freed = 0
         for key in list(self._entries):
             if freed >= pages_needed:
                 break
             page = self._entries[key].tail_page
+            if page is None or self.allocator.refcount(page) != 1:
+                continue
             self._drop(key)
-            freed += page is not None and self.allocator.refcount(page) == 0
+            freed += 1
         return freed
 
     def _drop(self, key: bytes) -> None:
