@@ -484,7 +484,9 @@ def test_a_truncated_adoption_that_fails_to_start_hands_back_only_the_kept_rows(
     fails leaves the session the kept rows, untouched, and no more."""
     from mtp import engine as engine_mod
 
-    eng = _engine(model, policy="carry", max_context=800, num_pages=400, drafter_pages=400, marconi_min_tokens=10**6)
+    cfg, params = model  # the tail needs two appends, so the prompt runs past the tiny config's 512 positions
+    eng = _engine((cfg.replace(max_position_embeddings=1024), params), policy="carry", max_context=800,
+                  num_pages=400, drafter_pages=400, marconi_min_tokens=10**6)
     (first,) = eng.run_wave([TurnRequest("a", tuple(range(1, 41)), MAX_NEW)])
     (entry,) = eng.carried.values()
     before = _rows_k(eng, entry)
