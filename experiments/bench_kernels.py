@@ -153,8 +153,12 @@ def bench_fc(m, h, reps, variants=None):
     """Checks, then times, the fc kernel path against XLA.
 
     "ours" is what the model runs per call: ``fc_gemm_folded`` on the load-time folded
-    weight (for M <= SMALL_M the split-K kernel and one XLA fusion that sums its splits; above,
-    the row sum-of-squares kernel and the GEMM).
+    weight with the embed rows already normalised (for M <= SMALL_M the split-K kernel and one
+    XLA fusion that sums its splits; above, the hidden rows' sum-of-squares kernel and the GEMM).
+    The model normalises its embed rows inside the embedding gather, from the per-token table
+    ``embed_mean_squares``, so here they are made beforehand and not counted, as the XLA dot's
+    normalised input is not; variant ``embed_raw`` is the form before that (both halves' norms
+    in the pre-pass).
     "XLA dot" is ``jnp.dot`` alone on an input already normalised and concatenated;
     "unfused" is the reference (norm + concat + dot), what ``impl="reference"`` runs.
     """
@@ -171,7 +175,8 @@ def bench_fc(m, h, reps, variants=None):
         ne = (0.1 * jax.random.normal(kk[2], (h,))).astype(jnp.bfloat16)
         nh = (0.1 * jax.random.normal(kk[3], (h,))).astype(jnp.bfloat16)
         w = (jax.random.normal(kk[4], (h, 2 * h)) / math.sqrt(2 * h)).astype(jnp.bfloat16)
-        sets.append((e, hd, ne, nh, w, fcmod.fold_fc_weight(ne, nh, w)))
+        e_n = fcmod.normed_embed_rows(e, fcmod.embed_mean_squares(e), 1e-6)
+        sets.append((e, hd, ne, nh, w, fcmod.fold_fc_weight(ne, nh, w), e_n))
     eps = 1e-6
     flops = 2.0 * m * (2 * h) * h
     floor_bytes = w_bytes + 2 * m * h * 2 + m * h * 2
@@ -179,9 +184,13 @@ def bench_fc(m, h, reps, variants=None):
 
     ref_fn = jax.jit(lambda e, hd, ne, nh, w: fcmod.fc_gemm_reference(e, hd, ne, nh, w, eps=eps))
     ref_sets = [s[:5] for s in sets]
-    our_sets = [(s[0], s[1], s[5]) for s in sets]
+    our_sets = [(s[0], s[6], s[1], s[5]) for s in sets]
     base_kw = {"acc": "two"} if FLAGS.small else {}  # the interpreter has no accumulator stores
-    ours = lambda e, hd, wf, **kw: fcmod.fc_gemm_folded(e, hd, wf, eps=eps, **{**base_kw, **kw})
+
+    def ours(e, e_n, hd, wf, embed_normed=True, **kw):
+        return fcmod.fc_gemm_folded(e_n if embed_normed else e, hd, wf, eps=eps, embed_normed=embed_normed,
+                                    **{**base_kw, **kw})
+
     want = ref_fn(*ref_sets[0])
     res["rel_err"] = _rel_err(ours(*our_sets[0]), want)
     # XLA's dot alone, on an input already normalised and concatenated (not counted).
@@ -199,13 +208,13 @@ def bench_fc(m, h, reps, variants=None):
     # Where "ours" spends its time (M > SMALL_M): the row sum-of-squares kernel alone, beside
     # XLA's own reduction of the same sums (what it replaced).
     if m > fcmod.SMALL_M:
-        pre_fn = jax.jit(lambda e, hd, wf: jnp.stack([fcmod._rms_scale(e, eps),
-                                                      fcmod._rms_scale(hd, eps)]))
+        pre_fn = jax.jit(lambda e, e_n, hd, wf: jnp.stack([fcmod._rms_scale(e, eps),
+                                                           fcmod._rms_scale(hd, eps)]))
         res["t_row_rsqrt_xla"] = _time(pre_fn, our_sets, reps)[0]
         tc, sp, st = fcmod._plan_sumsq(m, h, num_sms())
-        ss_fn = jax.jit(lambda e, hd, wf: fcmod._row_sumsq(
-            e, hd, m_pad=-(-m // 128) * 128, tile_c=tc, splits=sp, stages=st))
-        res["t_row_sumsq_kernel"] = _time(ss_fn, our_sets, reps)[0]
+        sumsq = lambda *xs: fcmod._row_sumsq(*xs, m_pad=-(-m // 128) * 128, tile_c=tc, splits=sp, stages=st)
+        res["t_row_sumsq_kernel"] = _time(jax.jit(lambda e, e_n, hd, wf: sumsq(hd)), our_sets, reps)[0]
+        res["t_row_sumsq_kernel_both"] = _time(jax.jit(lambda e, e_n, hd, wf: sumsq(e, hd)), our_sets, reps)[0]
     for name, kw in (variants or {}).items():
         r = _safe(lambda: (_rel_err(ours(*our_sets[0], **kw), want),
                            _time(lambda *a: ours(*a, **kw), our_sets, reps)[0]))
@@ -216,8 +225,9 @@ def bench_fc(m, h, reps, variants=None):
 
 def fc_variants(m, h):
     """Tile/stage alternatives timed beside the default plan."""
+    raw = {"embed_raw": dict(embed_normed=False)}  # the form before the per-token embed norms, at every M
     if m >= 2048:
-        v = {"two_acc_64x2_s5": dict(acc="two"), "sumsq_c128_s3": dict(sumsq=(128, None, 3)),
+        v = {**raw, "two_acc_64x2_s5": dict(acc="two"), "sumsq_c128_s3": dict(sumsq=(128, None, 3)),
              "sumsq_c128_8_splits": dict(sumsq=(128, 8, 2)),
              "sumsq_c256_8_splits": dict(sumsq=(256, 8, 2)), "sumsq_1_split": dict(sumsq=(256, 1, 2)),
              "side_by_side_128x128": dict(split="n"), "stacked_64x256_s3": dict(stages=3)}
@@ -225,17 +235,17 @@ def fc_variants(m, h):
             v.update({"rescale_s3": dict(stages=3), "rescale_n64_s6": dict(tile_n=64, stages=6)})
         return v
     if m > fcmod.SPLITK_MAX_M:  # a drafter-prefill chunk (512 rows a sequence): fewer tiles than SMs by default
-        return {"n256": dict(tile_n=256), "n128_s4": dict(tile_n=128, stages=4), "n128_s6": dict(tile_n=128, stages=6),
+        return {**raw, "n256": dict(tile_n=256), "n128_s4": dict(tile_n=128, stages=4), "n128_s6": dict(tile_n=128, stages=6),
                 "n64_s4": dict(tile_n=64, stages=4), "n64_s6": dict(tile_n=64, stages=6),
                 "n64_s8": dict(tile_n=64, stages=8), "sumsq_c128_8_splits": dict(sumsq=(128, 8, 2))}
     if m > 64:  # a carry's tail append: the split-K stream (its plan and others) beside the GEMM's
         splitk = dict(small_m=fcmod.SPLITK_MAX_M)
-        return {"gemm": dict(small_m=64), "splitk": splitk,
+        return {**raw, "gemm": dict(small_m=64), "splitk": splitk,
                 **{f"splitk_k{k}": dict(splitk, k_splits=k) for k in (2, 4, 8, 16) if h % (k // 2 * 64) == 0},
                 **({"splitk_n64": dict(splitk, tile_n=64), "splitk_n128": dict(splitk, tile_n=128)} if m <= 128 else {})}
     # The split-K path (M <= 64, the propose step): the in-cluster reduction beside the default partials
     # form, and plan alternatives (tile_n, K splits, stages).
-    v = {"cluster": dict(reduce="cluster"), "s3": dict(stages=3), "s4": dict(stages=4)}
+    v = {**raw, "cluster": dict(reduce="cluster"), "s3": dict(stages=3), "s4": dict(stages=4)}
     if h == 2048:
         v.update({"k4": dict(k_splits=4), "k16_s4": dict(k_splits=16, stages=4),
                   "n256_k16_s3": dict(tile_n=256, k_splits=16, stages=3),
@@ -264,8 +274,10 @@ def bench_prefill(batch, rows, reps, page=16):
 
     The fc op where the model runs it: ``rows`` pair keys a sequence (``PREFILL_CHUNK``), so
     M = batch x rows, followed by the layer's input norm, the k/v projections, k norm, RoPE
-    and the page writes, which both paths share. Two interleaved rounds; the drafter K and V
-    the two paths write must agree to bf16 precision.
+    and the page writes, which every path shares. The kernel runs as the model loads it (the
+    embed rows normalised in the embedding gather from the per-token table) and, beside it,
+    without the table (``t_fc_kernel_embed_raw``: both halves' norms in its pre-pass). Two
+    interleaved rounds; the drafter K and V the paths write must agree to bf16 precision.
     """
     cfg, params = _prefill_model()
     blocks = rows // page + 1
@@ -278,15 +290,19 @@ def bench_prefill(batch, rows, reps, page=16):
         hiddens = (2.0 * jax.random.normal(k2, (batch, rows, cfg.hidden_size))).astype(jnp.bfloat16)
         sets.append((dcache, tokens, hiddens, jnp.zeros((batch,), jnp.int32), jnp.full((batch,), rows, jnp.int32)))
     # Jitted here without donation, so that every timed call can reuse its cache.
-    fns = {impl: jax.jit(lambda dc, nt, hs, fk, n, impl=impl: append_rows(cfg, params, dc, nt, hs, fk, n,
-                                                                          impl=impl))
-           for impl in ("reference", "pallas")}
-    ref, ker = (fns[impl](*sets[0]).kv for impl in ("reference", "pallas"))
+    fc = params["mtp"]["fc"]
+    raw = {**params, "mtp": {**params["mtp"], "fc": {k: v for k, v in fc.items() if k != "embed_mean_square"}}}
+    paths = {"t_xla_fc": ("reference", params), "t_fc_kernel": ("pallas", params),
+             "t_fc_kernel_embed_raw": ("pallas", raw)}
+    fns = {key: jax.jit(lambda dc, nt, hs, fk, n, impl=impl, p=p: append_rows(cfg, p, dc, nt, hs, fk, n, impl=impl))
+           for key, (impl, p) in paths.items()}
+    ref, ker, ker_raw = (fns[key](*sets[0]).kv for key in paths)
     res = {"B": batch, "rows": rows, "M": batch * rows,
-           "rel_err_k": _rel_err(ker.k[0], ref.k[0]), "rel_err_v": _rel_err(ker.v[0], ref.v[0])}
+           "rel_err_k": _rel_err(ker.k[0], ref.k[0]), "rel_err_v": _rel_err(ker.v[0], ref.v[0]),
+           "rel_err_k_embed_raw": _rel_err(ker_raw.k[0], ref.k[0])}
     for _ in range(2):
-        for impl, key in (("reference", "t_xla_fc"), ("pallas", "t_fc_kernel")):
-            res.setdefault(key, []).append(_time(fns[impl], sets, reps)[0])
+        for key, fn in fns.items():
+            res.setdefault(key, []).append(_time(fn, sets, reps)[0])
     return res
 
 
@@ -612,7 +628,8 @@ def render(results):
                 var_lines.append(f"* M={r['M']}, H={r['H']}, {k[8:]}: {desc}")
         if r.get("xla_dot_config"):
             var_lines.append(f"* M={r['M']}, H={r['H']}, XLA dot's GEMM: {'; '.join(r['xla_dot_config'])}")
-        for k, what in (("t_row_sumsq_kernel", "the row sum-of-squares kernel alone"),
+        for k, what in (("t_row_sumsq_kernel", "the hidden rows' sum-of-squares kernel alone"),
+                        ("t_row_sumsq_kernel_both", "the same kernel over embed and hidden (variant embed_raw's)"),
                         ("t_row_rsqrt_xla", "XLA's row-rsqrt reduction alone (replaced)")):
             if isinstance(r.get(k), float):
                 var_lines.append(f"* M={r['M']}, H={r['H']}, {what}: {_fmt_us(r[k])} µs")
@@ -630,11 +647,14 @@ def render(results):
     if results.get("prefill"):
         lines += _table(
             "drafter prefill chunk (`mtp_head.append_rows`): the fc kernel vs XLA's fc, two rounds",
-            ["B", "rows", "M", "K, V rel err", "XLA fc µs", "fc kernel µs", "kernel / XLA fc (speed)"],
+            ["B", "rows", "M", "K, V rel err", "XLA fc µs", "fc kernel µs", "kernel / XLA fc (speed)",
+             "kernel, raw embed µs", "kernel / raw-embed kernel (speed)"],
             results["prefill"], lambda r: [r["B"], r["rows"], r["M"]],
             lambda r: [f"{r['rel_err_k']:.1e}, {r['rel_err_v']:.1e}",
                        " / ".join(_fmt_us(t) for t in r["t_xla_fc"]), " / ".join(_fmt_us(t) for t in r["t_fc_kernel"]),
-                       " / ".join(f"{a / b:.2f}x" for a, b in zip(r["t_xla_fc"], r["t_fc_kernel"]))])
+                       " / ".join(f"{a / b:.2f}x" for a, b in zip(r["t_xla_fc"], r["t_fc_kernel"])),
+                       " / ".join(_fmt_us(t) for t in r["t_fc_kernel_embed_raw"]),
+                       " / ".join(f"{a / b:.2f}x" for a, b in zip(r["t_fc_kernel_embed_raw"], r["t_fc_kernel"]))])
     lines += _table("paged attention (TB/s = K+V bytes read / time)",
                     ["B", "ctx", "Q", "Hq,Hkv,D", "rel err", "ours µs", "ours TB/s", "XLA ref TB/s",
                      "JAX Pallas TB/s", "ours / JAX", "ours / XLA"], results["pa"],
@@ -808,7 +828,7 @@ def main(_):
         logging.info("fc GEMM M=%d H=%d", m, h)
         variants = fc_variants(m, h)
         if FLAGS.small:
-            variants = {"s2": dict(stages=2)} if m > 64 else {"k2": dict(k_splits=2)}
+            variants = {"embed_raw": dict(embed_normed=False), **({"s2": dict(stages=2)} if m > 64 else {"k2": dict(k_splits=2)})}
             variants = {k: {**v, "acc": "two"} for k, v in variants.items()}
         r = _safe(bench_fc, m, h, reps, variants)
         if "error" in r:

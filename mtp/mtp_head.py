@@ -25,7 +25,7 @@ from mtp.model.layers import attention_kv, attention_out, attention_qkv, causal_
 from mtp.model.params import Params
 from mtp.model.target import decoder_layer, embed, lm_head, paged_attention_mixer
 from mtp.pallas.backend import resolve_impl
-from mtp.pallas.fc_gemm import fc_gemm, fold_fc_weight
+from mtp.pallas.fc_gemm import embed_mean_squares, fc_gemm, fold_fc_weight
 
 PREFILL_CHUNK = 512  # drafter-prefill rows per call, as in the reference system
 APPEND_BUCKETS = (64, 128, 256, PREFILL_CHUNK)  # widths of a last, partial chunk (one compile each)
@@ -63,9 +63,11 @@ def quantize_head(params: Params, mtp_quant: str, *, fold_fc: bool | None = None
 
     The load-time hook for the head's weights. At bf16 it also adds
     ``mtp.fc.weight_folded = fold_fc_weight(...)`` (the fc kernel's weight, with the two
-    pre-fc norms' ``(1 + w)`` folded in) when ``fold_fc`` is true, by default when the
-    kernel path is active (``resolve_impl("auto", op="fc_gemm") != "reference"``), so that no step
-    refolds it. The reference path ignores it.
+    pre-fc norms' ``(1 + w)`` folded in) and ``mtp.fc.embed_mean_square`` (each token's
+    embedding mean square, so that the kernel's row-norm pass reads the hidden half alone)
+    when ``fold_fc`` is true, by default when the kernel path is active
+    (``resolve_impl("auto", op="fc_gemm") != "reference"``), so that no step recomputes them.
+    The reference path ignores both.
     """
     mtp_quant = quant.parse_quant(mtp_quant)
     if mtp_quant == "bf16":
@@ -76,7 +78,8 @@ def quantize_head(params: Params, mtp_quant: str, *, fold_fc: bool | None = None
         m = params["mtp"]
         folded = fold_fc_weight(m["pre_fc_norm_embedding"]["weight"], m["pre_fc_norm_hidden"]["weight"],
                                 m["fc"]["weight"])
-        return {**params, "mtp": {**m, "fc": {**m["fc"], "weight_folded": folded}}}
+        ms = embed_mean_squares(params["model"]["embed_tokens"]["weight"])
+        return {**params, "mtp": {**m, "fc": {**m["fc"], "weight_folded": folded, "embed_mean_square": ms}}}
     head = quant.quantize_params({"mtp": params["mtp"]}, mtp_quant,
                                  lambda name: quant.is_projection_weight(name) and not name.endswith("mlp.gate.weight"))
     return {**params, "mtp": head["mtp"]}
@@ -94,9 +97,10 @@ def fc_input(cfg: ModelConfig, params: Params, next_tokens: jax.Array, hidden: j
         return dense(x, w)
     lead = hidden.shape[:-1]
     flat = lambda a: a.reshape(-1, a.shape[-1])
-    wf = m["fc"].get("weight_folded")
+    wf, ms = m["fc"].get("weight_folded"), m["fc"].get("embed_mean_square")
     out = fc_gemm(flat(e), flat(hidden), ne, nh, w.astype(hidden.dtype), eps=cfg.rms_norm_eps, impl=impl,
-                  w_folded=None if wf is None else wf.astype(hidden.dtype))
+                  w_folded=None if wf is None else wf.astype(hidden.dtype),
+                  embed_mean_square=None if ms is None else jnp.take(ms, next_tokens.reshape(-1)))
     return out.reshape(*lead, -1)
 
 

@@ -31,14 +31,16 @@ def test_small_run_checks_and_times_every_row(tmp_path):
             assert "error" not in v, (name, v)
             assert v["rel_err"] < 1e-2 and math.isfinite(v["t"]) and v["t"] > 0
         assert isinstance(row["xla_dot_config"], list)  # empty on a CPU: no autotuned GEMM
-    assert fc[1]["t_row_sumsq_kernel"] > 0  # the big-M path's pre-pass, timed alone
+    assert fc[1]["t_row_sumsq_kernel"] > 0 and fc[1]["t_row_sumsq_kernel_both"] > 0  # the big-M pre-pass, alone
+    assert all("variant embed_raw" in r for r in fc)  # the form before the per-token embed norms, beside
     assert [r["what"] for r in results["gemv"]] == ["tiny", "tiny"]
     # The fc op where the model runs it: a drafter-prefill chunk with the kernel and with XLA's fc.
     (prefill,) = results["prefill"]
     assert "error" not in prefill, prefill
     assert (prefill["B"], prefill["M"]) == (1, 128)
     assert prefill["rel_err_k"] < 1e-2 and prefill["rel_err_v"] < 1e-2
-    assert len(prefill["t_xla_fc"]) == len(prefill["t_fc_kernel"]) == 2  # two interleaved rounds
-    assert min(prefill["t_xla_fc"] + prefill["t_fc_kernel"]) > 0
+    assert prefill["rel_err_k_embed_raw"] < 1e-2
+    times = [prefill[k] for k in ("t_xla_fc", "t_fc_kernel", "t_fc_kernel_embed_raw")]
+    assert [len(t) for t in times] == [2, 2, 2] and min(sum(times, [])) > 0  # two interleaved rounds
     report = (tmp_path / "kernels.md").read_text()
     assert "### fc GEMM" in report and "small-row GEMMs" in report and "drafter prefill chunk" in report

@@ -124,3 +124,25 @@ def test_speculative_with_the_triton_attention_equals_plain(shipped, monkeypatch
     assert calls, "the Triton form never ran"
     assert fast.tokens == plain.tokens
     assert fast.stats.accepted > 0
+
+
+def test_speculative_with_the_fc_kernel_as_loaded_equals_plain(shipped, monkeypatch):
+    """The fc kernel as a GPU load sets it up (`quantize_head` folds the weight and adds the
+    per-token embed mean squares, so the embed rows arrive normalised): still lossless, and the
+    normalised form is the one that ran."""
+    from mtp.pallas import fc_gemm as fcmod
+
+    normed = []
+    run = fcmod.fc_gemm_folded
+    monkeypatch.setattr(fcmod, "fc_gemm_folded",
+                        lambda *a, **k: normed.append(k.get("embed_normed")) or run(*a, **k))
+    monkeypatch.setenv("MTP_KERNELS", "fc_gemm=interpret")
+    jax.clear_caches()  # the switch is read when a function is traced
+    cfg, params = shipped
+    spec = SpecConfig(verify_width=3, max_new_tokens=12, plain_width=3)
+    fast = generate(cfg, params, PROMPTS, spec, speculative=True)
+    plain = generate(cfg, params, PROMPTS, spec, speculative=False)
+    jax.clear_caches()
+    assert normed and all(normed), normed
+    assert fast.tokens == plain.tokens
+    assert fast.stats.accepted > 0

@@ -152,21 +152,64 @@ def test_warp_specialised_consumer_splits(split):
     _check_against_reference(out, args)
 
 
-@pytest.mark.parametrize("m,h,splits,tile_c", [(72, 256, 1, 128), (200, 256, 4, 64)])
-def test_row_sumsq_kernel(m, h, splits, tile_c):
-    """Each split's share of the row sums of squares; rows past M (to m_pad) sum to 0."""
-    e, hd = _inputs(m + splits, m, h)[:2]
+@pytest.mark.parametrize("m,h,splits,tile_c,inputs", [(72, 256, 1, 128, 2), (200, 256, 4, 64, 2),
+                                                      (136, 256, 2, 64, 1)])
+def test_row_sumsq_kernel(m, h, splits, tile_c, inputs):
+    """Each split's share of the row sums of squares, per input (both halves, or the hidden
+    alone when the embed rows arrive normalised); rows past M (to m_pad) sum to 0."""
+    xs = _inputs(m + splits, m, h)[2 - inputs:2]
     m_pad = -(-m // 128) * 128
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        parts = fcmod._row_sumsq(e, hd, m_pad=m_pad, tile_c=tile_c, splits=splits, stages=2)
+        parts = fcmod._row_sumsq(*xs, m_pad=m_pad, tile_c=tile_c, splits=splits, stages=2)
     parts = np.asarray(parts)
-    assert parts.shape == (splits, 2, m_pad)
+    assert parts.shape == (splits, inputs, m_pad)
     cols = h // splits
     for s in range(splits):
-        for j, x in enumerate((e, hd)):
+        for j, x in enumerate(xs):
             x = np.asarray(x, np.float32)[:, s * cols:(s + 1) * cols]
             np.testing.assert_allclose(parts[s, j, :m], (x * x).sum(-1), rtol=1e-5)
     assert (parts[:, :, m:] == 0).all()
+
+
+@pytest.mark.parametrize("m,h,kw", [
+    (5, 256, dict(k_splits=4)),                      # the split-K stream
+    (200, 256, dict(num_programs=2, stages=3)),      # the warp-specialised GEMM, its pre-pass on hidden alone
+])
+def test_embed_normed_kernels_scale_only_the_hidden_half(m, h, kw):
+    """``embed_normed=True``: the embed half is taken as it comes (no row scale at all), the
+    hidden half normalised. Checked on embed rows that are *not* normalised (3x and 0.5x),
+    so a kernel that still applied an embed row scale could not pass."""
+    e, hd, ne, nh, w = _inputs(m * 5 + h, m, h)
+    x = (e.astype(jnp.float32) * jnp.where(jnp.arange(m) % 2 == 0, 3.0, 0.5)[:, None]).astype(jnp.bfloat16)
+    wf = np.asarray(fold_fc_weight(ne, nh, w), np.float32)
+    hf = np.asarray(hd, np.float32)
+    want = (np.asarray(x, np.float32) @ wf[:, :h].T
+            + (hf / np.sqrt(np.mean(hf * hf, -1, keepdims=True) + 1e-6)) @ wf[:, h:].T)
+    out = _kernel((x, hd, ne, nh, w), embed_normed=True, **kw)
+    assert _rel_err(out, want) < 1e-2
+    # The same function as the raw form on rows that are normalised (up to their bf16 rounding).
+    args = (e, hd, ne, nh, w)
+    ms = fcmod.embed_mean_squares(e)
+    _check_against_reference(_kernel((fcmod.normed_embed_rows(e, ms, 1e-6), hd, ne, nh, w),
+                                     embed_normed=True, **kw), args)
+
+
+@pytest.mark.parametrize("m", [6, 136])
+def test_fc_gemm_takes_the_embed_norms_from_their_mean_squares(m):
+    """The public op given each embed row's mean square (the model's per-token table): the
+    reference's answer; a wrong mean square changes the kernel path's output (it is used)
+    and not the reference's (it recomputes every norm)."""
+    args = _inputs(m + 3, m, 128)
+    ms = fcmod.embed_mean_squares(args[0])
+    out = fc_gemm(*args, eps=1e-6, impl="interpret", embed_mean_square=ms)
+    _check_against_reference(out, args)
+    wrong = fc_gemm(*args, eps=1e-6, impl="interpret", embed_mean_square=4.0 * ms)
+    assert _rel_err(wrong, out) > 0.1
+    np.testing.assert_array_equal(
+        np.asarray(fc_gemm(*args, eps=1e-6, impl="reference", embed_mean_square=4.0 * ms), np.float32),
+        np.asarray(fc_gemm(*args, eps=1e-6, impl="reference"), np.float32))
+    with pytest.raises(ValueError, match=r"embed_mean_square must be \[M=%d\].*\(%d,\)" % (m, m - 1)):
+        fc_gemm(*args, eps=1e-6, impl="interpret", embed_mean_square=ms[1:])
 
 
 def test_reference_matches_numpy():
@@ -265,6 +308,9 @@ def test_quantize_head_folds_fc_weight_and_fc_input_uses_it():
     folded = quantize_head(params, "bf16", fold_fc=True)
     np.testing.assert_array_equal(np.asarray(folded["mtp"]["fc"]["weight_folded"], np.float32),
                                   np.asarray(fold_fc_weight(ne, nh, w), np.float32))
+    tf = np.asarray(table, np.float32)
+    np.testing.assert_allclose(np.asarray(folded["mtp"]["fc"]["embed_mean_square"]), (tf * tf).mean(-1),
+                               rtol=1e-6)
     assert folded["mtp"]["fc"]["weight"] is w and params["mtp"]["fc"].keys() == {"weight"}
 
     class Cfg:
@@ -279,6 +325,10 @@ def test_quantize_head_folds_fc_weight_and_fc_input_uses_it():
     out = fc_input(Cfg, poisoned, tokens, hidden, "interpret")
     assert out.shape == ref.shape
     assert _rel_err(out, ref) < 1e-2
+    # ... and the embed rows' norms from the per-token table, gathered by token.
+    fc = poisoned["mtp"]["fc"]
+    swapped = {**poisoned, "mtp": {**poisoned["mtp"], "fc": {**fc, "embed_mean_square": fc["embed_mean_square"][::-1]}}}
+    assert _rel_err(fc_input(Cfg, swapped, tokens, hidden, "interpret"), ref) > 0.05
 
 
 def test_named_kernel_skips_the_auto_rule(monkeypatch):

@@ -19,7 +19,12 @@ the single accumulator is multiplied by ``r_e / r_h`` at the half boundary and b
 ``r_h`` at the end (``r > 0`` always). The ratio is needed before the hidden half is
 read, so the rows' sums of squares come from a small memory-bound kernel that runs
 first (``_row_sumsq``: it reads embed and hidden once, ``4 M H`` bytes, at ~4 TB/s where
-XLA's reduction ran at 1.75; the GEMM takes the rsqrt itself). Every way of summing the
+XLA's reduction ran at 1.75; the GEMM takes the rsqrt itself). An embed row's norm depends
+on its token alone, so the model passes each row's mean square from a per-token table made
+at load (``embed_mean_squares``) and normalises the embed rows where the embedding gather
+makes them: then ``r_e = 1`` and the pre-pass reads the hidden rows alone (``2 M H`` bytes;
+at M = 2048, H = 2048 that pass was 6.0 of the op's 50.5 us, the whole gap to XLA's bare
+dot; results/kernels_h200.md, run 31). Every way of summing the
 squares inside the GEMM measured slower than this pre-pass (results/kernels_h200.md): by
 the consumers from the A tiles in shared memory (runs 9 and 27), by the producer (run 29),
 by a fourth warpgroup or from the registers of an RS wgmma (run 30). A fourth warpgroup
@@ -254,7 +259,7 @@ def _cluster_sync():
     sync()
 
 
-def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k=64):
+def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, embed_normed=False, tile_k=64):
     """The propose path and short appends (M <= 128 by default, up to 256): ``fc_gemm`` as a
     split-K weight stream.
 
@@ -274,7 +279,8 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
     stores the bf16 result, so the op is one kernel. On the H200 that measured 2.5x
     slower than the partials form (17.5 vs 7.1 us at M = 8, H = 2048): launching the
     grid as clusters alone cost ~3.5 us, the barrier 1.5 and the remote reads 7
-    (results/kernels_h200.md, run 11). Returns [M, H].
+    (results/kernels_h200.md, run 11). ``embed_normed``: the embed rows arrive normalised
+    (``r_e = 1``; their shares are summed all the same, at no measurable cost). Returns [M, H].
     """
     m, h = embed.shape
     dtype = embed.dtype
@@ -357,6 +363,7 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
                                   for p in splits), h, eps)
                     for splits in (range(per_half), range(per_half, k_splits)))
         bcast = lambda v: lax.broadcast_in_dim(v, (tile_m, REDUCE_COLS), [0])
+        scaled_e = (lambda a: a) if embed_normed else (lambda a: a * bcast(r_e))
         for j, slab_smem in enumerate(part_smem):
             @pl.when(si == j % k_splits)
             def _(j=j, slab_smem=slab_smem):
@@ -364,7 +371,7 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
                 acc_e = sum(part(p) for p in range(per_half))
                 acc_h = sum(part(p) for p in range(per_half, k_splits))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                out_smem[...] = (acc_e * bcast(r_e) + acc_h * bcast(r_h)).astype(dtype)
+                out_smem[...] = (scaled_e(acc_e) + acc_h * bcast(r_h)).astype(dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(
                     out_smem, o_ref.at[pl.ds(zero, tile_m), pl.ds(ni * tile_n + j * REDUCE_COLS,
@@ -401,8 +408,10 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, tile_k
     # fusion (at M = 1 a reduction became two more kernels).
     total = lambda x, splits: functools.reduce(jnp.add, (x[s] for s in splits))
     lo, hi = range(per_half), range(per_half, k_splits)
-    r_e, r_h = (_scale_of(total(ss[:, :m], sp), h, eps) for sp in (lo, hi))
-    out = total(parts, lo) * r_e[:, None] + total(parts, hi) * r_h[:, None]
+    acc_e = total(parts, lo)
+    if not embed_normed:
+        acc_e = acc_e * _scale_of(total(ss[:, :m], lo), h, eps)[:, None]
+    out = acc_e + total(parts, hi) * _scale_of(total(ss[:, :m], hi), h, eps)[:, None]
     return out.astype(dtype)
 
 
@@ -437,23 +446,27 @@ def _plan_sumsq(m: int, h: int, num_sms: int, tile_c=None, splits=None, stages=N
 SUMSQ_ROWS = 64  # rows per program: one warpgroup's WGMMA-layout row block
 
 
-def _row_sumsq(embed, hidden, *, m_pad, tile_c, splits, stages):
-    """[splits, 2, M_pad] f32: split s's share of each row's sum of squares (embed, hidden).
+def _row_sumsq(*inputs, m_pad, tile_c, splits, stages):
+    """[splits, len(inputs), M_pad] f32: split s's share of each row's sum of squares, per input.
 
-    A memory-bound pass (it reads ``4 M H`` bytes): programs own 64 rows x ``H / splits``
-    columns of both inputs and stream them through a TMA pipeline; rows past M are
+    The inputs are the GEMM's halves whose rows still need their norm: (embed, hidden), or
+    hidden alone when the embedding half arrives normalised (``fc_gemm_folded(embed_normed=True)``).
+    A memory-bound pass (it reads ``2 M H`` bytes an input): programs own 64 rows x ``H / splits``
+    columns of every input and stream them through a TMA pipeline; rows past M are
     zero-fill (sum 0) up to ``m_pad``, a multiple of 64. The GEMM sums the splits and takes
     the rsqrt itself, so nothing runs between the two kernels. XLA's own reduction of the same sums measured
     1.75 TB/s on the H200 (results/kernels_h200.md, run 9).
     """
-    m, h = embed.shape
+    m, h = inputs[0].shape
+    n = len(inputs)
     if m_pad % SUMSQ_ROWS or m_pad < m:
         raise ValueError(f"m_pad={m_pad} must be a multiple of {SUMSQ_ROWS} and >= M={m}")
     cols = h // splits
-    tr = swizzle_transforms(tile_c, embed.dtype)
+    tr = swizzle_transforms(tile_c, inputs[0].dtype)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def kernel(e_ref, h_ref, o_ref, o_smem):
+    def kernel(*refs, o_smem):
+        x_refs, o_ref = refs[:n], refs[n]
         mi = lax.axis_index("m")
         si = lax.axis_index("s")
         rows = pl.ds(mi * SUMSQ_ROWS, SUMSQ_ROWS)
@@ -463,32 +476,33 @@ def _row_sumsq(embed, hidden, *, m_pad, tile_c, splits, stages):
             x = plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
             return jnp.sum(x * x, axis=1)
 
-        def step(_, e_smem, h_smem, carry):
-            return carry[0] + sq_sum(e_smem), carry[1] + sq_sum(h_smem)
+        def step(_, *smems_and_carry):
+            *smems, carry = smems_and_carry
+            return tuple(c + sq_sum(x) for c, x in zip(carry, smems))
 
         spec = plgpu.BlockSpec((SUMSQ_ROWS, tile_c), lambda c: (0, c), transforms=tr)
         ss = plgpu.emit_pipeline(
-            step, grid=(cols // tile_c,), in_specs=[spec, spec],
-            max_concurrent_steps=stages, init_carry=(zero, zero),
-        )(e_ref.at[rows, pl.ds(si * cols, cols)], h_ref.at[rows, pl.ds(si * cols, cols)])
-        o_smem[0] = ss[0]
-        o_smem[1] = ss[1]
+            step, grid=(cols // tile_c,), in_specs=[spec] * n,
+            max_concurrent_steps=stages, init_carry=(zero,) * n,
+        )(*(x.at[rows, pl.ds(si * cols, cols)] for x in x_refs))
+        for j in range(n):
+            o_smem[j] = ss[j]
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[si, :, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    smem = stages * 2 * SUMSQ_ROWS * tile_c * embed.dtype.itemsize
+    smem = stages * n * SUMSQ_ROWS * tile_c * inputs[0].dtype.itemsize
     if smem > _SMEM_LIMIT:
         raise ValueError(f"row sum-of-squares kernel needs {smem} bytes of shared memory "
                          f"(tile_c={tile_c}, stages={stages}); the limit is {_SMEM_LIMIT}")
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((splits, 2, m_pad), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((splits, n, m_pad), jnp.float32),
         grid=(m_pad // SUMSQ_ROWS, splits),
         grid_names=("m", "s"),
-        scratch_types=dict(o_smem=plgpu.SMEM((2, SUMSQ_ROWS), jnp.float32)),
+        scratch_types=dict(o_smem=plgpu.SMEM((n, SUMSQ_ROWS), jnp.float32)),
     )
-    return call(embed, hidden)
+    return call(*inputs)
 
 
 # ------------------------------------------------------------------ large M: warp-specialised
@@ -546,7 +560,8 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
     runs in CPU tests. The row scales come from
     ``ss_parts`` = ``_row_sumsq(...)``: each consumer sums the splits of its rows and takes
     ``r = rsqrt(ss / H + eps)`` when a tile starts (the ratio must be known at the half
-    boundary, before the hidden half is read; see the module docstring).
+    boundary, before the hidden half is read; see the module docstring). With one input's sums
+    (``[splits, 1, M_pad]``, the hidden's) the embedding half arrives normalised: ``r_e = 1``.
     """
     m, h = embed.shape
     dtype = embed.dtype
@@ -556,9 +571,9 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
     n_tiles = h // cta_n
     num_tiles = m_tiles * n_tiles
     kh = h // tile_k  # k steps per half
-    splits = ss_parts.shape[0]
-    if ss_parts.shape[1:] != (2, m_tiles * cta_m):
-        raise ValueError(f"ss_parts must be [splits, 2, {m_tiles * cta_m}]; got {ss_parts.shape}")
+    splits, normed_inputs = ss_parts.shape[:2]
+    if ss_parts.ndim != 3 or normed_inputs not in (1, 2) or ss_parts.shape[2] != m_tiles * cta_m:
+        raise ValueError(f"ss_parts must be [splits, 1 or 2, {m_tiles * cta_m}]; got {ss_parts.shape}")
     ring = stages * (cta_m + cta_n) * tile_k * 2
     # A WGMMA-layout tile splits into 64-row blocks only; columns split down to 64.
     epi_m, epi_n = min(64, wg_m), tile_n
@@ -649,22 +664,23 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
                 col0 = ni * cta_n + (0 if split_m else wg * tile_n)
                 rows = pl.ds(row0, wg_m)
                 bcast = lambda v: lax.broadcast_in_dim(v, (wg_m, tile_n), [0])
-                r_e, r_h = (_scale_of(sum(plgpu.load(ss_ref.at[p, j, rows], layout=row_layout,
-                                                     optimized=False) for p in range(splits)), h, eps)
-                            for j in (0, 1))
+                *r_e, r_h = (_scale_of(sum(plgpu.load(ss_ref.at[p, j, rows], layout=row_layout,
+                                                      optimized=False) for p in range(splits)), h, eps)
+                             for j in range(normed_inputs))
+                scaled_e = (lambda a: a * bcast(r_e[0])) if r_e else (lambda a: a)
 
                 if acc == "two":
                     def scope(acc_e, acc_h):
                         s = run_half(acc_e, step)
                         s = run_half(acc_h, s)
-                        return s, acc_e[...] * bcast(r_e) + acc_h[...] * bcast(r_h)
+                        return s, scaled_e(acc_e[...]) + acc_h[...] * bcast(r_h)
 
                     step, out = pl.run_scoped(scope, plgpu.ACC((wg_m, tile_n), jnp.float32),
                                               plgpu.ACC((wg_m, tile_n), jnp.float32))
                 else:
                     def scope(acc_ref):
                         s = run_half(acc_ref, step)
-                        acc_ref[...] = acc_ref[...] * bcast(r_e / r_h)
+                        acc_ref[...] = acc_ref[...] * bcast((r_e[0] if r_e else 1.0) / r_h)
                         s = run_half(acc_ref, s)
                         return s, acc_ref[...] * bcast(r_h)
 
@@ -705,10 +721,11 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "wg_m", "tile_n", "k_splits", "stages",
-                                             "num_programs", "small_m", "acc", "split", "sumsq", "reduce"))
-def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_splits=None,
-                   stages=None, num_programs=None, small_m=SMALL_M, acc="rescale", split=None,
-                   sumsq=None, reduce="partials"):
+                                             "num_programs", "small_m", "acc", "split", "sumsq", "reduce",
+                                             "embed_normed"))
+def fc_gemm_folded(embed, hidden, w_folded, *, eps, embed_normed=False, wg_m=None, tile_n=None,
+                   k_splits=None, stages=None, num_programs=None, small_m=SMALL_M, acc="rescale",
+                   split=None, sumsq=None, reduce="partials"):
     """The kernel path: ``fc_gemm`` given the folded weight ``fold_fc_weight(...)``.
 
     embed, hidden: [M, H]; w_folded: [H, 2H]; all three the same 16-bit dtype. The tile
@@ -722,6 +739,9 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     the row sum-of-squares kernel that runs before the large-M GEMM. ``reduce``: how the
     split-K path sums its splits (``_splitk``): ``"partials"`` in one XLA fusion after the
     kernel, or ``"cluster"`` inside it (GPU only; measured slower, see ``_splitk``).
+    ``embed_normed``: ``embed``'s rows are already RMS-normalised (``normed_embed_rows``; in the
+    model that happens inside the embedding gather, from a per-token table), so only the hidden
+    half's row norms are computed and the large-M pre-pass reads half the bytes.
     """
     _check_kernel_inputs(embed, hidden, w_folded, small_m)
     m, h = embed.shape
@@ -730,13 +750,14 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, wg_m=None, tile_n=None, k_sp
     if m <= small_m:
         tn, ks, st = _plan_small(m, h, num_sms(), tile_n, k_splits, stages)
         return _splitk(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st, eps=eps,
-                       reduce=reduce)
+                       reduce=reduce, embed_normed=embed_normed)
     wm, tn, st, npg, sm = _plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc,
                                       split)
     tc, sp, sst = _plan_sumsq(m, h, num_sms(), *(sumsq or ()))
     cta_m = _cta_shape(wm, tn, sm)[0]
     m_pad = -(-m // cta_m) * cta_m  # rows past M: TMA zero-fill, never stored
-    ss_parts = _row_sumsq(embed, hidden, m_pad=m_pad, tile_c=tc, splits=sp, stages=sst)
+    ss_parts = _row_sumsq(*(() if embed_normed else (embed,)), hidden, m_pad=m_pad, tile_c=tc, splits=sp,
+                          stages=sst)
     return _ws_gemm(embed, hidden, w_folded, ss_parts, wg_m=wm, tile_n=tn, stages=st,
                     num_programs=npg, acc=acc, split=sm, eps=eps)
 
@@ -761,7 +782,25 @@ def _kernel_wins(m: int, h: int) -> bool:
     return m >= 64 and h >= 2048
 
 
-def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=None):
+def embed_mean_squares(table):
+    """[V] f32: each embedding row's mean square, the statistic its RMSNorm needs.
+
+    An embed row's norm depends on its token alone, so the drafter takes it from this table
+    (made once, at load: ``mtp.mtp_head.quantize_head``) instead of a pass over the rows.
+    """
+    return jnp.mean(jnp.square(table.astype(jnp.float32)), axis=-1)
+
+
+def normed_embed_rows(embed, mean_square, eps):
+    """``embed`` rows times their RMSNorm scale ``rsqrt(mean_square + eps)``, in embed's dtype:
+    the input of ``fc_gemm_folded(embed_normed=True)``. Elementwise, so XLA fuses it into
+    whatever made the rows (the embedding gather)."""
+    scale = lax.rsqrt(mean_square.astype(jnp.float32) + eps)
+    return (embed.astype(jnp.float32) * scale[:, None]).astype(embed.dtype)
+
+
+def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=None,
+            embed_mean_square=None):
     """``concat(norm_e(embed), norm_h(hidden)) @ w.T`` -> [M, H] in embed's dtype.
 
     embed, hidden: [M, H]; norm_e_w, norm_h_w: [H] Qwen3-Next ``(1 + w)`` RMSNorm
@@ -773,8 +812,15 @@ def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=
     write of ``w``). ``"interpret"`` must be called eagerly, as interpret mode is
     switched on around this call's own lowering. Inputs the kernels cannot take
     (``kernel_unsupported``) go to the reference whatever ``impl`` says.
+    ``embed_mean_square``: [M] f32, each embed row's mean square known ahead (gathered from
+    ``embed_mean_squares`` of the embedding table): the kernel path then normalises the embed
+    rows elementwise, which in the model fuses into the embedding gather, and its large-M
+    pre-pass reads the hidden half alone. The reference computes every norm itself.
     """
     _check_inputs(embed, hidden, norm_e_w, norm_h_w, w)
+    if embed_mean_square is not None and embed_mean_square.shape != embed.shape[:1]:
+        raise ValueError(f"embed_mean_square must be [M={embed.shape[0]}] (one per embed row); "
+                         f"got {embed_mean_square.shape}")
     mode = resolve_impl(impl, op="fc_gemm")
     if mode == "pallas" and auto_decides(impl, "fc_gemm") and not _kernel_wins(embed.shape[0], embed.shape[1]):
         mode = "reference"
@@ -784,10 +830,14 @@ def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=
         return _reference_jit(embed, hidden, norm_e_w, norm_h_w, w, eps=eps)
     if w_folded is None:
         w_folded = fold_fc_weight(norm_e_w, norm_h_w, w)
+    normed = embed_mean_square is not None
+    if normed:
+        embed = normed_embed_rows(embed, embed_mean_square, eps)
     if mode == "interpret":
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            return fc_gemm_folded(embed, hidden, w_folded, eps=eps, acc="two")
-    return fc_gemm_folded(embed, hidden, w_folded, eps=eps, acc="two" if interpret_forced() else "rescale")
+            return fc_gemm_folded(embed, hidden, w_folded, eps=eps, embed_normed=normed, acc="two")
+    return fc_gemm_folded(embed, hidden, w_folded, eps=eps, embed_normed=normed,
+                          acc="two" if interpret_forced() else "rescale")
 
 
 _reference_jit = jax.jit(fc_gemm_reference, static_argnames=("eps", "impl"))
