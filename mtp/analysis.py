@@ -54,8 +54,8 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], sessions: Sequence,
     statistic is the ratio ``sum(num) / sum(den)`` over the turns (``den`` 1 each when not
     given: the mean), so that a rate pooled over verify steps, the acceptance length as the
     tables report it, is compared as pooled and not as a mean of per-turn rates (which
-    weighs a one-step turn like a hundred-step one). A turn with no verify step adds
-    nothing to either sum. The turns of one session are one conversation with one carried
+    weighs a one-step turn like a hundred-step one). Both sides pool the same turns: a turn
+    with no verify step on either side adds nothing to either sum. The turns of one session are one conversation with one carried
     drafter, not independent draws, so the interval resamples whole ``sessions`` with
     replacement, each with all its turns (a cluster bootstrap).
     """
@@ -71,7 +71,8 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], sessions: Sequence,
     if not defined.any():
         raise ValueError("paired bootstrap: no turn has both statistics defined")
     labels, cluster = np.unique(np.asarray(sessions, dtype=object).astype(str), return_inverse=True)
-    sums = np.stack([np.bincount(cluster, weights=x, minlength=len(labels)) for x in (a, a_den, b, b_den)])
+    sums = np.stack([np.bincount(cluster, weights=np.where(defined, x, 0.0), minlength=len(labels))
+                     for x in (a, a_den, b, b_den)])
     # How often each session is drawn when len(labels) are drawn with replacement, per resample.
     draws = np.random.default_rng(seed).multinomial(len(labels), np.full(len(labels), 1 / len(labels)), samples)
     with np.errstate(invalid="ignore", divide="ignore"):
