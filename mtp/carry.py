@@ -146,6 +146,13 @@ class CarriedDrafter:
         """
         return session_hash != 0 and self.session_hash == session_hash
 
+    def cut(self, rows: int, last_pair_key: int) -> "CarriedDrafter":
+        """This entry holding its first ``rows`` rows only, the newest of key ``last_pair_key``
+        (what `usable_by` keeps); itself when that is all it holds. The pages stay whole."""
+        if (rows, last_pair_key) == (self.rows, self.last_pair_key):
+            return self
+        return dataclasses.replace(self, rows=rows, last_pair_key=last_pair_key)
+
     def usable_by(self, prompt: Sequence[int], session_hash: int) -> tuple[int, int] | None:
         """The ``(rows, last_pair_key)`` that ``prompt`` may adopt, or ``None``.
 

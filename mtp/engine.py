@@ -646,11 +646,7 @@ class Engine:
     def _kept_part(lv: _Live) -> carry_lib.CarriedDrafter:
         """The entry ``lv`` adopted, cut to the rows it kept: all a turn that went no further can
         hand back, since its appends and drafts wrote from the kept rows on."""
-        rows, last_key = lv.drafter_rows
-        entry = lv.adopted
-        if rows == entry.rows:
-            return entry
-        return dataclasses.replace(entry, rows=rows, last_pair_key=last_key)
+        return lv.adopted.cut(*lv.drafter_rows)
 
     def precompile(self) -> None:
         """Compile a turn's setup, the prefill chunk and, speculative, every drafter-append width,
@@ -789,21 +785,23 @@ class Engine:
                     tail = lv.target_pages[valid // ps] if valid % ps else None
                     self.turn_ends.put(full[:valid], tail,
                                        Snapshot(valid, lin.conv, lin.recurrent, lv.session, lv.generation))
-            if entry is not None:
+            if self.carry_armed:  # the deposit replaces the previous entry, even with nothing to hold
                 if not self.multi_slot_carry:
                     for old in list(self.carried.values()):
                         self._drop_carry(old)
                 elif lv.session in self.carried:
                     self._drop_carry(self.carried[lv.session])
+            if entry is not None:
                 self.carried[lv.session] = entry
+                lv.drafter_pages = []  # the carry slot owns them now
                 while len(self.carried) > self.ecfg.carry_slots:
                     self._drop_carry(next(iter(self.carried.values())))
-                lv.drafter_pages = []  # the carry slot owns them now
         finally:
             self._release(lv)
 
-    def _carried_entry(self, lv: _Live, full: list[int]) -> carry_lib.CarriedDrafter:
-        """The slot's drafter as the entry ``full`` leaves, its keys cut at ``len(full) - 2``.
+    def _carried_entry(self, lv: _Live, full: list[int]) -> carry_lib.CarriedDrafter | None:
+        """The slot's drafter as the entry ``full`` leaves, its keys cut at ``len(full) - 2``;
+        None when no row survives the cut (nothing to hold: its pages go back at the turn's end).
 
         A turn cut short by its budget or by an EOS inside an accepted run of drafts
         holds rows for keys past the tokens it output (the drafts were verified, not
@@ -815,9 +813,7 @@ class Engine:
                                          last_pair_key=last if last >= 0 else None, tokens=tuple(full),
                                          session_hash=lv.session)
         kept = entry.usable_by(full, lv.session)
-        if kept is None or kept == (entry.rows, entry.last_pair_key):
-            return entry
-        return dataclasses.replace(entry, rows=kept[0], last_pair_key=kept[1])
+        return None if kept is None else entry.cut(*kept)
 
 
 # ------------------------------------------------------------------ sessions of turns

@@ -174,7 +174,7 @@ def test_session_zero_refuses_even_a_zero_stamped_entry():
 
 def test_usable_by_full_match_keeps_everything():
     toks = [11, 12, 13, 14, 15, 16, 17]
-    e = CarriedDrafter(block_table=(3, 4), rows=5, last_pair_key=5, tokens=toks, session_hash=0xABC)
+    e = carry.CarriedDrafter(block_table=(3, 4), rows=5, last_pair_key=5, tokens=toks, session_hash=0xABC)
     assert e.usable_by(toks + [99, 98], 0xABC) == (5, 5)
     # Diverging at index 4 keeps keys <= 2: three keys dropped off the top.
     assert e.usable_by(toks[:4] + [0, 0, 0, 0], 0xABC) == (2, 2)
@@ -639,3 +639,10 @@ def test_marconi_setter_rejects_bad_values(fresh_marconi):
         set_marconi_min_tokens(True)  # type: ignore[arg-type]
     assert set_marconi_min_tokens(128) is True
     assert marconi_min_tokens() == 128
+
+
+def test_cut_keeps_the_first_rows_and_the_pages():
+    e = carry.CarriedDrafter(block_table=(3, 4), rows=5, last_pair_key=7, tokens=tuple(range(10)), session_hash=9)
+    assert e.cut(5, 7) is e
+    kept = e.cut(*e.usable_by(list(range(6)) + [99], 9))  # keys 0..4 read tokens 0..5
+    assert (kept.rows, kept.last_pair_key, kept.block_table, kept.tokens) == (2, 4, e.block_table, e.tokens)

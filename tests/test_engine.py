@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -132,17 +133,22 @@ def _carried_keys(eng, entry):
 
 @pytest.mark.parametrize("verify_width, refeed, retokenize", [(5, False, 0), (5, True, 0), (3, False, 4), (5, True, 4)])
 def test_every_carried_row_holds_the_key_its_entry_says(verify_width, refeed, retokenize):
-    """After every turn the carried rows hold distinct pair keys in increasing order, computed
-    from the true hiddens, the newest being ``last_pair_key``, none past the entry's tokens (a
-    budget cuts off verified drafts); the next turn adopts every row, or, when its prompt
-    rewrote a token inside the previous output, exactly the rows before it."""
+    """After every turn the carried rows hold distinct pair keys in increasing order, the newest
+    being ``last_pair_key``, none past the entry's tokens (a budget cuts off verified drafts);
+    with refeed every row is computed from the target's true hiddens, without it the accepted
+    drafts after a step's first keep the rows the drafter's own hiddens wrote. The next turn
+    adopts every row, or, when its prompt rewrote a token inside the previous output, exactly
+    the rows before it."""
     cfg = tiny_config("tiny_dense")
     params = agreeing_params(cfg, 3, 0.01)
+    h = cfg.hidden_size  # the fc reads the hidden too, so a row's K tells which hidden wrote it
+    params["mtp"]["fc"]["weight"] = jnp.concatenate(
+        [jnp.eye(h), 0.1 * jax.random.normal(jax.random.key(5), (h, h))], axis=1)
     spec = SpecConfig(verify_width=verify_width, max_new_tokens=12, refeed_accepted=refeed)
     eng = Engine(cfg, params, EngineConfig(policy="carry", max_context=400, num_pages=200, drafter_pages=200,
                                            marconi_min_tokens=16), spec)
     prompts = IdPrompts(np.random.default_rng(0).integers(1, 97, 40).tolist(), retokenize=retokenize)
-    prev, dropped = None, 0
+    prev, dropped, off_target = None, 0, 0
     for (res,) in session_waves(eng, id_sessions(1, 6, seed=11, max_new=7), prompts):
         if prev is not None:
             assert res.stats.carry_outcome == "adopted"
@@ -152,10 +158,13 @@ def test_every_carried_row_holds_the_key_its_entry_says(verify_width, refeed, re
             dropped += prev.rows - res.stats.drafter_adopted
         entry = eng.carried[session_hash(res.request.session_id)]
         keys, err = _carried_keys(eng, entry)
-        assert err.max() < 1e-4, err
+        if refeed:
+            assert err.max() < 1e-4, err
+        off_target += int((err > 1e-4).sum())
         assert np.all(np.diff(keys) > 0) and keys[-1] == entry.last_pair_key <= len(entry.tokens) - 2
         prev = entry
     assert (dropped > 0) == bool(retokenize)
+    assert (off_target > 0) == (not refeed)  # without refeed some rows come from drafter hiddens
 
 
 @pytest.mark.parametrize("threshold", [0, 64, 128])
@@ -204,13 +213,19 @@ def test_small_pool_evicts_and_stays_lossless(model, workload, reference, monkey
     counting("turn_ends", TurnEndStore)
     # 13 usable pages, a few more than the longest sequence needs: both caches must give pages back
     eng = _engine(model, policy="carry", num_pages=14)
-    res = run_sessions(eng, sessions, prompts, on_turn=lambda *_: _held_pages_are_owned(eng))
+    carried = []
+
+    def check(*_):
+        _held_pages_are_owned(eng)
+        carried.append(len(eng.carried))
+
+    res = run_sessions(eng, sessions, prompts, on_turn=check)
     assert len(res) == 9
     for r in res:
         assert reference[(r.request.session_id, r.request.prompt)] == r.output
     assert evicted["prefix"] > 0 and evicted["turn_ends"] > 0, evicted  # pages freed by evictions
     _held_pages_are_owned(eng)
-    assert len(eng.prefix) > 0 and len(eng.carried) > 0  # the check above had owners to account for
+    assert len(eng.prefix) > 0 and max(carried) > 0  # the checks above had owners to account for
 
 
 def test_exhausted_pool_and_oversized_prompt_are_clear_errors(model):
@@ -537,4 +552,21 @@ def test_a_turn_whose_end_fails_leaks_nothing(model, monkeypatch):
     with pytest.raises(RuntimeError, match="snapshot"):
         eng.run_wave([TurnRequest("a", tuple(range(1, 21)), MAX_NEW)])
     assert not eng.carried
+    _held_pages_are_owned(eng)
+
+
+def test_a_turn_that_leaves_no_drafter_row_deposits_nothing_and_replaces_the_slot(model):
+    """A fresh session that restores the shared preamble's snapshot gets no drafter prefill, so
+    a turn of it that ends at its first token leaves no row: nothing is carried (its pages go
+    back), and the single slot's previous entry, another session's, is replaced all the same
+    (the deposit replaces it, as in the reference)."""
+    preamble = np.random.default_rng(3).integers(1, 97, 100).tolist()
+    eng = _engine(model, policy="carry")
+    eng.run_wave([TurnRequest("a", tuple(preamble + [5, 6, 7]), MAX_NEW)])
+    (entry,) = eng.carried.values()
+    assert entry.rows > 0
+    (empty,) = eng.run_wave([TurnRequest("b", tuple(preamble + [8, 9]), 1)])
+    assert empty.stats.path == "restore" and empty.stats.drafter_prefilled == 0 and len(empty.output) == 1
+    assert eng.carried == {}
+    assert eng.dpages.num_free == eng.dpages.num_pages - 1
     _held_pages_are_owned(eng)
