@@ -25,8 +25,8 @@ import shlex
 
 from absl import app, flags, logging
 
-from experiments.ab_runs import VARIANTS, define_variant_flags, output_dir, round_order, run_in_tree, variant_trees
-from experiments.results_io import write_atomic
+from experiments.ab_runs import (VARIANTS, define_variant_flags, output_dir, round_order, run_in_tree, variant_trees,
+                                 variants_header, write_report)
 
 FLAGS = flags.FLAGS
 define_variant_flags()
@@ -81,8 +81,8 @@ def main(argv):
     del argv
     trees, envs = variant_trees(FLAGS.old_tree, FLAGS.new_tree, FLAGS.old_env, FLAGS.new_env, SCRIPT)
     out = output_dir(FLAGS.out_dir)
-    header = (f"old: {trees['old']} {envs['old'] or ''}; new: {trees['new']} {envs['new'] or ''}; "
-              f"`carry_ablation {FLAGS.ablation_args}`, {FLAGS.rounds} rounds, the first variant alternating")
+    header = variants_header(trees, envs, f"`carry_ablation {FLAGS.ablation_args}`, {FLAGS.rounds} rounds, "
+                                          "the first variant alternating")
     runs = []
     for rnd in range(1, FLAGS.rounds + 1):
         for variant in round_order(rnd):
@@ -96,9 +96,7 @@ def main(argv):
             # A run that was not lossless exits non-zero after writing its results: they are kept, and flagged.
             summary = run_summary(json.loads(results.read_text())) if results.exists() else None
             runs.append({"variant": variant, "round": rnd, "rc": rc, "summary": summary})
-            write_atomic(out / "ab.json", json.dumps({"trees": {k: str(v) for k, v in trees.items()}, "envs": envs,
-                                                      "ablation_args": FLAGS.ablation_args, "runs": runs}, indent=1))
-            write_atomic(out / "ab.md", markdown(runs, header))
+            write_report(out, trees, envs, markdown(runs, header), ablation_args=FLAGS.ablation_args, runs=runs)
     print((out / "ab.md").read_text())
 
 

@@ -2,7 +2,8 @@ r"""Two variants of the decode benchmark, interleaved in one run: how this proje
 
 The lent GPUs are shared and their speed drifts from one minute to the next, so a number
 from another run is no baseline. A variant is a source tree and an environment;
-``bench_decode.py`` runs for each variant in turn, ``old, new, old, new, ...``, and the table
+``bench_decode.py`` runs for each variant in turn, the first alternating by round (``old, new, new,
+old, ...``: `ab_runs.round_order`), and the table
 compares the means of the rounds. Two uses, on the GPU machine from the repository root:
 
     # one kernel off and on, in this tree
@@ -28,8 +29,8 @@ import statistics
 
 from absl import app, flags, logging
 
-from experiments.ab_runs import VARIANTS, define_variant_flags, output_dir, round_order, run_in_tree, variant_trees
-from experiments.results_io import write_atomic
+from experiments.ab_runs import (VARIANTS, define_variant_flags, output_dir, round_order, run_in_tree, variant_trees,
+                                 variants_header, write_report)
 
 FLAGS = flags.FLAGS
 define_variant_flags()
@@ -114,11 +115,8 @@ def main(argv):
                          FLAGS.bench_script, FLAGS.timeout)
         runs.append({"variant": variant, "round": rnd, "bench": FLAGS.bench[i], "rows": rows})
         entries = summarize(runs)
-        header = (f"old: {trees['old']} {envs['old'] or ''}; new: {trees['new']} {envs['new'] or ''}; "
-                  f"{FLAGS.rounds} rounds, interleaved")
-        write_atomic(out / "ab.json", json.dumps({"trees": {k: str(v) for k, v in trees.items()},
-                                                  "envs": envs, "runs": runs, "table": entries}, indent=1))
-        write_atomic(out / "ab.md", markdown(entries, header))
+        header = variants_header(trees, envs, f"{FLAGS.rounds} rounds, interleaved")
+        write_report(out, trees, envs, markdown(entries, header), runs=runs, table=entries)
     print((out / "ab.md").read_text())
 
 

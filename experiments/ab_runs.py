@@ -16,6 +16,8 @@ import sys
 
 from absl import app, flags, logging
 
+from experiments.results_io import write_atomic, write_json
+
 VARIANTS = ("old", "new")
 
 
@@ -30,6 +32,18 @@ def output_dir(path: str) -> pathlib.Path:
     out = pathlib.Path(path).resolve()
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def variants_header(trees: dict, envs: dict, what: str) -> str:
+    """The first line of an A/B table: each variant's tree and environment, then what ran."""
+    return f"old: {trees['old']} {envs['old'] or ''}; new: {trees['new']} {envs['new'] or ''}; {what}"
+
+
+def write_report(out: pathlib.Path, trees: dict, envs: dict, markdown: str, **fields) -> None:
+    """``ab.json`` (the variants and ``fields``, strict JSON) and ``ab.md`` under ``out``, each replaced
+    whole: the runners rewrite both after every run, so a call cut off keeps what it measured."""
+    write_json(out / "ab.json", {"trees": {k: str(v) for k, v in trees.items()}, "envs": envs, **fields})
+    write_atomic(out / "ab.md", markdown)
 
 
 def define_variant_flags():

@@ -20,8 +20,12 @@ def write_atomic(path: pathlib.Path | str, text: str) -> None:
     """Replace ``path`` whole: a run killed mid-write keeps the previous complete file."""
     path = pathlib.Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no half-written file left beside the whole one
+        raise
 
 
 def _strict(x):

@@ -20,7 +20,10 @@ def test_a_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     path = tmp_path / "results.md"
     path.write_text("complete")
 
+    real = pathlib.Path.write_text
+
     def cut(self, text):
+        real(self, text[:2])  # half the text reaches the disk
         raise OSError("disk full")
 
     monkeypatch.setattr(pathlib.Path, "write_text", cut)
@@ -28,6 +31,7 @@ def test_a_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
         write_atomic(path, "half")
     monkeypatch.undo()
     assert path.read_text() == "complete"
+    assert [p.name for p in tmp_path.iterdir()] == ["results.md"]  # and no half-written file beside it
 
 
 def test_json_is_strict(tmp_path):
