@@ -692,7 +692,9 @@ class Engine:
         consumed a carried entry when another runs dry; a turn that had started hands
         the entry it adopted back, cut to the rows it kept (`_abandon`). What a
         reservation freed for good stays freed: a refused carry entry (a retry would
-        refuse it again), and cache or carry entries evicted to make room.
+        refuse it again), and cache or carry entries evicted to make room. A turn that fails
+        at its end, after its decode, releases its pages, the adopted rows among them: its
+        session's next turn starts without a carry (`_finish_turn`).
         """
         with sharding.on_mesh(self.mesh):
             return self._run_wave(requests)
