@@ -54,9 +54,9 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], sessions: Sequence,
     statistic is the ratio ``sum(num) / sum(den)`` over the turns (``den`` 1 each when not
     given: the mean), so that a rate pooled over verify steps, the acceptance length as the
     tables report it, is compared as pooled and not as a mean of per-turn rates (which
-    weighs a one-step turn like a hundred-step one). Both sides pool the same turns: a turn
-    with no verify step on either side adds nothing to either sum. The turns of one session are one conversation with one carried
-    drafter, not independent draws, so the interval resamples whole ``sessions`` with
+    weighs a one-step turn like a hundred-step one). Both sides pool the same turns: one
+    without a verify step on either side adds to neither sum. The turns of one session are
+    one conversation with one carried drafter, not independent draws, so the interval resamples whole ``sessions`` with
     replacement, each with all its turns (a cluster bootstrap).
     """
     a, b = np.asarray(a, float), np.asarray(b, float)
