@@ -156,7 +156,7 @@ def bench_fc(m, h, reps, variants=None):
     weight with the embed rows already normalised (for M <= SMALL_M the split-K kernel and one
     XLA fusion that sums its splits; above, the hidden rows' sum-of-squares kernel and the GEMM).
     The model normalises its embed rows inside the embedding gather, from the per-token table
-    ``embed_mean_squares``, so here they are made beforehand and not counted, as the XLA dot's
+    ``row_mean_squares``, so here they are made beforehand and not counted, as the XLA dot's
     normalised input is not; variant ``embed_raw`` is the form before that (both halves' norms
     in the pre-pass).
     "XLA dot" is ``jnp.dot`` alone on an input already normalised and concatenated;
@@ -175,7 +175,7 @@ def bench_fc(m, h, reps, variants=None):
         ne = (0.1 * jax.random.normal(kk[2], (h,))).astype(jnp.bfloat16)
         nh = (0.1 * jax.random.normal(kk[3], (h,))).astype(jnp.bfloat16)
         w = (jax.random.normal(kk[4], (h, 2 * h)) / math.sqrt(2 * h)).astype(jnp.bfloat16)
-        e_n = fcmod.normed_embed_rows(e, fcmod.embed_mean_squares(e), 1e-6)
+        e_n = fcmod.normed_embed_rows(e, fcmod.row_mean_squares(e), 1e-6)
         sets.append((e, hd, ne, nh, w, fcmod.fold_fc_weight(ne, nh, w), e_n))
     eps = 1e-6
     flops = 2.0 * m * (2 * h) * h

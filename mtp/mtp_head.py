@@ -25,7 +25,7 @@ from mtp.model.layers import attention_kv, attention_out, attention_qkv, causal_
 from mtp.model.params import Params
 from mtp.model.target import decoder_layer, embed, lm_head, paged_attention_mixer
 from mtp.pallas.backend import resolve_impl
-from mtp.pallas.fc_gemm import embed_mean_squares, fc_gemm, fold_fc_weight
+from mtp.pallas.fc_gemm import fc_gemm, fold_fc_weight, row_mean_squares
 
 PREFILL_CHUNK = 512  # drafter-prefill rows per call, as in the reference system
 APPEND_BUCKETS = (64, 128, 256, PREFILL_CHUNK)  # widths of a last, partial chunk (one compile each)
@@ -78,7 +78,7 @@ def quantize_head(params: Params, mtp_quant: str, *, fold_fc: bool | None = None
         m = params["mtp"]
         folded = fold_fc_weight(m["pre_fc_norm_embedding"]["weight"], m["pre_fc_norm_hidden"]["weight"],
                                 m["fc"]["weight"])
-        ms = embed_mean_squares(params["model"]["embed_tokens"]["weight"])
+        ms = row_mean_squares(params["model"]["embed_tokens"]["weight"])
         return {**params, "mtp": {**m, "fc": {**m["fc"], "weight_folded": folded, "embed_mean_square": ms}}}
     head = quant.quantize_params({"mtp": params["mtp"]}, mtp_quant,
                                  lambda name: quant.is_projection_weight(name) and not name.endswith("mlp.gate.weight"))

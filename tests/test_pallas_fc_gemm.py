@@ -189,7 +189,7 @@ def test_embed_normed_kernels_scale_only_the_hidden_half(m, h, kw):
     assert _rel_err(out, want) < 1e-2
     # The same function as the raw form on rows that are normalised (up to their bf16 rounding).
     args = (e, hd, ne, nh, w)
-    ms = fcmod.embed_mean_squares(e)
+    ms = fcmod.row_mean_squares(e)
     _check_against_reference(_kernel((fcmod.normed_embed_rows(e, ms, 1e-6), hd, ne, nh, w),
                                      embed_normed=True, **kw), args)
 
@@ -200,7 +200,7 @@ def test_fc_gemm_takes_the_embed_norms_from_their_mean_squares(m):
     reference's answer; a wrong mean square changes the kernel path's output (it is used)
     and not the reference's (it recomputes every norm)."""
     args = _inputs(m + 3, m, 128)
-    ms = fcmod.embed_mean_squares(args[0])
+    ms = fcmod.row_mean_squares(args[0])
     out = fc_gemm(*args, eps=1e-6, impl="interpret", embed_mean_square=ms)
     _check_against_reference(out, args)
     wrong = fc_gemm(*args, eps=1e-6, impl="interpret", embed_mean_square=4.0 * ms)

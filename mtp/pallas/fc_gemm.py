@@ -21,7 +21,7 @@ read, so the rows' sums of squares come from a small memory-bound kernel that ru
 first (``_row_sumsq``: it reads embed and hidden once, ``4 M H`` bytes, at ~4 TB/s where
 XLA's reduction ran at 1.75; the GEMM takes the rsqrt itself). An embed row's norm depends
 on its token alone, so the model passes each row's mean square from a per-token table made
-at load (``embed_mean_squares``) and normalises the embed rows where the embedding gather
+at load (``row_mean_squares``) and normalises the embed rows where the embedding gather
 makes them: then ``r_e = 1`` and the pre-pass reads the hidden rows alone (``2 M H`` bytes;
 at M = 2048, H = 2048 that pass was 6.0 of the op's 50.5 us, the whole gap to XLA's bare
 dot; results/kernels_h200.md, run 31). Every way of summing the
@@ -87,9 +87,18 @@ SPLITK_MAX_M = 256  # the most rows the split-K kernel can hold (64-row blocks i
 _SMEM_LIMIT = 232_448 - 2048  # bytes per block, less headroom for Mosaic's own scratch
 
 
+def row_mean_squares(x):
+    """Each row's mean square in f32, the statistic its RMSNorm needs.
+
+    Of the embedding table it is a per-token table: an embed row's norm depends on its token
+    alone, so the drafter gathers it (made once, at load: ``mtp.mtp_head.quantize_head``)
+    instead of a pass over the rows.
+    """
+    return jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1)
+
+
 def _rms_scale(x, eps):
-    xf = x.astype(jnp.float32)
-    return lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
+    return lax.rsqrt(row_mean_squares(x) + eps)
 
 
 def _scale_of(sum_sq, h: int, eps):
@@ -782,15 +791,6 @@ def _kernel_wins(m: int, h: int) -> bool:
     return m >= 64 and h >= 2048
 
 
-def embed_mean_squares(table):
-    """[V] f32: each embedding row's mean square, the statistic its RMSNorm needs.
-
-    An embed row's norm depends on its token alone, so the drafter takes it from this table
-    (made once, at load: ``mtp.mtp_head.quantize_head``) instead of a pass over the rows.
-    """
-    return jnp.mean(jnp.square(table.astype(jnp.float32)), axis=-1)
-
-
 def normed_embed_rows(embed, mean_square, eps):
     """``embed`` rows times their RMSNorm scale ``rsqrt(mean_square + eps)``, in embed's dtype:
     the input of ``fc_gemm_folded(embed_normed=True)``. Elementwise, so XLA fuses it into
@@ -813,7 +813,7 @@ def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=
     switched on around this call's own lowering. Inputs the kernels cannot take
     (``kernel_unsupported``) go to the reference whatever ``impl`` says.
     ``embed_mean_square``: [M] f32, each embed row's mean square known ahead (gathered from
-    ``embed_mean_squares`` of the embedding table): the kernel path then normalises the embed
+    ``row_mean_squares`` of the embedding table): the kernel path then normalises the embed
     rows elementwise, which in the model fuses into the embedding gather, and its large-M
     pre-pass reads the hidden half alone. The reference computes every norm itself.
     """
