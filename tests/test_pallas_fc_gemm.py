@@ -171,10 +171,10 @@ def test_row_sumsq_kernel(m, h, splits, tile_c, inputs):
     assert (parts[:, :, m:] == 0).all()
 
 
-@pytest.mark.parametrize("m,h,kw", [
-    (5, 256, dict(k_splits=4)),                      # the split-K stream
-    (200, 256, dict(num_programs=2, stages=3)),      # the warp-specialised GEMM, its pre-pass on hidden alone
-])
+# The warp-specialised GEMM's normalised-embed form runs in `tests/test_bench_kernels.py` (M = 200, a
+# fresh interpreter process): interpreted here after this file's other kernels it deadlocked twice
+# in the interpreter's threads (2026-12-01, 2-core CPU), so this file keeps to the split-K stream.
+@pytest.mark.parametrize("m,h,kw", [(5, 256, dict(k_splits=4)), (40, 128, dict(tile_n=32, k_splits=2, stages=2))])
 def test_embed_normed_kernels_scale_only_the_hidden_half(m, h, kw):
     """``embed_normed=True``: the embed half is taken as it comes (no row scale at all), the
     hidden half normalised. Checked on embed rows that are *not* normalised (3x and 0.5x),
@@ -194,7 +194,7 @@ def test_embed_normed_kernels_scale_only_the_hidden_half(m, h, kw):
                                      embed_normed=True, **kw), args)
 
 
-@pytest.mark.parametrize("m", [6, 136])
+@pytest.mark.parametrize("m", [6, 72])
 def test_fc_gemm_takes_the_embed_norms_from_their_mean_squares(m):
     """The public op given each embed row's mean square (the model's per-token table): the
     reference's answer; a wrong mean square changes the kernel path's output (it is used)
