@@ -53,7 +53,7 @@ _TOLERANCE = flags.DEFINE_float("tolerance", 1e-4, "Max abs logits error vs fp64
                                  lower_bound=0.0)
 _FP32_FACTOR = flags.DEFINE_float("fp32_factor", 4.0, "Also pass within this multiple of transformers' "
                                   "own fp32 error vs fp64 (fp32 rounding is the floor).", lower_bound=0.0)
-_OUT = flags.DEFINE_string("out", "results/hf_parity.md", "Markdown report (relative to the repo root).")
+_OUT = flags.DEFINE_string("out", "results/parity/hf_parity.md", "Markdown report (relative to the repo root).")
 # Worker-only.
 _CKPT = flags.DEFINE_string("ckpt", None, "(hf role) checkpoint directory.")
 _TOKENS = flags.DEFINE_string("tokens", None, "(hf role) .npy of int32 tokens [B, T].")

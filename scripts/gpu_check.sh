@@ -59,7 +59,7 @@ if want tp && (( ngpu >= 2 )); then
     summary+=("  $(decode_row "$OUT/tp$tp" 2>/dev/null)")
   done
   # The kernels under the mesh, in bf16 (the kernels' dtype). bf16 tensor parallelism may flip a
-  # near-tied token against one GPU (results/sharding.md), so read the counts, not the exit status.
+  # near-tied token against one GPU (results/sharding/sharding.md), so read the counts, not the exit status.
   run tp2_kernels $PY -m experiments.sharded_generate --tp 2 --kernels auto --out "$OUT/tp2_kernels.json"
   summary+=("  $($PY -c "import json; d=json.load(open('$OUT/tp2_kernels.json')); print({k: v['sequences_identical'] for k, v in d['runs'].items()}, 'of', d['num_prompts'], 'sequences identical to one GPU')" 2>/dev/null)")
 fi

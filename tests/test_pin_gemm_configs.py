@@ -1,6 +1,6 @@
 """Reading and rewriting XLA's autotuning text protos (`experiments/pin_gemm_configs.py`), on real H200 dumps.
 
-The files are the autotuner's log and picks for the decode step's FFN (results/kernels_h200.md, run 18).
+The files are the autotuner's log and picks for the decode step's FFN (results/kernels/kernels_h200.md, the section of 2026-11-29 23:32 UTC).
 """
 
 import os
@@ -9,7 +9,7 @@ import pytest
 
 from experiments.pin_gemm_configs import backend_version, blocks, config_summary, field, gemm_candidates, pin
 
-RESULTS = os.path.join(os.path.dirname(__file__), os.pardir, "results")
+RESULTS = os.path.join(os.path.dirname(__file__), os.pardir, "results", "kernels")
 LOG = open(os.path.join(RESULTS, "kernels_h200_run18_autotune_logs.txt")).read()
 PICKS = open(os.path.join(RESULTS, "kernels_h200_run18_autotune_results_2344.txt")).read()
 GATE_UP, DOWN = "f4211ec72f9e548273dc59b5d7216fd8", "54b9135d4a75aad24831ada612d561a8"
