@@ -162,9 +162,9 @@ class TurnStarts:
     Every prefill chunk writes its slot's row in place (donated), so a chunk's outputs keep
     their device buffers from call to call. On the H200 a chunk's dispatch took 1.06-1.08
     ms with the previous call's fresh outputs still held against 0.70 ms when they reused
-    their buffers, synced totals equal (session 21). XLA's command-buffer log (session 22,
-    results/engine_h200.md §5) shows the served flow re-recording the chunk's CUDA graphs at
-    every call even so (~1.1 ms of host time); process-wide graph-update flags (BUILD.md) cut
+    their buffers, synced totals equal (2026-12-01). XLA's command-buffer log (2026-12-01,
+    results/engine/engine_h200.md §5) shows the served flow re-recording the chunk's CUDA graphs at
+    every call even so (~1.1 ms of host time); process-wide graph-update flags (docs/gpu.md) cut
     that to ~0.3 ms.
     """
 

@@ -51,7 +51,7 @@ class SpecConfig:
     # algorithm by shape, so a row's bf16 result can depend on how many rows share
     # the call; with ``plain_width = verify_width`` the plain loop runs the verify's
     # shapes (one real token, the rest discarded), which makes its tokens bitwise
-    # comparable with speculative decoding on a GPU (results/decode_h200.md).
+    # comparable with speculative decoding on a GPU (results/decode/decode_h200.md).
     plain_width: int = 1
 
     def __post_init__(self):

@@ -21,13 +21,13 @@ from mtp.pallas.backend import (merge_projections, pad_small_gemms, small_gemms_
 
 # Plain decode at batch 1 multiplies one row by each weight: a weight stream. On the
 # H200 (jax 0.11.2) XLA's GPU GEMM streams a large weight much slower for one row than
-# for two (results/kernels_h200.md, "small-row GEMMs": [5632, 2048] at 1.8 TB/s for
+# for two (results/kernels/kernels_h200.md, "small-row GEMMs": [5632, 2048] at 1.8 TB/s for
 # one row, 3.5 for two; [8192, 2048] 2.3 vs 4.3), so `dense` gives such a product a
 # second, zero row there. Padding further (to 4 or 8 rows) measured slower than 2, and
 # weights of at most 2048 x 4096 elements measured no gain (or a loss): they keep
 # their shape. A model whose weights pad carries its whole one-row residual stream
 # padded instead (`stream_rows`, chosen in `mtp.model.target`), so that the pad is one
-# kernel per step rather than one per GEMM (results/decode_h200.md, session 7).
+# kernel per step rather than one per GEMM (results/decode/decode_h200.md, 2026-11-29).
 PAD_ROWS = 2
 PAD_MIN_WEIGHT = 2048 * 4096
 
@@ -37,7 +37,7 @@ def pads_weight(size: int) -> bool:
     return size > PAD_MIN_WEIGHT
 
 
-# Where `linear` writes a product as a reduction: what session 14 measured faster (the default
+# Where `linear` writes a product as a reduction: what measured faster on the H200 (2026-11-30; the default
 # model's verify at batch 1, K = 2..4, every weight <= 0.6M elements). At 8 rows and more the
 # reduction, which reads the weight once per row, lost by far (up to 32 rows: batch 8's plain
 # loop 0.73x, its K = 2 speculative loop 0.55x). The 1.38B model's verify compiles to the same
@@ -55,7 +55,7 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     shardings were measured with GEMMs): XLA then emits one reduction kernel, as it does
     for a one-row product, instead of a Triton GEMM, and fuses its elementwise neighbours
     into it. The default model's speculative loop at batch 1 ran 1.11x faster at K = 2
-    (results/decode_h200.md, session 14).
+    (results/decode/decode_h200.md, 2026-11-30, few-row products as reductions).
     """
     rows = math.prod(x.shape[:-1])
     if (1 < rows <= REDUCE_MAX_ROWS and w.size <= REDUCE_MAX_WEIGHT and small_gemms_as_reduce()

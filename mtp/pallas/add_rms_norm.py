@@ -3,7 +3,7 @@
 A decoder layer adds its token mixer's output to the residual stream and normalizes the sum
 for its FFN. XLA runs the two as separate kernels: its Triton normalization fusion has one
 output, and the sum is needed again for the next residual add. A decode step of a few rows
-is mostly such small kernels (results/decode_h200.md), so here one program per row writes
+is mostly such small kernels (results/decode/decode_h200.md), so here one program per row writes
 both: 16 launches fewer per step of the 1.38B model.
 
 A row whose width is not a power of two (the shipped default model's 384) is read as
@@ -92,8 +92,8 @@ def kernel_pays(y) -> bool:
 def num_warps(h: int) -> int:
     """Warps per row: 8 for the 1.38B model's 2048-wide rows, where the kernel took 1.73 µs
     against 2.30 at 4 warps (and XLA's add + norm 2.85) on the H200, one row padded to two
-    (results/decode_h200.md, session 16; 2 warps 2.08, 16 warps 1.79). Narrower rows (the
-    default model's 384) keep the 4 they were measured with (session 11)."""
+    (results/decode/decode_h200.md, 2026-11-30; 2 warps 2.08, 16 warps 1.79). Narrower rows (the
+    default model's 384) keep the 4 they were measured with."""
     return 8 if h >= 2048 else 4
 
 

@@ -10,9 +10,9 @@ place, normalises and rotates them, and stores q (and copies its output gate out
 attention's merge kernel), or writes k and v into their page slot over the old cache
 (aliased), so nothing else runs and nothing is copied. Counted: the
 1.38B step's loop body goes from 208 to 183 launches at batch 1, the default model's plain
-loop from 105 to 96 (results/decode_h200.md, session 10).
+loop from 105 to 96 (results/decode/decode_h200.md, 2026-11-30).
 
-Timed off and on, interleaved twice, on the H200 (session 11): the 1.38B step's kernel time
+Timed off and on, interleaved twice, on the H200 (2026-11-30): the 1.38B step's kernel time
 1.01-1.04x less at batch 1 and 1.01-1.02x at batch 8 (wall 1.00x and 1.02x), the default
 model's loops 1.02x (speculative) and within noise (plain); ``auto`` takes it on a GPU.
 Pallas' Triton lowering, as `mtp.pallas.conv_step`: per-row norms, rotations and stores, no matmul.

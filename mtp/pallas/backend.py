@@ -25,8 +25,9 @@ ENV_VAR = "MTP_KERNELS"
 # measured faster inside the model on a GPU, or measured faster only in some programs. Each
 # entry says why it is here; scripts/gpu_check.sh times every one off and on.
 OPT_IN = {
-    # Session 12 (results/decode_h200.md): the default model's loops 1.045x (plain) and 1.006x
-    # (speculative K = 2) at batch 1, but the 1.38B decode step 0.96-0.98x (batch 1) and 0.94x (batch 8).
+    # Measured on the H200 (results/decode/decode_h200.md, 2026-11-30): the default model's loops
+    # 1.045x (plain) and 1.006x (speculative K = 2) at batch 1, but the 1.38B decode step
+    # 0.96-0.98x (batch 1) and 0.94x (batch 8).
     "paged_attention_triton": "faster only in the small default model's loops",
 }
 
@@ -255,7 +256,7 @@ def decode_loop_compiler_options() -> dict[str, str]:
     iteration: a host round trip per verify step. With WHILE and CONDITIONAL command
     buffers XLA can record the loop as a graph with device-side conditional nodes, and CONCURRENT
     scheduling lets independent kernels of an iteration overlap. Side by side on the
-    H200 (results/decode_h200.md, session 4) this sped the default model's batch-1
+    H200 (results/decode/decode_h200.md, 2026-11-29) this sped the default model's batch-1
     decode loop up by about a fifth. These are GPU fields of XLA's DebugOptions; other
     backends ignore them. ``MTP_DECODE_LOOP_GRAPH=0`` keeps XLA's defaults, ``while`` takes
     the loop graphs with XLA's default scheduling; the variable is read when

@@ -4,7 +4,7 @@ A decode step runs a layer's depthwise conv over ``[conv state (K - 1 inputs), t
 input]`` and shifts the new input into the state. XLA makes that two kernels per layer (the
 conv with its SiLU, and the shifted state), and because the shifted state reads the loop
 carry at other positions than it writes, a device memcpy of it into the carry on top: 36
-launches per step of the 1.38B model at batch 1 (results/decode_h200.md, session 7's
+launches per step of the 1.38B model at batch 1 (results/decode/decode_h200.md, 2026-11-29
 count). Here one program per ``(sequence, key head, q/k/v block)`` reads its channels of
 the ``in_proj_qkvz`` output in place, its state rows and its conv taps, writes the conv
 output, and writes the shifted state over the old one (aliased: each program reads its
@@ -16,9 +16,9 @@ the per-token states), and the speculative loop's commit, which XLA fused with t
 states and so read the old state, copied every layer's conv state into the carry per step
 (`experiments/count_kernels.py --count speculative_loop`).
 
-On the H200 (session 10, results/decode_h200.md) the decode form makes the 1.38B decode step
+On the H200 (2026-11-30, results/decode/decode_h200.md) the decode form makes the 1.38B decode step
 1.02x faster at batch 1 and 1.05x at batch 8 (interleaved twice against the reference), so
-``auto`` takes it on a GPU. Session 7 had measured a related form, the shift inside the fused
+``auto`` takes it on a GPU. A related form measured before it (2026-11-29), the shift inside the fused
 delta-rule kernel with the conv left to XLA: 1.0% faster at batch 1 but 3.2% slower at batch 8.
 
 Pallas' Triton lowering, like `mtp.pallas.gdn_step`: elementwise work along the channels

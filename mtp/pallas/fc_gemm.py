@@ -24,11 +24,11 @@ on its token alone, so the model passes each row's mean square from a per-token 
 at load (``row_mean_squares``) and normalises the embed rows where the embedding gather
 makes them: then ``r_e = 1`` and the pre-pass reads the hidden rows alone (``2 M H`` bytes;
 at M = 2048, H = 2048 that pass was 6.0 of the op's 50.5 us, the whole gap to XLA's bare
-dot; results/kernels_h200.md, run 31). Every way of summing the
-squares inside the GEMM measured slower than this pre-pass (results/kernels_h200.md): by
-the consumers from the A tiles in shared memory (runs 9 and 27), by the producer (run 29),
-by a fourth warpgroup or from the registers of an RS wgmma (run 30). A fourth warpgroup
-that only synchronised cost nothing; the summing's loads and arithmetic slow the wgmmas.
+dot; results/kernels/kernels_h200.md, 2026-11-30). Every way of summing the
+squares inside the GEMM measured slower than this pre-pass (results/kernels/kernels_h200.md): by
+the consumers from the A tiles in shared memory (2.4x slower; 0.71x), by the producer (0.43-0.46x),
+by a fourth warpgroup or from the registers of an RS wgmma (0.70-0.75x; docs/tried_and_rejected.md).
+A fourth warpgroup that only synchronised cost nothing; the summing's loads and arithmetic slow the wgmmas.
 
 Rounding moves. Hugging Face rounds the normalised input ``x * r * (1 + w_n)`` to bf16
 and multiplies by ``W``; here ``W * (1 + w_n)`` is rounded to bf16 instead and ``x`` is
@@ -52,11 +52,11 @@ Two kernels (Mosaic GPU, Hopper):
   each, both reading the whole B tile: one 64x256 wgmma reads less shared memory than
   two 64x128 halves of a 128x128 one); side by side (128x128 each) measured 0.3-0.5%
   slower at all four benchmark shapes, 128-wide k steps (2 stages) 1.35-1.59x slower
-  (results/kernels_h200.md, run 31).
+  (results/kernels/kernels_h200.md, 2026-11-30).
   Pallas' GPU interpreter cannot store to an accumulator, so in interpret mode (CPU
   tests) the consumers instead keep two f32 accumulators (embed half, hidden half) for a
   64x128 tile each (``acc="two"``, 128x128 CTA tiles; same producer and stage ring);
-  on the H200 that form measured 13% slower (results/kernels_h200.md, run 3).
+  on the H200 that form measured 13% slower (results/kernels/kernels_h200.md, 2026-11-29).
 * M <= 128 (batched propose, a carry's short tail append: a weight stream): M sits in one
   64- or 128-row tile (rows past M are TMA zero-fill, never materialised) and the 2H reduction is split across
   programs (split-K, each split inside one half) so that >= ~128 programs stream
@@ -67,7 +67,7 @@ Two kernels (Mosaic GPU, Hopper):
   inside the kernel, in a thread-block cluster, is built (``reduce="cluster"``) but
   measured slower (see ``_splitk``). At 128 rows it was 1.04-1.35x faster alone than the
   GEMM's plan (32-64 tiles of 128 x 64 for 132 SMs) and than XLA's norm + concat + dot; at
-  192-256 rows (64-column tiles, 3-5 stages) it lost to both (results/kernels_h200.md, run 33).
+  192-256 rows (64-column tiles, 3-5 stages) it lost to both (results/kernels/kernels_h200.md, 2026-11-30).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mtp.pallas.backend import auto_decides, interpret_forced, num_sms, resolve_impl, swizzle_transforms
 
-SMALL_M = 128  # by default at most this many rows take the split-K weight-streaming kernel (run 33)
+SMALL_M = 128  # by default at most this many rows take the split-K weight-streaming kernel (module docstring)
 SPLITK_MAX_M = 256  # the most rows the split-K kernel can hold (64-row blocks in one warpgroup)
 _SMEM_LIMIT = 232_448 - 2048  # bytes per block, less headroom for Mosaic's own scratch
 
@@ -207,7 +207,7 @@ def _plan_small(m: int, h: int, num_sms: int, tile_n=None, k_splits=None, stages
 
     By default ~one wave of 128-column tiles with 6 stages. One measured bucket differs:
     at H >= 4096 and 1 < M <= 16, 256-column tiles over 8 splits with 3 stages
-    (results/kernels_h200.md, runs 24-25, L2 cold, M = 8: 1.00-1.02x XLA's norm + concat +
+    (results/kernels/kernels_h200.md, 2026-11-30, L2 cold, M = 8: 1.00-1.02x XLA's norm + concat +
     dot against 0.93-0.95x with the default plan; at M = 1 and 32 the default is faster).
     Above 64 rows the program's row tile grows in 64-row blocks, so the columns narrow to
     keep its f32 accumulator at 128 x 128 (128 registers a thread) and the ring shrinks to
@@ -288,7 +288,7 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, embed_
     stores the bf16 result, so the op is one kernel. On the H200 that measured 2.5x
     slower than the partials form (17.5 vs 7.1 us at M = 8, H = 2048): launching the
     grid as clusters alone cost ~3.5 us, the barrier 1.5 and the remote reads 7
-    (results/kernels_h200.md, run 11). ``embed_normed``: the embed rows arrive normalised
+    (results/kernels/kernels_h200.md, 2026-11-29). ``embed_normed``: the embed rows arrive normalised
     (``r_e = 1``; their shares are summed all the same, at no measurable cost). Returns [M, H].
     """
     m, h = embed.shape
@@ -433,9 +433,9 @@ def _plan_sumsq(m: int, h: int, num_sms: int, tile_c=None, splits=None, stages=N
 
     Splits add programs where M is short, but each split is one more partial the GEMM
     loads per tile: 8 or 16 splits measured 3-6% slower end to end than 4 at M = 2048,
-    H = 2048 (results/kernels_h200.md, run 9; equal in run 32). A drafter-prefill chunk of
-    512-1024 rows has only 8-16 row blocks: 8 splits of 128 columns were 0.7-2% faster
-    there than 4 of 256 (run 32).
+    H = 2048 (results/kernels/kernels_h200.md, 2026-11-29; equal when re-timed on 2026-11-30).
+    A drafter-prefill chunk of 512-1024 rows has only 8-16 row blocks: 8 splits of 128
+    columns were 0.7-2% faster there than 4 of 256 (2026-11-30).
     """
     row_blocks = -(-m // SUMSQ_ROWS)
     few_rows = row_blocks <= 16 and splits is None
@@ -464,7 +464,7 @@ def _row_sumsq(*inputs, m_pad, tile_c, splits, stages):
     columns of every input and stream them through a TMA pipeline; rows past M are
     zero-fill (sum 0) up to ``m_pad``, a multiple of 64. The GEMM sums the splits and takes
     the rsqrt itself, so nothing runs between the two kernels. XLA's own reduction of the same sums measured
-    1.75 TB/s on the H200 (results/kernels_h200.md, run 9).
+    1.75 TB/s on the H200 (results/kernels/kernels_h200.md, 2026-11-29).
     """
     m, h = inputs[0].shape
     n = len(inputs)
@@ -543,7 +543,7 @@ def _plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=Non
     cta_m, cta_n = _cta_shape(wg_m, tile_n, split)
     m_tiles = -(-m // cta_m)
     # A drafter-prefill chunk (512-1024 rows) has too few 256-wide tiles to fill the chip:
-    # narrower ones, with deeper rings, until there are about as many tiles as SMs (run 32:
+    # narrower ones, with deeper rings, until there are about as many tiles as SMs (measured 2026-11-30:
     # at 64 columns 8 stages beat 6 and 4; at 128, 6 and 4 were within 3% either way).
     while h % cta_n or (auto_n and tile_n > 64 and m_tiles * (h // cta_n) < 0.9 * num_sms):
         tile_n //= 2
@@ -741,7 +741,7 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, embed_normed=False, wg_m=Non
     arguments override the plan (benchmarks, tests); M <= ``small_m`` takes the
     split-K stream, larger M the warp-specialised GEMM, by default with one rescaled
     accumulator per consumer (``acc="rescale"``: 128x256 CTA tiles, measured 13-15%
-    faster than ``acc="two"`` on the H200, results/kernels_h200.md run 3). Pallas' GPU
+    faster than ``acc="two"`` on the H200, results/kernels/kernels_h200.md, 2026-11-29). Pallas' GPU
     interpreter cannot store to an accumulator, so interpret mode needs ``acc="two"``
     (``fc_gemm(impl="interpret")`` passes it). ``split``: how the two consumer warpgroups
     share a CTA tile (``_plan_large``). ``sumsq``: ``(tile_c, splits, stages)`` of
@@ -772,18 +772,18 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, embed_normed=False, wg_m=Non
 
 
 def _kernel_wins(m: int, h: int) -> bool:
-    """Where ``auto`` (``impl`` and ``MTP_KERNELS``) takes the kernel on a GPU (results/kernels_h200.md).
+    """Where ``auto`` (``impl`` and ``MTP_KERNELS``) takes the kernel on a GPU (results/kernels/).
 
     What decides is the fc op where the model runs it, a drafter append
     (``append_rows`` of the 1.38B-shaped model, CUPTI kernel time of the whole call, L2
     evicted): with the kernel it ran 1.08-1.46x faster at every bucket and batch measured,
-    64-512 rows a sequence at batch 1, 2 and 4, M = 64..2048 (run 33, call 5; 512 rows at
-    batch 1-4 1.08-1.15x in run 32 too). The op alone is not always faster there: against XLA's norm
-    + concat + dot it is 1.03-1.35x at M = 64-128 (split-K) and from M = 512 (runs 9-12,
-    23-24, 31-32), but 0.88-0.94x at M = 256 (run 33), where the append still ran 1.39-1.41x
-    faster: XLA's fc costs more inside the append than alone. At M <= 32 the op alone is
-    1.13-1.25x (runs 23-25) but in the 1.38B model's propose step the kernel was not faster
-    (session 11: 0.302 vs 0.297 ms per draft; results/decode_h200.md), so the propose step
+    64-512 rows a sequence at batch 1, 2 and 4, M = 64..2048 (2026-11-30 20:55-21:47 UTC;
+    512 rows at batch 1-4 1.08-1.15x earlier that day too). The op alone is not always faster
+    there: against XLA's norm + concat + dot it is 1.03-1.35x at M = 64-128 (split-K) and from
+    M = 512 (2026-11-29 and 2026-11-30), but 0.88-0.94x at M = 256 (2026-11-30), where the
+    append still ran 1.39-1.41x faster: XLA's fc costs more inside the append than alone. At M <= 32 the op alone is
+    1.13-1.25x (2026-11-30, L2 cold) but in the 1.38B model's propose step the kernel was not faster
+    (0.302 vs 0.297 ms per draft, 2026-11-30; results/decode/decode_h200.md), so the propose step
     keeps the reference. Every measurement was at H = 2048 or 4096; a narrower model (the
     shipped default, H = 384) keeps the reference, unmeasured. Above ``small_m`` rows the
     kernel needs M to be a multiple of 8 (``kernel_unsupported``; appends are multiples of 64).

@@ -3,7 +3,7 @@
 At batch 1 the step's arithmetic is tiny, but XLA spreads it over ~10 kernels per
 layer (two l2norms, the gates, three delta-rule fusions, the gated RMSNorm's reduce
 and scale), each a few microseconds of launch and tail: together about as long as
-streaming the layer's weights (results/decode_h200.md). Here one program per
+streaming the layer's weights (results/decode/decode_h200.md). Here one program per
 ``(sequence, value head)`` does all of it on its ``[Dk, Dv]`` state in registers:
 
     q, k = l2norm(q) * Dk^-1/2, l2norm(k);  beta = sigmoid(b);  g = -exp(A_log) softplus(a + dt_bias)
@@ -15,7 +15,7 @@ leaves SMs idle (batch 1), a head's value columns are split over several program
 (``default_chunks``) and the norm, which needs the whole row, runs after them. A verify of T <= 8 tokens
 per sequence is one call too: each program keeps its state in registers across the T tokens
 and writes the state after every one (verify keeps the accepted one), where XLA ran the
-step token by token (results/decode_h200.md, session 8: 363 -> 232 kernels at K = 4).
+step token by token (results/decode/decode_h200.md, 2026-11-29: 363 -> 232 kernels at K = 4).
 
 Why Pallas' Triton lowering and not Mosaic GPU (the project's default, since Triton's
 Pallas backend is deprecated): the step is two mat-vec reductions over the state's
@@ -182,7 +182,7 @@ def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref
 def default_num_warps(programs: int) -> int:
     """Warps per program (one value head's 128 x 128 state), by how many programs the step has.
 
-    Measured on the H200 (results/kernels_h200.md, run 15; ``bench_kernels --only gdn
+    Measured on the H200 (results/kernels/kernels_h200.md, 2026-11-29; ``bench_kernels --only gdn
     --gdn_warps 4,8,16``): a grid that fits on the SMs at once (batch 1: 32 programs) is
     latency-bound and best at 8 (5.1 vs 5.3 µs at 4); a larger one runs more programs per
     SM at 4 (batch 8: 9.3 vs 11.0 µs at 8).
@@ -198,12 +198,12 @@ def default_chunks(heads: int, d: int) -> int:
     update independently, so such a step splits them over up to 8 programs (one warp each,
     at least 16 columns), about two programs per SM. The gated norm, which needs a token's
     whole row, then runs after the kernel as one XLA fusion from the kernel's per-chunk sums
-    of squares. Measured on the H200 (results/decode_h200.md, session 16), the 1.38B model's
+    of squares. Measured on the H200 (results/decode/decode_h200.md, 2026-11-30), the 1.38B model's
     layer at batch 1: 2.9 µs in 8 chunks of one warp against 6.3 µs whole in the same probe
     (which adds a small convert of its inputs; in the model 3.4 µs plus 1.2 for the norm's
     fusion, against 5.5: the loop 1.010x, the default model's speculative loop 1.042x); at
-    batch 8 (256 heads) 7.7 µs in 4 chunks against 10.2 whole (9.3 in run 15 of
-    results/kernels_h200.md), which the extra fusion would mostly eat, so larger grids stay whole.
+    batch 8 (256 heads) 7.7 µs in 4 chunks against 10.2 whole (9.3 in the 2026-11-29 timing of
+    results/kernels/kernels_h200.md), which the extra fusion would mostly eat, so larger grids stay whole.
     """
     if heads > num_sms():
         return 1
@@ -295,10 +295,10 @@ def gdn_steps(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_he
     """``gdn_steps_reference``'s signature and results; ``impl`` picks the path (``backend``).
 
     Inputs the kernel cannot take (``kernel_unsupported``) go to the reference. ``auto``
-    takes the kernel on a GPU since session 6: reading ``in_proj_qkvz``'s padded GEMM
+    takes the kernel on a GPU: reading ``in_proj_qkvz``'s padded GEMM
     output in place (no device memcpy of a slice of it per layer) made a batch-1 decode
     step of the 1.38B model 1.290 vs 1.336 ms and a batch-8 step 1.678 vs 1.805 ms, side
-    by side on the H200 (results/decode_h200.md, session 6). Before that the kernel cut
+    by side on the H200 (results/decode/decode_h200.md, 2026-11-29). Before that the kernel cut
     kernel time but not the step. ``MTP_KERNELS=gdn_step=reference`` turns it off.
     Traced under a mesh that splits ``backend.TENSOR_AXIS`` over the key heads, the
     kernel runs per shard on each device's key-head groups (a step never mixes heads);

@@ -127,7 +127,7 @@ def _choose_block_kv(d: int, page: int, block: int | None = None) -> int:
 def _choose_splits(b: int, hkv: int, max_tiles: int, num_sms: int) -> int:
     """As many splits as fill the multiprocessors in one wave (one program fits per SM).
 
-    Measured on the H200 (results/kernels_h200.md): at B=8, 8k, (16, 2, 256) a split
+    Measured on the H200 (results/kernels/kernels_h200.md): at B=8, 8k, (16, 2, 256) a split
     count giving 2.06 waves ran at 2.4 TB/s, the rest of the last wave idling.
     """
     return max(1, min(num_sms // (b * hkv), max_tiles))
@@ -348,12 +348,12 @@ def paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, *, scale=
                            splits=None, interpret=False):
     """The paged attention of `paged_attention`, lowered through Triton: one page per loop step.
 
-    Why a second form, measured in the model against the Mosaic kernel (results/decode_h200.md,
-    session 12): it is faster at small shapes (the default model's plain loop 1.045x; the
+    Why a second form, measured in the model against the Mosaic kernel (results/decode/decode_h200.md,
+    2026-11-30): it is faster at small shapes (the default model's plain loop 1.045x; the
     1.38B model's 4 calls at batch 1 22.9 vs 24.6 µs) and 1.47x slower at batch 8 with
     (16, 2, 256) heads, hence opt-in. (It was built because deviceless compiles showed the
     Mosaic calls outside XLA's CUDA graphs; with the target's CUDA driver stated, both forms
-    are recorded into them, session 12.) The work is split as in the Mosaic
+    are recorded into them, 2026-11-30.) The work is split as in the Mosaic
     kernel: programs ``(B, Hkv, splits)``, each over a contiguous run of pages with an
     online softmax, the ``Q * G`` query rows of a KV head stacked as the rows of one dot
     (padded to a power of two >= 16), and the same partials merged by ``merge_splits``.
@@ -455,8 +455,8 @@ def merge_splits(o_part, lse_part, q, gate, *, interpret=False):
     """`merge_splits_reference` as one kernel, for both forms of the paged attention.
 
     XLA ran the merge as three kernels (the splits' maximum, the weighted sum, the gate
-    and the layout), ~4.5 µs a layer at batch 1 on the H200 (results/decode_h200.md,
-    session 16), where their data is a few KB. Here one program per (sequence, KV head,
+    and the layout), ~4.5 µs a layer at batch 1 on the H200 (results/decode/decode_h200.md,
+    2026-11-30), where their data is a few KB. Here one program per (sequence, KV head,
     query row, 64 columns) walks the splits with a running maximum (the online form of the
     reference's two passes; one rounding apart), applies the gate and writes its row in the
     ``[B, Q, Hq, D]`` layout. Pallas' Triton lowering: every load a power of two, which a
