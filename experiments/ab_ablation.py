@@ -5,10 +5,10 @@ Each round runs ``python -m experiments.carry_ablation`` once per variant as its
 (old first in odd rounds, new first in even ones), and the table lists, run by run, the paired differences each process measured
 between its policies (``carry - blind`` and the others: within one process, turn by turn) and
 the policies' warm TTFT p50. Absolute TTFTs move ~20% between processes of one tree on the H200
-(results/engine_h200.md section 4), so the paired differences are what two variants are compared
+(results/engine/engine_h200.md section 4), so the paired differences are what two variants are compared
 by. On the GPU machine, from the repository root:
 
-    # XLA's graph-update flags off and on (results/engine_h200.md section 5)
+    # XLA's graph-update flags off and on (results/engine/engine_h200.md section 5)
     PYTHONPATH=.:runs/pylib python3 experiments/ab_ablation.py --rounds 2 \
         --new_env "XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_temp_buffer_use_separate_color=true"
     # this tree against an older revision (unpacked first: git archive REV mtp experiments configs)

@@ -1,6 +1,6 @@
 r"""Two variants of the decode benchmark, interleaved in one run: how this project states a speed-up.
 
-The lent GPUs are shared and their speed drifts from one minute to the next, so a number
+Shared GPUs drift in speed from one minute to the next, so a number
 from another run is no baseline. A variant is a source tree and an environment;
 ``bench_decode.py`` runs for each variant in turn, the first alternating by round (``old, new, new,
 old, ...``: `ab_runs.round_order`), and the table

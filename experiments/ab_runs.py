@@ -1,7 +1,7 @@
 """What the interleaved A/B runners share (`ab_decode`, `ab_ablation`): two variants, each a source
 tree and an environment, run one after the other in every round as separate processes.
 
-The lent GPUs are shared and drift from one minute to the next, and absolute times move ~20%
+Shared GPUs drift from one minute to the next, and absolute times move ~20%
 between processes of one tree, so a number from another run is no baseline: the variants alternate
 inside one call (``old, new, new, old, old, new, ...``: neither always runs first, so a machine that
 warms up or drifts over the call does not favour one side), and a claim compares them round by round.
@@ -95,7 +95,7 @@ def run_in_tree(tree: pathlib.Path, env: dict[str, str], argv: list[str], log_pa
 
     ``tree`` heads the child's path, so its ``mtp`` and ``experiments`` are the ones imported;
     the caller's ``PYTHONPATH`` follows, made absolute (pure-Python packages carried beside the
-    code, such as ``runs/pylib`` on the lent GPU machine, stay importable from another tree).
+    code, on a machine that cannot install them, stay importable from another tree).
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     inherited = [str(pathlib.Path(e).resolve()) for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]

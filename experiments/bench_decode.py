@@ -68,7 +68,8 @@ flags.DEFINE_integer("loop_tokens", 64, "Part A: new tokens per sequence of the 
 flags.DEFINE_bool("loop_profile", False, "Part A: also profile the plain greedy loop's kernels with CUPTI, per "
                   "token (grouped by model source with --decode_only).")
 flags.DEFINE_integer("tp", 1, "Part A: tensor-parallel devices (mtp.sharding). With tp > 1 the step runs the "
-                     "XLA references (timed that way in session 6, before the kernels ran per shard).", lower_bound=1)
+                     "XLA references (timed that way on 2026-11-29, before the kernels ran per shard).",
+                     lower_bound=1)
 flags.DEFINE_bool("decode_only", False, "Part A: time the plain decode step only (e.g. to compare XLA_FLAGS).")
 
 class Report:
@@ -110,8 +111,8 @@ def _per_step_slope(calls, reps, warmup=1):
 
     A call also costs something once: the host's dispatch and sync and, on a GPU, XLA's update of
     the call's CUDA graphs for its buffers, which move between calls (they are donated). For
-    the 1.38B step that was ~1.7 ms a call, 0.1 ms a step of a 16-step call (results/decode_h200.md,
-    session 17). The slope between the two calls' medians, timed interleaved, drops it: what a
+    the 1.38B step that was ~1.7 ms a call, 0.1 ms a step of a 16-step call (results/decode/decode_h200.md,
+    2026-11-30). The slope between the two calls' medians, timed interleaved, drops it: what a
     step costs inside a loop that runs on, as a decode does.
     """
     for call in calls.values():
@@ -226,9 +227,9 @@ def _kernel_profile(fn, args, steps, top=8, by_source=False):
     Their sum against the in-loop step time tells launch gaps from slow kernels. Profiling
     the timed program itself matters: a single step that is not donated copies the whole
     state, and those copies show up as kernels or not depending on whether XLA recorded
-    them into a CUDA graph (session 12). With ``by_source`` the kernels are also grouped by
-    the model source line (and output shape) they come from: where a step's time goes, in
-    the model's own terms. The profile says why it is missing where CUPTI is unavailable
+    them into a CUDA graph (results/decode/decode_h200.md, 2026-11-30). With ``by_source``
+    the kernels are also grouped by the model source line (and output shape) they come
+    from: where a step's time goes, in the model's own terms. The profile says why it is missing where CUPTI is unavailable
     (a CPU run).
     """
     # The call may donate its inputs: keep their shapes to lower the program again afterwards.

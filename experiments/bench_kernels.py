@@ -3,7 +3,7 @@
 Each kernel is first compared with its pure-JAX reference on the GPU (relative
 error), then timed. Timing is device time from CUPTI (the sum of the kernels one
 call launches), median over many calls, each after a read that evicts the 50 MB L2
-(`experiments.cupti`: since session 10; earlier runs timed inputs under 50 MB warm);
+(`experiments.cupti`; without it, inputs under 50 MB were timed warm, up to 20% fast);
 if CUPTI is unavailable, the mean of a back-to-back loop of calls is used, rotating
 among input sets whose total exceeds the L2, and the table says so.
 
@@ -22,7 +22,7 @@ model's projection shapes, as is and with the rows zero-padded: the measurement
 behind ``mtp.model.layers.dense``'s one-row padding. ``--only merged`` times one input against
 the projections the step merges (separate dots, concatenated in the trace, one weight), and
 ``--only ffn_chain`` the step's FFN alone (`experiments.gemm_probe`), per kernel: what the
-decode step's GEMMs cost outside the step (results/kernels_h200.md, runs 17-18);
+decode step's GEMMs cost outside the step (results/kernels/kernels_h200.md, 2026-11-29);
 ``--only gemm_context`` the FFN's gate + up GEMM alone, after its norm, before its SiLU
 product, with the down GEMM after or beside it, and in the FFN layer (which neighbour makes it
 slower than alone).
@@ -200,7 +200,8 @@ def bench_fc(m, h, reps, variants=None):
                      .astype(jnp.bfloat16))
     t_ours, method = _time(ours, our_sets, reps)
     t_dot, _ = _time(dot_fn, xs, reps)
-    # XLA's autotuner picks the dot's tiles per compile (kernels_h200.md, runs 18 and 31).
+    # XLA's autotuner picks the dot's tiles per compile (results/kernels/kernels_h200.md,
+    # 2026-11-29 and 2026-11-30).
     res["xla_dot_config"] = re.findall(r'"triton_gemm_config":\{[^}]*\}|custom_call_target="__cublas[\w$]*"',
                                        dot_fn.lower(*xs[0]).compile().as_text())
     t_ref, _ = _time(ref_fn, ref_sets, reps)
@@ -378,9 +379,9 @@ def bench_merged(m, family, reps):
 def bench_ffn_chain(reps, num_layers=16, m=2):
     """The decode step's FFNs alone (``ffn_program``), back to back, against one FFN alone.
 
-    Session 9 found XLA's few-row GEMMs 20-40% slower per call inside the decode step than
-    timed alone; session 10 traced that to the alone timings' warm L2 (results/kernels_h200.md,
-    runs 20-23). The per-kernel CUPTI times compare one FFN with a chain of them, under three
+    XLA's few-row GEMMs measured 20-40% slower per call inside the decode step than timed
+    alone (2026-11-29), which came from the alone timings' warm L2 (results/kernels/kernels_h200.md,
+    2026-11-30). The per-kernel CUPTI times compare one FFN with a chain of them, under three
     of XLA's command-buffer settings.
     """
     from mtp.pallas.backend import decode_loop_compiler_options

@@ -11,11 +11,11 @@ decide as they would on the H200.
 
 What is compiled is `experiments/bench_decode.py` part A's step (``chained_verify_step``)
 on its 1.38B Qwen3-Next-shaped model. Checked against the H200's own CUPTI counts
-(results/decode_h200_session5.json, _session6.json): 356 kernels at batch 1 with XLA's Gated
-DeltaNet step (``MTP_KERNELS=gdn_step=reference``; the default until session 6), 308 and then
+(results/decode/decode_h200_session5.json, _session6.json, 2026-11-29): 356 kernels at batch 1 with XLA's Gated
+DeltaNet step (``MTP_KERNELS=gdn_step=reference``; the default before the kernel), 308 and then
 284 with the fused step kernel (before and after it read z, b, a in place; the default now),
-255 with the one-row residual stream padded once (session 7), 235 with merged projections and
-219 with the residual add + norm kernel (session 8), all exact. Two limits: XLA cannot autotune
+255 with the one-row residual stream padded once, 235 with merged projections and
+219 with the residual add + norm kernel, all exact. Two limits: XLA cannot autotune
 without a device, so GEMM tile choices (and where they add split-K reductions) may differ
 from the GPU's; and Mosaic GPU kernels are lowered here but assembled only on the device.
 
@@ -75,8 +75,8 @@ device_description_str: "NVIDIA H200"
 
 # The versions matter: XLA's command-buffer pass drops custom calls, WHILE and CONDITIONAL from
 # CUDA graphs where the driver or runtime is older than CUDA 12.3, and a target without them
-# reads as such. Before session 12 this target had none, and every count showed the Mosaic GPU
-# calls (and each decode loop's while) outside the graphs; the lent H200's driver (580) is CUDA 13.0.
+# reads as such. Without them every count showed the Mosaic GPU calls (and each decode
+# loop's while) outside the graphs; the H200 the counts were checked on has driver 580, CUDA 13.0.
 flags.DEFINE_enum("count", "step", ["step", "greedy_loop", "speculative_loop"],
                   "step: part A's step on the 1.38B model; greedy_loop / speculative_loop: the decode loops "
                   "of `mtp.speculative` (their while body: one iteration) on --loop_model.")
@@ -143,7 +143,7 @@ def hlo_copies(text: str, while_body: bool = False) -> collections.Counter:
     ``text``: the optimized HLO dump (``*after_optimizations.txt``); its entry computation,
     or with ``while_body`` the body of the entry's first while loop. Each copy is a device
     memcpy, which inside a CUDA graph can cost several µs however small
-    (results/decode_h200.md, session 6), so the source says what to change.
+    (results/decode/decode_h200.md, 2026-11-29), so the source says what to change.
     """
     computations, name, entry = {}, None, None
     for line in text.splitlines():

@@ -2,8 +2,8 @@
 
 JAX's ``mosaic.gpu.profiler.measure`` runs an untimed call with the same arguments right
 before the timed one, so whatever of the inputs fits in L2 (50 MB on an H200) is read from
-L2, not from memory, however many input sets a benchmark rotates through. Session 10 found
-what that does (results/kernels_h200.md, runs 20-23): the decode step's gate + up GEMM, a 46 MB
+L2, not from memory, however many input sets a benchmark rotates through. Measured on
+2026-11-30 (results/kernels/kernels_h200.md): the decode step's gate + up GEMM, a 46 MB
 weight, timed 11.0 µs as a program of its own but 13.1 µs in any program that also read a
 second weight, and 13.5-14.0 µs in every program with the L2 cold. Here the call before the
 timed one reads a buffer five times the L2 instead, so the timed call finds none of its
@@ -59,7 +59,7 @@ def start() -> None:
 
     CUPTI records the kernels of a CUDA graph only if it was switched on before the graph
     was instantiated: a decode loop first run before any CUPTI session profiles as (nearly)
-    empty, its kernels missing (results/decode_h200.md, session 17). Raises as
+    empty, its kernels missing (results/decode/decode_h200.md, 2026-11-30). Raises as
     `kernel_timings` does where CUPTI is unavailable.
     """
     kernel_timings(jax.jit(lambda x: x + 1), (jnp.ones((8,), jnp.float32),))

@@ -66,10 +66,10 @@ def gate_up_contexts(num_layers=16, m=2, hidden=2048, inter=5632):
     beside a down GEMM or a reduction that does not depend on it, twice over two layers'
     weights, and in the whole FFN layer; each rotates through ``num_layers`` weights. The
     GEMM's fusion is the same HLO in every program, so one process autotunes it once and every
-    program runs the same config. Run 18 (results/kernels_h200.md) found the GEMM 13.2 µs in
-    the FFN and 11.1 µs alone; these programs showed that any second weight read in the program
+    program runs the same config. Measured on 2026-11-29 (results/kernels/kernels_h200.md),
+    the GEMM took 13.2 µs in the FFN and 11.1 µs alone; these programs showed that any second weight read in the program
     makes the difference, and with the L2 cold before each call (`experiments.cupti`) every
-    program takes 13.5-14.0 µs (runs 20-23).
+    program takes 13.5-14.0 µs (2026-11-30).
     """
     chain, x, ws = ffn_program(num_layers, m, hidden, inter)
     reps = -(-inter // hidden)

@@ -114,7 +114,7 @@ def run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs: dict, 
     but not their buffers, so on a GPU the first call of a program after another
     engine's finds every cache address moved and XLA re-records its CUDA graphs; per
     session, a one-slot engine's warm turns never follow another engine's (on the H200
-    this changed no paired difference: results/engine_h200.md section 5).
+    this changed no paired difference: results/engine/engine_h200.md section 5).
     """
     if stint not in STINTS:
         raise ValueError(f"stint={stint!r}: give 'wave' or 'session'")

@@ -3,7 +3,7 @@ r"""Pins a program's GEMM configs to the candidates that run fastest in it, not 
 XLA's GEMM autotuner times each fusion's candidate configs on buffers of its own, and its
 timings do not separate the decode step's few-row GEMMs: the same HLO gets different
 configs from one compile to the next, and the pick can run 20% slower in the program than
-another candidate (results/kernels_h200.md, run 18). This tool measures the candidates
+another candidate (results/kernels/kernels_h200.md, 2026-11-29). This tool measures the candidates
 where they run:
 
 1. compile the program once, dumping the autotuner's log (every candidate it timed, per

@@ -1,6 +1,6 @@
 """How the experiment scripts write what they measured: whole files, strict JSON.
 
-A benchmark on a lent machine can be cut off at any moment (a time limit, a lost lease), and most
+A benchmark on a shared machine can be cut off at any moment (a time limit, a lost lease), and most
 scripts rewrite their results after every measurement, so a file is only ever replaced whole. The
 JSON is strict (an undefined rate, NaN, is written as ``null``) so that tools other than Python's
 ``json`` read it. This module imports nothing heavy: the A/B runners use it without JAX.

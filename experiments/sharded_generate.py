@@ -4,7 +4,7 @@ r"""Generate on a device mesh and compare with the single-device run, token for 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m experiments.sharded_generate \
         --tp 2 --out /tmp/sharding_cpu.json
     # two or four GPUs of one host:
-    python -m experiments.sharded_generate --tp 2 --out results/sharding_h200_tp2.json
+    python -m experiments.sharded_generate --tp 2 --out results/sharding/h200_bfloat16_tp2.json
 
 The checkpoint is loaded twice: whole onto the first device (`load_pretrained`) and
 straight into its shards (`mtp.sharding.load_sharded`). Prompts are the first user
@@ -64,11 +64,11 @@ flags.DEFINE_enum("matmul_precision", "highest", ["default", "highest"],
                   "that should agree.")
 flags.DEFINE_enum("kernels", "reference", ["auto", "reference", "pallas", "interpret"],
                   "Kernel backend. Under the mesh the kernels run per shard (a shard_map over the heads). "
-                  "Run with --tp 2 --kernels auto in bf16 on two H200s (session 6, "
+                  "Run with --tp 2 --kernels auto in bf16 on two H200s (2026-11-29, "
                   "results/sharding/h200_bfloat16_tp2_kernels.json): the verify step's only collectives "
                   "were its 17 all-reduces, and 3 / 8 greedy and 5 / 8 speculative sequences matched one "
                   "GPU, the bf16 rounding of the reference run (5 / 8 each), not a kernel defect. The "
-                  "default, the references, matched one GPU 8 / 8 in float32 (see results/sharding.md).")
+                  "default, the references, matched one GPU 8 / 8 in float32 (see results/sharding/sharding.md).")
 
 
 def session_prompts(path: str, tok: Tokenizer, n: int, max_tokens: int) -> list[list[int]]:
