@@ -3,10 +3,10 @@
 # tests), `ab` (each kernel that `auto` leaves on its reference, `backend.OPT_IN`, off and on,
 # interleaved twice by `experiments/ab_decode.py`: in the decode step, 1.38B model, part A, and in the
 # real decode loops, the default model, part B: plain and speculative K = 2, batch 1) and `tp` (tensor
-# parallelism, when the machine has two GPUs). (The loops' CUDA-graph options, measured in sessions
-# 4-5: `MTP_DECODE_LOOP_GRAPH=0` turns them off.) Each part writes under $OUT/<part>/; a summary table
-# ends the output. On one H200 the tests took 7 minutes (session 17) and the A/B about 5, more than one
-# 10-minute device call, so run them as two (nothing installed there, from the repository root):
+# parallelism, when the machine has two GPUs). (The loops' CUDA-graph options, measured on 2026-11-29
+# (docs/gpu.md): `MTP_DECODE_LOOP_GRAPH=0` turns them off.) Each part writes under $OUT/<part>/; a summary table
+# ends the output. On one H200 the tests took 7 minutes (2026-11-30) and the A/B about 5; where a
+# call is time-limited, run them as two (from the repository root, with the project importable):
 #
 #     PYTHONPATH=. PARTS=tests bash scripts/gpu_check.sh
 #     PYTHONPATH=. PARTS=ab,tp bash scripts/gpu_check.sh
