@@ -1,0 +1,340 @@
+"""The routed-expert FFN as a grouped GEMM in Pallas Mosaic GPU (Hopper: TMA + wgmma).
+
+``routed_experts_mosaic`` computes what the reference ``routed_experts`` defines,
+
+    out[n] = sum_j w[n, j] * rnd(down_e @ rnd(rnd(silu(rnd(gate_e @ x_n))) * rnd(up_e @ x_n))),
+    e = expert_ids[n, j],
+
+(``rnd``: a rounding to ``x``'s dtype; f32 accumulation; f32 out), reading each selected
+expert's weights once per 64 rows routed to it and no other expert's weights.
+
+How it computes it: three steps, the middle two Mosaic GPU kernels.
+
+1. The row plan (XLA, ``plan_rows``): the ``P = N k`` (token, slot) pairs are sorted by
+   expert and laid out in *blocks* of ``block_rows`` rows, each expert's rows starting a
+   new block (vLLM's ``moe_align_block_size`` layout): block ``b`` belongs to one expert
+   ``block_expert[b]``, pair ``(n, j)`` sits at row ``pos[n, j]``. The number of blocks is
+   bounded statically by ``min(E, P) + P // block_rows`` (a sum of ceilings); blocks past
+   the used ones carry the sentinel expert ``E`` and do nothing. ``x`` is gathered into
+   that layout (padding rows repeat token 0: computed, never read).
+2. ``gate_up`` (grid: output-column tiles x blocks): a program streams its expert's
+   ``gate`` and ``up`` rows for ``tile_i`` columns through a ``stages``-deep TMA ring
+   together with the block's ``x`` rows, two wgmmas per k step (one in flight), and
+   applies the activation in its epilogue: ``h = rnd(rnd(silu(rnd(g))) * rnd(u))``
+   into ``h [rows, I]``. No ``[rows, 2I]`` intermediate, no second pass.
+3. ``down`` (same grid over ``tile_h`` columns): ``y = rnd(h_block @ down_e.T)`` into
+   ``y [rows, H]``.
+4. The combine (XLA): ``out[n] = sum_j w[n, j] * y[pos[n, j]]`` in f32, a gather of the
+   ``P`` used rows.
+
+The column axis is the grid's first (CUDA's fastest) axis, so the programs that share a
+block's ``x`` rows run side by side and read them from L2, each streaming a disjoint
+slice of the expert's weights. Every program of a block reads its expert's weights for
+its columns exactly once: an expert with ``c`` rows is streamed ``ceil(c / block_rows)``
+times, once at decode (a few rows an expert), once or twice at a prefill chunk of 2048
+tokens of Qwen3-Next (~40 rows an expert on average).
+
+Why this form. At decode and verify (``P`` = 10-320 pairs) the op is a weight stream:
+Qwen3-Next's 6.3 MB an expert over 4 TB/s; wgmma's 64-row tile wastes tensor work on
+rows that are not there, but at 64 rows a k step's wgmma (64 x 64 x 64) runs ~4x faster than
+its weight tile arrives at an SM's share of the bandwidth, so it hides behind the
+stream. At a 2048-token chunk the op is still bound by bytes at Qwen3-Next's shape
+(every expert is touched: 3.2 GB, 0.8 ms at 4 TB/s, while its FLOPs take 0.2 ms at the
+bf16 peak), so the same kernels serve there, with the blocks' padding (~1.9x the rows)
+costing tensor work, not bytes.
+
+Tuning is explicit: ``GroupedGemmConfig`` (rows per block, column tiles, k tile, ring
+depth) with ``default_config`` the heuristic; ``routed_experts_mosaic(config=...)`` takes
+any other. Inputs the kernels cannot take are named by ``unsupported``; the api sends
+those to the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from mtp.pallas.backend import swizzle_transforms
+
+_SMEM_LIMIT = 232_448 - 4096  # bytes per block, less headroom for barriers and Mosaic's scratch
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmConfig:
+    """Tiles of the two kernels (static: one compile per config).
+
+    block_rows: rows of a block (one warpgroup's wgmma M: 64, or 128 as two 64-row halves).
+    tile_i: ``gate`` and ``up`` output columns a ``gate_up`` program owns (each; a multiple of 8).
+    tile_h: ``down`` output columns a ``down`` program owns.
+    tile_k: the reduction step of both kernels (64: one 128-byte swizzled bf16 row).
+    stages: the TMA ring depth (lowered to what shared memory holds).
+    """
+
+    block_rows: int = 64
+    tile_i: int = 64
+    tile_h: int = 128
+    tile_k: int = 64
+    stages: int = 4
+
+    def __post_init__(self):
+        if self.block_rows not in (64, 128):
+            raise ValueError(f"block_rows={self.block_rows}: choose 64 or 128 (wgmma rows)")
+        for name in ("tile_i", "tile_h"):
+            v = getattr(self, name)
+            if v < 8 or v % 8 or v > 256:
+                raise ValueError(f"{name}={v}: a multiple of 8 in [8, 256] (wgmma columns)")
+        if self.tile_k not in (32, 64):
+            raise ValueError(f"tile_k={self.tile_k}: choose 32 or 64")
+        if self.stages < 1:
+            raise ValueError(f"stages={self.stages}: at least 1")
+
+
+def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int) -> GroupedGemmConfig:
+    """The plan's heuristic: enough programs to cover the SMs while blocks are few.
+
+    With few pairs (decode: ~one block an expert, ``min(E, P)`` blocks) a narrower
+    ``gate_up`` column tile gives more programs streaming weights at once; once the blocks
+    number in the hundreds the wider tiles read each block's ``x`` rows fewer times.
+    """
+    del hidden
+    blocks = min(num_experts, num_pairs)
+    tile_i = 64 if inter % 64 == 0 else 8 * max(1, min(inter // 8, 8))
+    if blocks * (inter // tile_i) < 132 and inter % 32 == 0:
+        tile_i = 32
+    return GroupedGemmConfig(tile_i=tile_i)
+
+
+def unsupported(x, expert_ids, expert_weights, gate, up, down, config: GroupedGemmConfig | None = None) -> str | None:
+    """Why the kernels cannot take these (well-formed) inputs, or None when they can."""
+    n, h = x.shape
+    e, i, _ = gate.shape
+    dtypes = {jnp.dtype(a.dtype) for a in (x, gate, up, down)}
+    if len(dtypes) != 1 or jnp.dtype(x.dtype) not in _KERNEL_DTYPES:
+        return ("the Mosaic GPU routed-expert kernels need x, gate, up and down in one 16-bit "
+                f"float dtype (bfloat16 or float16); got x {x.dtype}, gate {gate.dtype}, "
+                f"up {up.dtype}, down {down.dtype}")
+    if n < 1:
+        return f"x must have at least one row; got shape {x.shape}"
+    cfg = config or default_config(n * expert_ids.shape[1], e, h, i)
+    if h % cfg.tile_k or i % cfg.tile_k:
+        return (f"H={h} and I={i} must be multiples of tile_k={cfg.tile_k} (the kernels' "
+                "reduction step)")
+    if i % cfg.tile_i:
+        return f"I={i} must be a multiple of tile_i={cfg.tile_i}"
+    if h % cfg.tile_h:
+        return f"H={h} must be a multiple of tile_h={cfg.tile_h}"
+    return None
+
+
+def check_inputs(x, expert_ids, expert_weights, gate, up, down):
+    """Raises ValueError naming the tensor whose shape or dtype is off."""
+    if x.ndim != 2:
+        raise ValueError(f"x must be [N, H]; got shape {x.shape}")
+    n, h = x.shape
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != n:
+        raise ValueError(f"expert_ids must be [N={n}, k]; got shape {expert_ids.shape}")
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise ValueError(f"expert_ids must be integer; got {expert_ids.dtype}")
+    if expert_weights.shape != expert_ids.shape:
+        raise ValueError(f"expert_weights must be [N, k] = {expert_ids.shape}, like expert_ids; "
+                         f"got {expert_weights.shape}")
+    if gate.ndim != 3 or gate.shape[2] != h:
+        raise ValueError(f"gate must be [E, I, H={h}]; got shape {gate.shape}")
+    if up.shape != gate.shape:
+        raise ValueError(f"up must be [E, I, H] = {gate.shape}, like gate; got {up.shape}")
+    e, i, _ = gate.shape
+    if down.shape != (e, h, i):
+        raise ValueError(f"down must be [E, H, I] = {(e, h, i)}; got {down.shape}")
+
+
+# ------------------------------------------------------------------ the row plan
+
+
+def num_blocks_bound(num_pairs: int, num_experts: int, block_rows: int) -> int:
+    """Blocks the plan can use at most: ``sum_e ceil(c_e / B) <= #{c_e > 0} + P // B``."""
+    return min(num_experts, num_pairs) + num_pairs // block_rows
+
+
+def plan_rows(expert_ids, num_experts: int, block_rows: int):
+    """``(pos [N, k], block_expert [blocks], row_token [blocks * block_rows])`` (int32).
+
+    Pairs sorted by expert (stable: token order inside an expert), each expert's rows
+    from the start of a fresh block. ``block_expert`` is ``num_experts`` for blocks past
+    the used ones; ``row_token`` names the token a row holds (0 for padding rows).
+    """
+    n, k = expert_ids.shape
+    p = n * k
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    nb = num_blocks_bound(p, num_experts, block_rows)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    blocks = (counts + (block_rows - 1)) // block_rows
+    block_end = jnp.cumsum(blocks)
+    block_first = block_end - blocks
+    pair_first = jnp.cumsum(counts) - counts
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rank = jnp.arange(p, dtype=jnp.int32) - pair_first[sorted_e]
+    pos = jnp.zeros((p,), jnp.int32).at[order].set(block_first[sorted_e] * block_rows + rank)
+    block_expert = jnp.searchsorted(block_end, jnp.arange(nb, dtype=jnp.int32), side="right")
+    row_token = jnp.zeros((nb * block_rows,), jnp.int32).at[pos].set(
+        jnp.arange(p, dtype=jnp.int32) // k)
+    return pos.reshape(n, k), block_expert.astype(jnp.int32), row_token
+
+
+# ------------------------------------------------------------------ the kernels
+
+
+def _stages_that_fit(stages: int, per_stage: int, fixed: int, steps: int) -> int:
+    stages = max(1, min(stages, steps))
+    while stages > 1 and stages * per_stage + fixed > _SMEM_LIMIT:
+        stages -= 1
+    if stages * per_stage + fixed > _SMEM_LIMIT:
+        raise ValueError(f"one stage ({per_stage} bytes) plus the output tile ({fixed}) exceed "
+                         f"the shared memory limit ({_SMEM_LIMIT}); narrow the tiles")
+    return stages
+
+
+def _gate_up(block_expert, xs, gate, up, cfg: GroupedGemmConfig):
+    """``h [blocks * block_rows, I]``: each used block's activated gate/up product."""
+    rows_total, hdim = xs.shape
+    e, inter, _ = gate.shape
+    br, ti, tk = cfg.block_rows, cfg.tile_i, cfg.tile_k
+    dtype = xs.dtype
+    nk = hdim // tk
+    item = jnp.dtype(dtype).itemsize
+    stages = _stages_that_fit(cfg.stages, (br + 2 * ti) * tk * item, br * ti * item, nk)
+    delay = 1 if stages > 1 else 0
+    in_tr = swizzle_transforms(tk, dtype)
+
+    def kernel(be_ref, x_ref, g_ref, u_ref, h_ref, o_smem):
+        ci = lax.axis_index("c")
+        bi = lax.axis_index("b")
+        ex = be_ref[bi]
+
+        @pl.when(ex < e)
+        def _():
+            rows = pl.ds(bi * br, br)
+            cols = pl.ds(ci * ti, ti)
+
+            def scope(acc_g, acc_u):
+                def step(_, x_smem, g_smem, u_smem):
+                    plgpu.wgmma(acc_g, x_smem, g_smem.T)
+                    plgpu.wgmma(acc_u, x_smem, u_smem.T)
+                    plgpu.wgmma_wait(delay)
+
+                spec = lambda r: plgpu.BlockSpec((r, tk), lambda k: (0, k), transforms=in_tr,
+                                                 delay_release=delay)
+                plgpu.emit_pipeline(step, grid=(nk,), in_specs=[spec(br), spec(ti), spec(ti)],
+                                    max_concurrent_steps=stages,
+                                    )(x_ref.at[rows], g_ref.at[ex, cols], u_ref.at[ex, cols])
+                return acc_g[...], acc_u[...]
+
+            g, u = pl.run_scoped(scope, plgpu.ACC((br, ti), jnp.float32),
+                                 plgpu.ACC((br, ti), jnp.float32))
+            rnd = lambda v: v.astype(dtype).astype(jnp.float32)
+            g, u = rnd(g), rnd(u)
+            act = rnd(g / (1.0 + jnp.exp(-g)))
+            o_smem[...] = (act * u).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, h_ref.at[rows, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((rows_total, inter), dtype),
+        grid=(inter // ti, rows_total // br),
+        grid_names=("c", "b"),
+        scratch_types=dict(o_smem=plgpu.SMEM((br, ti), dtype, transforms=swizzle_transforms(ti, dtype))),
+    )(block_expert, xs, gate, up)
+
+
+def _down(block_expert, hs, down, cfg: GroupedGemmConfig):
+    """``y [blocks * block_rows, H]``: each used block's ``rnd(h @ down_e.T)``."""
+    rows_total, inter = hs.shape
+    e, hdim, _ = down.shape
+    br, th, tk = cfg.block_rows, cfg.tile_h, cfg.tile_k
+    dtype = hs.dtype
+    nk = inter // tk
+    item = jnp.dtype(dtype).itemsize
+    stages = _stages_that_fit(cfg.stages, (br + th) * tk * item, br * th * item, nk)
+    delay = 1 if stages > 1 else 0
+    in_tr = swizzle_transforms(tk, dtype)
+
+    def kernel(be_ref, h_ref, d_ref, y_ref, o_smem):
+        ci = lax.axis_index("c")
+        bi = lax.axis_index("b")
+        ex = be_ref[bi]
+
+        @pl.when(ex < e)
+        def _():
+            rows = pl.ds(bi * br, br)
+            cols = pl.ds(ci * th, th)
+
+            def scope(acc):
+                def step(_, h_smem, d_smem):
+                    plgpu.wgmma(acc, h_smem, d_smem.T)
+                    plgpu.wgmma_wait(delay)
+
+                spec = lambda r: plgpu.BlockSpec((r, tk), lambda k: (0, k), transforms=in_tr,
+                                                 delay_release=delay)
+                plgpu.emit_pipeline(step, grid=(nk,), in_specs=[spec(br), spec(th)],
+                                    max_concurrent_steps=stages,
+                                    )(h_ref.at[rows], d_ref.at[ex, cols])
+                return acc[...]
+
+            y = pl.run_scoped(scope, plgpu.ACC((br, th), jnp.float32))
+            o_smem[...] = y.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, y_ref.at[rows, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((rows_total, hdim), dtype),
+        grid=(hdim // th, rows_total // br),
+        grid_names=("c", "b"),
+        scratch_types=dict(o_smem=plgpu.SMEM((br, th), dtype, transforms=swizzle_transforms(th, dtype))),
+    )(block_expert, hs, down)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _routed_experts(x, expert_ids, expert_weights, gate, up, down, *, config):
+    n, k = expert_ids.shape
+    pos, block_expert, row_token = plan_rows(expert_ids, gate.shape[0], config.block_rows)
+    xs = x[row_token]
+    hs = _gate_up(block_expert, xs, gate, up, config)
+    ys = _down(block_expert, hs, down, config)
+    picked = ys[pos.reshape(-1)].astype(jnp.float32).reshape(n, k, -1)
+    return jnp.einsum("nk,nkh->nh", expert_weights.astype(jnp.float32), picked)
+
+
+def routed_experts_mosaic(x, expert_ids, expert_weights, gate, up, down, *, impl="pallas",
+                          config: GroupedGemmConfig | None = None):
+    """The routed experts' weighted sum, f32 ``[N, H]``, through the grouped-GEMM kernels.
+
+    Same arguments as the reference ``routed_experts``: x ``[N, H]``, expert_ids int
+    ``[N, k]`` (values in ``[0, E)``), expert_weights ``[N, k]``, gate/up ``[E, I, H]``,
+    down ``[E, H, I]``. ``impl``: ``"pallas"`` (compiled, a GPU) or ``"interpret"``
+    (Pallas' GPU interpreter, any backend; call it eagerly). ``config``: the tiles,
+    ``default_config`` when None. Raises ValueError for inputs the kernels cannot take
+    (``unsupported``).
+    """
+    check_inputs(x, expert_ids, expert_weights, gate, up, down)
+    if impl not in ("pallas", "interpret"):
+        raise ValueError(f"impl={impl!r}: the kernel path runs 'pallas' or 'interpret'")
+    n, h = x.shape
+    e, i, _ = gate.shape
+    cfg = config or default_config(n * expert_ids.shape[1], e, h, i)
+    if why := unsupported(x, expert_ids, expert_weights, gate, up, down, cfg):
+        raise ValueError(why)
+    if impl == "interpret":
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            return _routed_experts(x, expert_ids, expert_weights, gate, up, down, config=cfg)
+    return _routed_experts(x, expert_ids, expert_weights, gate, up, down, config=cfg)
