@@ -96,6 +96,11 @@ class GroupedGemmConfig:
             raise ValueError(f"stages={self.stages}: at least 1")
 
 
+def _widest_tile(dim: int, widest: int) -> int:
+    """The widest multiple of 8 up to ``widest`` that divides ``dim`` (8 when none does)."""
+    return next((t for t in range(widest, 7, -8) if dim % t == 0), 8)
+
+
 def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int) -> GroupedGemmConfig:
     """The plan's heuristic: enough programs to cover the SMs while blocks are few.
 
@@ -103,12 +108,11 @@ def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int) ->
     ``gate_up`` column tile gives more programs streaming weights at once; once the blocks
     number in the hundreds the wider tiles read each block's ``x`` rows fewer times.
     """
-    del hidden
     blocks = min(num_experts, num_pairs)
-    tile_i = 64 if inter % 64 == 0 else 8 * max(1, min(inter // 8, 8))
+    tile_i = _widest_tile(inter, 64)
     if blocks * (inter // tile_i) < 132 and inter % 32 == 0:
         tile_i = 32
-    return GroupedGemmConfig(tile_i=tile_i)
+    return GroupedGemmConfig(tile_i=tile_i, tile_h=_widest_tile(hidden, 128))
 
 
 def unsupported(x, expert_ids, expert_weights, gate, up, down, config: GroupedGemmConfig | None = None) -> str | None:
