@@ -217,7 +217,7 @@ def _gate_up(block_expert, xs, gate, up, cfg: GroupedGemmConfig):
     delay = 1 if stages > 1 else 0
     in_tr = swizzle_transforms(tk, dtype)
 
-    def kernel(be_ref, x_ref, g_ref, u_ref, h_ref, o_smem):
+    def gate_up_kernel(be_ref, x_ref, g_ref, u_ref, h_ref, o_smem):
         ci = lax.axis_index("c")
         bi = lax.axis_index("b")
         ex = be_ref[bi]
@@ -251,7 +251,7 @@ def _gate_up(block_expert, xs, gate, up, cfg: GroupedGemmConfig):
             plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-        kernel,
+        gate_up_kernel,
         out_type=jax.ShapeDtypeStruct((rows_total, inter), dtype),
         grid=(inter // ti, rows_total // br),
         grid_names=("c", "b"),
@@ -271,7 +271,7 @@ def _down(block_expert, hs, down, cfg: GroupedGemmConfig):
     delay = 1 if stages > 1 else 0
     in_tr = swizzle_transforms(tk, dtype)
 
-    def kernel(be_ref, h_ref, d_ref, y_ref, o_smem):
+    def down_kernel(be_ref, h_ref, d_ref, y_ref, o_smem):
         ci = lax.axis_index("c")
         bi = lax.axis_index("b")
         ex = be_ref[bi]
@@ -300,7 +300,7 @@ def _down(block_expert, hs, down, cfg: GroupedGemmConfig):
             plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-        kernel,
+        down_kernel,
         out_type=jax.ShapeDtypeStruct((rows_total, hdim), dtype),
         grid=(hdim // th, rows_total // br),
         grid_names=("c", "b"),
