@@ -8,8 +8,8 @@ token, softmax weights.
 
 Variants: ``dense`` (every expert on every token, weighted: the reference's dense
 form), ``gather`` (the selected experts' weights gathered per pair, then einsums),
-``mosaic`` (the kernels, ``default_config``) and ``mosaic:<rows>:<tile_i>:<tile_h>:<stages>``
-for each ``--configs`` entry, ``tokamax`` (``mtp.ops.moe.tokamax``, if it imports; its
+``mosaic`` (the kernels, ``default_config``) and ``mosaic:<field>=<value>/...`` for each
+``--configs`` entry (those fields of ``GroupedGemmConfig`` changed), ``tokamax`` (``mtp.ops.moe.tokamax``, if it imports; its
 weight layout made beforehand, untimed). Every variant is first compared with the dense
 form on the same inputs (relative error; a variant over ``--max_err`` is not timed).
 
@@ -29,6 +29,7 @@ Writes ``moe_bench.json`` and ``moe_bench.md`` under ``--out_dir`` after every r
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -58,7 +59,8 @@ flags.DEFINE_list("routings", ["uniform", "skewed"], "Routing kinds: uniform, sk
 flags.DEFINE_list("skewed_tokens", ["32", "256", "2048"], "Token counts the skewed routing runs at.")
 flags.DEFINE_float("skew", 1.2, "Zipf exponent of the skewed routing's expert popularity.")
 flags.DEFINE_list("variants", ["dense", "gather", "mosaic", "tokamax"], "Variants to run.")
-flags.DEFINE_list("configs", [], "Extra mosaic configs, block_rows:tile_i:tile_h:stages each.")
+flags.DEFINE_list("configs", [], "Extra mosaic configs, each GroupedGemmConfig fields over default_config's, "
+                  "e.g. tile_k=128/stages=3.")
 flags.DEFINE_integer("dense_max_tokens", 256, "Time the dense form only up to this many tokens.")
 flags.DEFINE_integer("gather_max_tokens", 32, "Time the gather form only up to this many tokens.")
 flags.DEFINE_integer("reps", 10, "Timed calls per variant.", lower_bound=1)
@@ -123,8 +125,26 @@ def dense_reference(x, ids, w, weights, chunk=256):
 
 
 def parse_config(text):
-    rows, ti, th, st = (int(v) for v in text.split(":"))
-    return mosaic.GroupedGemmConfig(block_rows=rows, tile_i=ti, tile_h=th, stages=st)
+    """``"tile_k=128/stages=3"``: fields of ``GroupedGemmConfig`` that override ``default_config``'s."""
+    fields = {f.name: f.type for f in dataclasses.fields(mosaic.GroupedGemmConfig)}
+    out = {}
+    for item in text.split("/"):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise ValueError(f"--configs entry {text!r}: no GroupedGemmConfig field {name!r}; the fields "
+                             f"are {', '.join(fields)}")
+        out[name] = value if name == "layout" else (value in ("1", "true", "True")) if name == "columns_minor" \
+            else int(value)
+    return out
+
+
+def _mosaic(overrides, impl):
+    def run(x, ids, w, ws):
+        gate = ws[0]
+        cfg = mosaic.default_config(x.shape[0], ids.shape[1], gate.shape[0], x.shape[1], gate.shape[1])
+        cfg = dataclasses.replace(cfg, **overrides)
+        return mosaic.routed_experts_mosaic(x, ids, w, *ws[:3], impl=impl, config=cfg)
+    return run
 
 
 def variants(n, interpret):
@@ -136,11 +156,9 @@ def variants(n, interpret):
     if "gather" in FLAGS.variants and n <= FLAGS.gather_max_tokens:
         out["gather"] = (lambda x, i, w, ws: gather_form(x, i, w, *ws[:3]), False)
     if "mosaic" in FLAGS.variants:
-        out["mosaic"] = (lambda x, i, w, ws: mosaic.routed_experts_mosaic(x, i, w, *ws[:3], impl=impl), False)
+        out["mosaic"] = (_mosaic({}, impl), False)
         for text in FLAGS.configs:
-            cfg = parse_config(text)
-            out[f"mosaic:{text}"] = (lambda x, i, w, ws, cfg=cfg: mosaic.routed_experts_mosaic(
-                x, i, w, *ws[:3], impl=impl, config=cfg), False)
+            out[f"mosaic:{text}"] = (_mosaic(parse_config(text), impl), False)
     if "tokamax" in FLAGS.variants and not interpret and tokamax_backend.available() is None:
         out["tokamax"] = (lambda x, i, w, ws: tokamax_backend.routed_experts_tokamax(x, i, w, *ws[3:]), True)
     return out
@@ -240,15 +258,14 @@ def bench_row(shape_name, n, kind, weight_sets, ceilings, interpret):
     for name, (fn, _) in variants(n, interpret).items():
         v = row["variants"][name] = {}
         try:
-            if interpret:
-                out = fn(x, ids, w, weight_sets[0])
-            else:
-                out = jax.jit(fn)(x, ids, w, weight_sets[0])
+            jfn = fn if interpret else jax.jit(fn)  # interpret mode is switched on eagerly, per call
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(jfn(x, ids, w, weight_sets[0]))
+            v["first_call_s"] = time.perf_counter() - t0  # compile included
             v["rel_err"] = _rel_err(out, ref)
             v["finite"] = bool(np.isfinite(np.asarray(out)).all())
             if not v["finite"] or v["rel_err"] > FLAGS.max_err or interpret:
                 continue
-            jfn = jax.jit(fn)
             sets = [(x, ids, w, ws) for ws in weight_sets]
             t, kernels = _device_time(jfn, sets, FLAGS.reps)
             v["device_s"] = t

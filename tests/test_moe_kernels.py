@@ -7,7 +7,7 @@ import pytest
 import jax.numpy as jnp
 
 from mtp.ops.moe import mosaic
-from mtp.ops.moe.mosaic import GroupedGemmConfig, plan_rows, routed_experts_mosaic, unsupported
+from mtp.ops.moe.mosaic import GroupedGemmConfig, plan_rows, plan_slots, routed_experts_mosaic, unsupported
 
 
 def _round(a, dtype):
@@ -87,15 +87,16 @@ def test_expert_over_several_blocks():
     _check(args)
 
 
-@pytest.mark.parametrize("config", [
-    GroupedGemmConfig(block_rows=128, tile_i=32, tile_h=64, stages=2),
-    GroupedGemmConfig(tile_i=32, tile_h=64, tile_k=32, stages=1),
-    GroupedGemmConfig(tile_i=96, tile_h=192, tile_k=32, stages=3),
+@pytest.mark.parametrize("config,i", [
+    (GroupedGemmConfig(block_rows=128, tile_i=32, tile_h=64, stages=2), 64),
+    (GroupedGemmConfig(tile_i=32, tile_h=64, tile_k=32, stages=1), 64),
+    (GroupedGemmConfig(tile_i=96, tile_h=192, tile_k=32, stages=3), 96),
+    (GroupedGemmConfig(layout="tokens", tile_i=64, tile_h=64, tile_k=128, stages=2, columns_minor=False), 128),
 ])
-def test_configs(config):
-    """Other tiles: 128-row blocks, a 32-wide k step without a ring, I = 96 in one tile."""
-    i = 96 if config.tile_i == 96 else 64
-    _check(_inputs(config.tile_i + config.stages, 9, 3, e=8, h=192, i=i), config)
+def test_configs(config, i):
+    """Other tiles, both layouts at the same N: 128-row blocks, a 32-wide k step without a
+    ring, I = 96 in one tile, 128-wide k steps with the blocks as the grid's fastest axis."""
+    _check(_inputs(config.tile_i + config.stages, 9, 3, e=8, h=384 if i == 128 else 192, i=i), config)
 
 
 def test_float16():
@@ -118,6 +119,20 @@ def test_plan_rows_layout():
     assert (np.diff(block_expert[:used]) >= 0).all()
 
 
+def test_plan_slots_layout():
+    """The tokens layout: slot s holds the s-th selected expert, pair (n, j) row slot * B + n."""
+    rng = np.random.default_rng(6)
+    n, k, e, br = 9, 3, 40, 64
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)])
+    rows, slot_expert = map(np.asarray, plan_slots(jnp.asarray(ids, jnp.int32), e, br))
+    chosen = np.unique(ids)
+    assert slot_expert.shape == (n * k,)
+    np.testing.assert_array_equal(slot_expert[:chosen.size], chosen)
+    assert (slot_expert[chosen.size:] == e).all()
+    np.testing.assert_array_equal(rows % br, np.broadcast_to(np.arange(n)[:, None], (n, k)))
+    np.testing.assert_array_equal(slot_expert[rows // br], ids)
+
+
 def test_unsupported_names_the_reason():
     x, ids, w, gate, up, down = _inputs(1, 2, 2, e=4, h=64, i=64)
     assert unsupported(x, ids, w, gate, up, down) is None
@@ -126,6 +141,8 @@ def test_unsupported_names_the_reason():
     assert "16-bit" in why and "float32" in why
     x2, ids2, w2, g2, u2, d2 = _inputs(1, 2, 2, e=4, h=96, i=64)
     assert "H=96" in unsupported(x2, ids2, w2, g2, u2, d2)
+    x3, ids3, w3, g3, u3, d3 = _inputs(1, 65, 2, e=4, h=64, i=64)
+    assert "'tokens' layout" in unsupported(x3, ids3, w3, g3, u3, d3, GroupedGemmConfig(layout="tokens"))
     with pytest.raises(ValueError, match="16-bit"):
         routed_experts_mosaic(f32[0], ids, w, *f32[1:], impl="interpret")
 

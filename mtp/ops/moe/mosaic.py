@@ -66,32 +66,44 @@ _SMEM_LIMIT = 232_448 - 4096  # bytes per block, less headroom for barriers and 
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+LAYOUTS = ("tokens", "blocks")
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupedGemmConfig:
-    """Tiles of the two kernels (static: one compile per config).
+    """The kernels' row layout and tiles (static: one compile per config).
 
+    layout: ``"tokens"``: a block per selected expert, each reading all ``N <= block_rows``
+      token rows (decode, verify, propose); ``"blocks"``: the pairs sorted by expert into
+      blocks of ``block_rows`` rows (any N). See the module docstring.
     block_rows: rows of a block (one warpgroup's wgmma M: 64, or 128 as two 64-row halves).
     tile_i: ``gate`` and ``up`` output columns a ``gate_up`` program owns (each; a multiple of 8).
     tile_h: ``down`` output columns a ``down`` program owns.
     tile_k: the reduction step of both kernels (64: one 128-byte swizzled bf16 row).
     stages: the TMA ring depth (lowered to what shared memory holds).
+    columns_minor: the column tiles of a block are the grid's fastest axis (the programs
+      sharing a block's rows run side by side); False: the blocks are.
     """
 
+    layout: str = "blocks"
     block_rows: int = 64
     tile_i: int = 64
     tile_h: int = 128
     tile_k: int = 64
     stages: int = 4
+    columns_minor: bool = True
 
     def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r}: choose one of {', '.join(LAYOUTS)}")
         if self.block_rows not in (64, 128):
             raise ValueError(f"block_rows={self.block_rows}: choose 64 or 128 (wgmma rows)")
         for name in ("tile_i", "tile_h"):
             v = getattr(self, name)
             if v < 8 or v % 8 or v > 256:
                 raise ValueError(f"{name}={v}: a multiple of 8 in [8, 256] (wgmma columns)")
-        if self.tile_k not in (32, 64):
-            raise ValueError(f"tile_k={self.tile_k}: choose 32 or 64")
+        if self.tile_k not in (32, 64, 128):
+            raise ValueError(f"tile_k={self.tile_k}: choose 32, 64 or 128")
         if self.stages < 1:
             raise ValueError(f"stages={self.stages}: at least 1")
 
@@ -101,18 +113,21 @@ def _widest_tile(dim: int, widest: int) -> int:
     return next((t for t in range(widest, 7, -8) if dim % t == 0), 8)
 
 
-def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int) -> GroupedGemmConfig:
-    """The plan's heuristic: enough programs to cover the SMs while blocks are few.
+def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> GroupedGemmConfig:
+    """The plan's heuristic.
 
-    With few pairs (decode: ~one block an expert, ``min(E, P)`` blocks) a narrower
-    ``gate_up`` column tile gives more programs streaming weights at once; once the blocks
-    number in the hundreds the wider tiles read each block's ``x`` rows fewer times.
+    Up to 64 tokens every selected expert's block reads all the token rows (``"tokens"``:
+    no sort, no gather); beyond, the pairs are sorted into blocks. With few blocks
+    (``min(E, N k)``) a narrower ``gate_up`` column tile gives more programs streaming
+    weights at once; once the blocks number in the hundreds the wider tiles read each
+    block's rows fewer times.
     """
-    blocks = min(num_experts, num_pairs)
+    blocks = min(num_experts, num_tokens * top_k)
     tile_i = _widest_tile(inter, 64)
     if blocks * (inter // tile_i) < 132 and inter % 32 == 0:
         tile_i = 32
-    return GroupedGemmConfig(tile_i=tile_i, tile_h=_widest_tile(hidden, 128))
+    return GroupedGemmConfig(layout="tokens" if num_tokens <= 64 else "blocks", tile_i=tile_i,
+                             tile_h=_widest_tile(hidden, 128))
 
 
 def unsupported(x, expert_ids, expert_weights, gate, up, down, config: GroupedGemmConfig | None = None) -> str | None:
@@ -126,7 +141,10 @@ def unsupported(x, expert_ids, expert_weights, gate, up, down, config: GroupedGe
                 f"up {up.dtype}, down {down.dtype}")
     if n < 1:
         return f"x must have at least one row; got shape {x.shape}"
-    cfg = config or default_config(n * expert_ids.shape[1], e, h, i)
+    cfg = config or default_config(n, expert_ids.shape[1], e, h, i)
+    if cfg.layout == "tokens" and n > cfg.block_rows:
+        return (f"N={n} tokens: the 'tokens' layout reads every token row in one block of "
+                f"block_rows={cfg.block_rows}; take the 'blocks' layout")
     if h % cfg.tile_k or i % cfg.tile_k:
         return (f"H={h} and I={i} must be multiples of tile_k={cfg.tile_k} (the kernels' "
                 "reduction step)")
@@ -186,10 +204,36 @@ def plan_rows(expert_ids, num_experts: int, block_rows: int):
     sorted_e = flat[order]
     rank = jnp.arange(p, dtype=jnp.int32) - pair_first[sorted_e]
     pos = jnp.zeros((p,), jnp.int32).at[order].set(block_first[sorted_e] * block_rows + rank)
-    block_expert = jnp.searchsorted(block_end, jnp.arange(nb, dtype=jnp.int32), side="right")
+    # Block b's expert: how many experts' blocks end at or before b (one fused compare-sum,
+    # where a binary search measured ~18 small kernels on the H200).
+    block_expert = _count_at_most(block_end, nb)
     row_token = jnp.zeros((nb * block_rows,), jnp.int32).at[pos].set(
         jnp.arange(p, dtype=jnp.int32) // k)
     return pos.reshape(n, k), block_expert.astype(jnp.int32), row_token
+
+
+def _count_at_most(cumulative, n: int):
+    """``[n]``: for each ``b < n``, the entries of the non-decreasing ``cumulative`` that are ``<= b``."""
+    b = jnp.arange(n, dtype=jnp.int32)[:, None]
+    return jnp.sum((cumulative[None, :] <= b).astype(jnp.int32), axis=1)
+
+
+def plan_slots(expert_ids, num_experts: int, block_rows: int):
+    """``(rows [N, k], slot_expert [slots])`` of the ``"tokens"`` layout (int32).
+
+    Slot s is the s-th selected expert in ascending order (``num_experts`` past the
+    selected ones), its block holding every token's row: pair ``(n, j)`` reads row
+    ``slot * block_rows + n``. Dense compare-reductions over ``[P, E]`` and ``[slots, E]``,
+    no sort: a handful of fused kernels at decode sizes.
+    """
+    n, k = expert_ids.shape
+    e = jnp.arange(num_experts, dtype=jnp.int32)
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    present = jnp.any(flat[:, None] == e[None, :], axis=0).astype(jnp.int32)
+    selected_upto = jnp.cumsum(present)  # slot of expert e, plus one, where selected
+    slot_expert = _count_at_most(selected_upto, min(num_experts, n * k))
+    slot = selected_upto[expert_ids] - 1
+    return slot * block_rows + jnp.arange(n, dtype=jnp.int32)[:, None], slot_expert
 
 
 # ------------------------------------------------------------------ the kernels
@@ -205,19 +249,30 @@ def _stages_that_fit(stages: int, per_stage: int, fixed: int, steps: int) -> int
     return stages
 
 
-def _gate_up(block_expert, xs, gate, up, cfg: GroupedGemmConfig):
-    """``h [blocks * block_rows, I]``: each used block's activated gate/up product."""
-    rows_total, hdim = xs.shape
-    e, inter, _ = gate.shape
-    br, ti, tk = cfg.block_rows, cfg.tile_i, cfg.tile_k
-    dtype = xs.dtype
-    nk = hdim // tk
+def _grouped_matmul(block_expert, a, weights, epilogue, *, tile_n, num_blocks, shared_rows,
+                    cfg: GroupedGemmConfig, name: str):
+    """``[num_blocks * block_rows, W]`` in ``a``'s dtype: for each used block b (expert e),
+    ``epilogue(*(a_rows @ w[e, cols].T for w in weights))`` over ``tile_n``-column tiles.
+
+    ``a_rows`` are block b's rows of ``a``, or its first ``block_rows`` rows for every
+    block (``shared_rows``: the ``"tokens"`` layout; rows past ``a``'s end are TMA zero-fill).
+    The weights (each ``[E, W, K]``) stream through one TMA ring with ``a``'s tiles, one
+    wgmma a weight per k step, one step's wgmmas in flight. A block whose expert is the
+    sentinel ``E`` does nothing.
+    """
+    kdim = a.shape[1]
+    e, n_out, _ = weights[0].shape
+    br, tn, tk = cfg.block_rows, tile_n, cfg.tile_k
+    dtype = a.dtype
+    nw = len(weights)
+    nk = kdim // tk
     item = jnp.dtype(dtype).itemsize
-    stages = _stages_that_fit(cfg.stages, (br + 2 * ti) * tk * item, br * ti * item, nk)
+    stages = _stages_that_fit(cfg.stages, (br + nw * tn) * tk * item, br * tn * item, nk)
     delay = 1 if stages > 1 else 0
     in_tr = swizzle_transforms(tk, dtype)
 
-    def gate_up_kernel(be_ref, x_ref, g_ref, u_ref, h_ref, o_smem):
+    def body(be_ref, a_ref, *refs, o_smem):
+        w_refs, o_ref = refs[:nw], refs[nw]
         ci = lax.axis_index("c")
         bi = lax.axis_index("b")
         ex = be_ref[bi]
@@ -225,97 +280,70 @@ def _gate_up(block_expert, xs, gate, up, cfg: GroupedGemmConfig):
         @pl.when(ex < e)
         def _():
             rows = pl.ds(bi * br, br)
-            cols = pl.ds(ci * ti, ti)
+            # A traced 0 for shared rows: a window past a's last row is TMA zero-fill.
+            a_block = ci * 0 if shared_rows else bi
+            cols = pl.ds(ci * tn, tn)
 
-            def scope(acc_g, acc_u):
-                def step(_, x_smem, g_smem, u_smem):
-                    plgpu.wgmma(acc_g, x_smem, g_smem.T)
-                    plgpu.wgmma(acc_u, x_smem, u_smem.T)
+            def scope(*accs):
+                def step(_, a_smem, *w_smems):
+                    for acc, w_smem in zip(accs, w_smems):
+                        plgpu.wgmma(acc, a_smem, w_smem.T)
                     plgpu.wgmma_wait(delay)
 
-                spec = lambda r: plgpu.BlockSpec((r, tk), lambda k: (0, k), transforms=in_tr,
-                                                 delay_release=delay)
-                plgpu.emit_pipeline(step, grid=(nk,), in_specs=[spec(br), spec(ti), spec(ti)],
+                spec = lambda r, block: plgpu.BlockSpec((r, tk), lambda k: (block, k), transforms=in_tr,
+                                                        delay_release=delay)
+                plgpu.emit_pipeline(step, grid=(nk,), in_specs=[spec(br, a_block)] + [spec(tn, 0)] * nw,
                                     max_concurrent_steps=stages,
-                                    )(x_ref.at[rows], g_ref.at[ex, cols], u_ref.at[ex, cols])
-                return acc_g[...], acc_u[...]
+                                    )(a_ref, *(w.at[ex, cols] for w in w_refs))
+                return tuple(acc[...] for acc in accs)
 
-            g, u = pl.run_scoped(scope, plgpu.ACC((br, ti), jnp.float32),
-                                 plgpu.ACC((br, ti), jnp.float32))
-            rnd = lambda v: v.astype(dtype).astype(jnp.float32)
-            g, u = rnd(g), rnd(u)
-            act = rnd(g / (1.0 + jnp.exp(-g)))
-            o_smem[...] = (act * u).astype(dtype)
+            accs = pl.run_scoped(scope, *(plgpu.ACC((br, tn), jnp.float32) for _ in range(nw)))
+            o_smem[...] = epilogue(*accs).astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, h_ref.at[rows, cols])
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[rows, cols])
             plgpu.wait_smem_to_gmem(0)
 
+    grid, names = (n_out // tn, num_blocks), ("c", "b")
+    if not cfg.columns_minor:
+        grid, names = grid[::-1], names[::-1]
     return plgpu.kernel(
-        gate_up_kernel,
-        out_type=jax.ShapeDtypeStruct((rows_total, inter), dtype),
-        grid=(inter // ti, rows_total // br),
-        grid_names=("c", "b"),
-        scratch_types=dict(o_smem=plgpu.SMEM((br, ti), dtype, transforms=swizzle_transforms(ti, dtype))),
-    )(block_expert, xs, gate, up)
+        body,
+        out_type=jax.ShapeDtypeStruct((num_blocks * br, n_out), dtype),
+        grid=grid,
+        grid_names=names,
+        scratch_types=dict(o_smem=plgpu.SMEM((br, tn), dtype, transforms=swizzle_transforms(tn, dtype))),
+        kernel_name=name,
+    )(block_expert, a, *weights)
 
 
-def _down(block_expert, hs, down, cfg: GroupedGemmConfig):
-    """``y [blocks * block_rows, H]``: each used block's ``rnd(h @ down_e.T)``."""
-    rows_total, inter = hs.shape
-    e, hdim, _ = down.shape
-    br, th, tk = cfg.block_rows, cfg.tile_h, cfg.tile_k
-    dtype = hs.dtype
-    nk = inter // tk
-    item = jnp.dtype(dtype).itemsize
-    stages = _stages_that_fit(cfg.stages, (br + th) * tk * item, br * th * item, nk)
-    delay = 1 if stages > 1 else 0
-    in_tr = swizzle_transforms(tk, dtype)
+def _activation(dtype):
+    """The gate/up epilogue: ``rnd(rnd(silu(rnd(g))) * rnd(u))`` from the f32 accumulators."""
+    rnd = lambda v: v.astype(dtype).astype(jnp.float32)
 
-    def down_kernel(be_ref, h_ref, d_ref, y_ref, o_smem):
-        ci = lax.axis_index("c")
-        bi = lax.axis_index("b")
-        ex = be_ref[bi]
+    def act(g, u):
+        g, u = rnd(g), rnd(u)
+        return rnd(g / (1.0 + jnp.exp(-g))) * u
 
-        @pl.when(ex < e)
-        def _():
-            rows = pl.ds(bi * br, br)
-            cols = pl.ds(ci * th, th)
-
-            def scope(acc):
-                def step(_, h_smem, d_smem):
-                    plgpu.wgmma(acc, h_smem, d_smem.T)
-                    plgpu.wgmma_wait(delay)
-
-                spec = lambda r: plgpu.BlockSpec((r, tk), lambda k: (0, k), transforms=in_tr,
-                                                 delay_release=delay)
-                plgpu.emit_pipeline(step, grid=(nk,), in_specs=[spec(br), spec(th)],
-                                    max_concurrent_steps=stages,
-                                    )(h_ref.at[rows], d_ref.at[ex, cols])
-                return acc[...]
-
-            y = pl.run_scoped(scope, plgpu.ACC((br, th), jnp.float32))
-            o_smem[...] = y.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, y_ref.at[rows, cols])
-            plgpu.wait_smem_to_gmem(0)
-
-    return plgpu.kernel(
-        down_kernel,
-        out_type=jax.ShapeDtypeStruct((rows_total, hdim), dtype),
-        grid=(hdim // th, rows_total // br),
-        grid_names=("c", "b"),
-        scratch_types=dict(o_smem=plgpu.SMEM((br, th), dtype, transforms=swizzle_transforms(th, dtype))),
-    )(block_expert, hs, down)
+    return act
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _routed_experts(x, expert_ids, expert_weights, gate, up, down, *, config):
     n, k = expert_ids.shape
-    pos, block_expert, row_token = plan_rows(expert_ids, gate.shape[0], config.block_rows)
-    xs = x[row_token]
-    hs = _gate_up(block_expert, xs, gate, up, config)
-    ys = _down(block_expert, hs, down, config)
-    picked = ys[pos.reshape(-1)].astype(jnp.float32).reshape(n, k, -1)
+    e = gate.shape[0]
+    shared = config.layout == "tokens"
+    if shared:
+        rows, block_expert = plan_slots(expert_ids, e, config.block_rows)
+        xs = x
+    else:
+        rows, block_expert, row_token = plan_rows(expert_ids, e, config.block_rows)
+        xs = x[row_token]
+    kw = dict(num_blocks=block_expert.shape[0], shared_rows=shared, cfg=config)
+    hs = _grouped_matmul(block_expert, xs, (gate, up), _activation(x.dtype), tile_n=config.tile_i,
+                         name="moe_gate_up", **kw)
+    ys = _grouped_matmul(block_expert, hs, (down,), lambda y: y, tile_n=config.tile_h,
+                         name="moe_down", **{**kw, "shared_rows": False})
+    picked = ys[rows.reshape(-1)].astype(jnp.float32).reshape(n, k, -1)
     return jnp.einsum("nk,nkh->nh", expert_weights.astype(jnp.float32), picked)
 
 
@@ -335,7 +363,7 @@ def routed_experts_mosaic(x, expert_ids, expert_weights, gate, up, down, *, impl
         raise ValueError(f"impl={impl!r}: the kernel path runs 'pallas' or 'interpret'")
     n, h = x.shape
     e, i, _ = gate.shape
-    cfg = config or default_config(n * expert_ids.shape[1], e, h, i)
+    cfg = config or default_config(n, expert_ids.shape[1], e, h, i)
     if why := unsupported(x, expert_ids, expert_weights, gate, up, down, cfg):
         raise ValueError(why)
     if impl == "interpret":
