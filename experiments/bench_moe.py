@@ -9,9 +9,10 @@ token, softmax weights.
 Variants: ``dense`` (every expert on every token, weighted: the reference's dense
 form), ``gather`` (the selected experts' weights gathered per pair, then einsums),
 ``mosaic`` (the kernels, ``default_config``) and ``mosaic:<field>=<value>/...`` for each
-``--configs`` entry (those fields of ``GroupedGemmConfig`` changed), ``tokamax`` (``mtp.ops.moe.tokamax``, if it imports; its
-weight layout made beforehand, untimed). Every variant is first compared with the dense
-form on the same inputs (relative error; a variant over ``--max_err`` is not timed).
+``--configs`` entry (those fields of ``GroupedGemmConfig`` changed), ``tokamax``
+(``mtp.ops.moe.tokamax``, if it imports; its weight layout made beforehand, untimed).
+Every variant is first compared with the dense form on the same inputs (relative error; a
+variant over ``--max_err`` is not timed).
 
 Floors, from ceilings measured in the same run: the active bytes (distinct experts
 touched x an expert's bytes) over the device-to-device copy bandwidth (bytes read plus

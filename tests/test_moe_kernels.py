@@ -91,11 +91,11 @@ def test_expert_over_several_blocks():
     (GroupedGemmConfig(block_rows=128, tile_i=32, tile_h=64, stages=2), 64),
     (GroupedGemmConfig(tile_i=32, tile_h=64, tile_k=32, stages=1), 64),
     (GroupedGemmConfig(tile_i=96, tile_h=192, tile_k=32, stages=3), 96),
-    (GroupedGemmConfig(layout="tokens", tile_i=64, tile_h=64, tile_k=128, stages=2, columns_minor=False), 128),
+    (GroupedGemmConfig(layout="tokens", tile_i=64, tile_h=64, tile_k=128, stages=2, columns_minor=True), 128),
 ])
 def test_configs(config, i):
     """Other tiles, both layouts at the same N: 128-row blocks, a 32-wide k step without a
-    ring, I = 96 in one tile, 128-wide k steps with the blocks as the grid's fastest axis."""
+    ring, I = 96 in one tile, 128-wide k steps with the column tiles as the grid's fastest axis."""
     _check(_inputs(config.tile_i + config.stages, 9, 3, e=8, h=384 if i == 128 else 192, i=i), config)
 
 

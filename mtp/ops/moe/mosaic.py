@@ -1,52 +1,84 @@
 """The routed-expert FFN as a grouped GEMM in Pallas Mosaic GPU (Hopper: TMA + wgmma).
 
-``routed_experts_mosaic`` computes what the reference ``routed_experts`` defines,
+``routed_experts_mosaic`` computes what the reference ``mtp.ops.moe.reference.routed_experts``
+defines,
 
     out[n] = sum_j w[n, j] * rnd(down_e @ rnd(rnd(silu(rnd(gate_e @ x_n))) * rnd(up_e @ x_n))),
     e = expert_ids[n, j],
 
 (``rnd``: a rounding to ``x``'s dtype; f32 accumulation; f32 out), reading each selected
-expert's weights once per 64 rows routed to it and no other expert's weights.
+expert's weights once per block of rows routed to it and no other expert's weights.
 
-How it computes it: three steps, the middle two Mosaic GPU kernels.
+How it computes it: a row plan (XLA), two Mosaic GPU kernels, a combine (XLA).
 
-1. The row plan (XLA, ``plan_rows``): the ``P = N k`` (token, slot) pairs are sorted by
-   expert and laid out in *blocks* of ``block_rows`` rows, each expert's rows starting a
-   new block (vLLM's ``moe_align_block_size`` layout): block ``b`` belongs to one expert
-   ``block_expert[b]``, pair ``(n, j)`` sits at row ``pos[n, j]``. The number of blocks is
-   bounded statically by ``min(E, P) + P // block_rows`` (a sum of ceilings); blocks past
-   the used ones carry the sentinel expert ``E`` and do nothing. ``x`` is gathered into
-   that layout (padding rows repeat token 0: computed, never read).
-2. ``gate_up`` (grid: output-column tiles x blocks): a program streams its expert's
-   ``gate`` and ``up`` rows for ``tile_i`` columns through a ``stages``-deep TMA ring
-   together with the block's ``x`` rows, two wgmmas per k step (one in flight), and
-   applies the activation in its epilogue: ``h = rnd(rnd(silu(rnd(g))) * rnd(u))``
-   into ``h [rows, I]``. No ``[rows, 2I]`` intermediate, no second pass.
-3. ``down`` (same grid over ``tile_h`` columns): ``y = rnd(h_block @ down_e.T)`` into
-   ``y [rows, H]``.
-4. The combine (XLA): ``out[n] = sum_j w[n, j] * y[pos[n, j]]`` in f32, a gather of the
-   ``P`` used rows.
+1. The row plan puts the ``P = N k`` (token, slot) pairs into *blocks* of ``block_rows`` (64)
+   rows, each block belonging to one expert (``block_expert[b]``; the sentinel ``E`` marks a
+   block that does nothing), in one of two layouts:
 
-The column axis is the grid's first (CUDA's fastest) axis, so the programs that share a
-block's ``x`` rows run side by side and read them from L2, each streaming a disjoint
-slice of the expert's weights. Every program of a block reads its expert's weights for
-its columns exactly once: an expert with ``c`` rows is streamed ``ceil(c / block_rows)``
-times, once at decode (a few rows an expert), once or twice at a prefill chunk of 2048
-tokens of Qwen3-Next (~40 rows an expert on average).
+   * ``"tokens"`` (``plan_slots``, N <= 64: decode, verify, propose): one block per selected
+     expert, in ascending expert order, each reading *every* token row (``x`` itself, rows
+     past N TMA zero-fill); pair ``(n, j)``'s result is row ``slot * 64 + n``. No sort and
+     no gather: the plan is a few fused compare-reductions over ``[P, E]``.
+   * ``"blocks"`` (``plan_rows``, any N): the pairs sorted by expert, each expert's rows
+     starting a fresh block (vLLM's ``moe_align_block_size`` layout), ``x`` gathered into it
+     (padding rows repeat token 0: computed, never read). The blocks number at most
+     ``min(E, P) + P // 64`` (a sum of ceilings), a static bound.
+2. ``moe_gate_up`` (grid: blocks x ``I / tile_i`` column tiles): a program streams its
+   expert's ``gate`` and ``up`` rows for its columns through a ``stages``-deep TMA ring
+   beside the block's rows, two wgmmas per k step (one step in flight), and applies the
+   activation in its epilogue, ``h = rnd(rnd(silu(rnd(g))) * rnd(u))``: no ``[rows, 2I]``
+   intermediate, no second pass.
+3. ``moe_down`` (blocks x ``H / tile_h``): ``y = rnd(h_block @ down_e.T)``.
+4. The combine: ``out[n] = sum_j w[n, j] * y[row(n, j)]`` in f32, a gather of the P rows.
 
-Why this form. At decode and verify (``P`` = 10-320 pairs) the op is a weight stream:
-Qwen3-Next's 6.3 MB an expert over 4 TB/s; wgmma's 64-row tile wastes tensor work on
-rows that are not there, but at 64 rows a k step's wgmma (64 x 64 x 64) runs ~4x faster than
-its weight tile arrives at an SM's share of the bandwidth, so it hides behind the
-stream. At a 2048-token chunk the op is still bound by bytes at Qwen3-Next's shape
-(every expert is touched: 3.2 GB, 0.8 ms at 4 TB/s, while its FLOPs take 0.2 ms at the
-bf16 peak), so the same kernels serve there, with the blocks' padding (~1.9x the rows)
-costing tensor work, not bytes.
+An expert with ``c`` rows is streamed ``ceil(c / 64)`` times ("blocks") or once ("tokens").
+Both kernels are one ``_grouped_matmul``.
 
-Tuning is explicit: ``GroupedGemmConfig`` (rows per block, column tiles, k tile, ring
-depth) with ``default_config`` the heuristic; ``routed_experts_mosaic(config=...)`` takes
-any other. Inputs the kernels cannot take are named by ``unsupported``; the api sends
-those to the reference.
+Why this form. At decode and verify (10-320 pairs) the op is a weight stream (Qwen3-Next:
+6.3 MB an expert). wgmma's 64-row tile spends tensor work on rows that are not there, but a
+64 x 64 x 64 k step runs ~4x faster than its weight tile arrives at one SM's share of the
+bandwidth, so it hides behind the stream. At a 2048-token chunk Qwen3-Next's FFN is still
+bound by bytes: every expert is touched (3.2 GB: 0.78 ms at the measured 4.1 TB/s) while
+its FLOPs take 0.17 ms at XLA's 750 TFLOP/s, so the same kernels serve there; "50% of the
+bf16 peak over the active FLOPs" (0.34 ms) lies below that bytes floor at this shape.
+
+Measured (2026-12-02, one H200, ``experiments/bench_moe.py``: CUPTI device time of the whole
+op, L2 evicted before each call, weights rotated; results/moe_kernels_h200.md; floor = the
+active experts' bytes over the copy bandwidth measured in the same run), Qwen3-Next's shape,
+uniform routing, the default config:
+
+  | tokens | 1 | 4 | 32 | 256 | 2048 | 2048 skewed |
+  |---|---|---|---|---|---|---|
+  | this op, us (x floor) | 42.6 (2.79) | 94.6 (1.55) | 414 (1.12) | 964 (1.25) | 1086 (1.39) | 1224 (1.57) |
+  | tokamax.ragged_dot 0.0.17, us | 77.3 | 140 | 443 | 829 | 1022 | 1203 |
+
+Choices, each measured there:
+
+* The grid's fastest axis is the blocks (``columns_minor=False``): consecutive programs
+  stream different experts' weights. With the column tiles fastest (a block's programs side
+  by side, sharing its rows in L2) the op was equal at 1-4 tokens and 1.11x, 1.36x and
+  1.33x slower at 32, 256 and 2048 tokens (the down kernel at 32 tokens: 182 vs 139 us).
+* The ``"tokens"`` layout up to 64 tokens: the sorted layout's plan (a sort, scatters, a
+  binary search of ~18 small kernels) cost 44 of its 68 us at one token; the tokens layout's
+  plan and combine are 5 small kernels, 11 us.
+* ``tile_k`` 64 with 4 stages: 128-wide k steps (3 stages) were 0.95-1.03x as fast.
+  64-row blocks: 128-row ones were 1.2-1.45x slower at every size (tensor work, and twice
+  the rows read per program).
+* ``tile_i`` 32 while fewer than 132 programs would stream gate/up, else 64; at one token
+  ``tile_i=128, tile_h=256`` (column-fastest order) measured 38.5 against 43.0 us, equal
+  at 4 tokens and 1.03x faster at 32: not yet measured with the blocks-fastest order.
+
+Where the time goes (same run): at one token the gate/up kernel streams its 42 MB at 1.8
+TB/s (160 programs of 256 KB) and the down kernel at 2.5 TB/s, and the plan and combine take
+11 us: the 1.5x goal at 1-2 tokens needs the few experts' weights spread over more programs
+(split-K with f32 partials) and a cheaper combine. At 2048 tokens the kernels stream at
+3.8 TB/s (gate/up 559 us, down 291 us, as tokamax's two kernels: 549 and 298 us); the gap to
+tokamax is the gather of ``x`` into the padded layout (130 us: its ~53k rows, against
+tokamax's 51 us for the 20k rows of its 8-aligned packing) and the sort (32 us, the same).
+
+Tuning is explicit: ``GroupedGemmConfig`` with ``default_config`` the heuristic;
+``routed_experts_mosaic(config=...)`` takes any other. Inputs the kernels cannot take are
+named by ``unsupported``; the api sends those to the reference.
 """
 
 from __future__ import annotations
@@ -82,7 +114,8 @@ class GroupedGemmConfig:
     tile_k: the reduction step of both kernels (64: one 128-byte swizzled bf16 row).
     stages: the TMA ring depth (lowered to what shared memory holds).
     columns_minor: the column tiles of a block are the grid's fastest axis (the programs
-      sharing a block's rows run side by side); False: the blocks are.
+      sharing a block's rows run side by side); False (the default, measured faster): the
+      blocks are.
     """
 
     layout: str = "blocks"
@@ -91,7 +124,7 @@ class GroupedGemmConfig:
     tile_h: int = 128
     tile_k: int = 64
     stages: int = 4
-    columns_minor: bool = True
+    columns_minor: bool = False
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -114,13 +147,12 @@ def _widest_tile(dim: int, widest: int) -> int:
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> GroupedGemmConfig:
-    """The plan's heuristic.
+    """The plan's heuristic (the measurements behind it: the module docstring).
 
     Up to 64 tokens every selected expert's block reads all the token rows (``"tokens"``:
     no sort, no gather); beyond, the pairs are sorted into blocks. With few blocks
-    (``min(E, N k)``) a narrower ``gate_up`` column tile gives more programs streaming
-    weights at once; once the blocks number in the hundreds the wider tiles read each
-    block's rows fewer times.
+    (``min(E, N k)``) a 32-column ``gate_up`` tile gives more programs streaming weights at
+    once (64 columns measured the same at 1-8 tokens).
     """
     blocks = min(num_experts, num_tokens * top_k)
     tile_i = _widest_tile(inter, 64)
@@ -132,6 +164,8 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
 
 def unsupported(x, expert_ids, expert_weights, gate, up, down, config: GroupedGemmConfig | None = None) -> str | None:
     """Why the kernels cannot take these (well-formed) inputs, or None when they can."""
+    if any(hasattr(wt, "dequantize") for wt in (gate, up, down)):
+        return "quantized expert weights: the Mosaic GPU routed-expert kernels read 16-bit weights"
     n, h = x.shape
     e, i, _ = gate.shape
     dtypes = {jnp.dtype(a.dtype) for a in (x, gate, up, down)}

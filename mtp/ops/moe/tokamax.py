@@ -1,7 +1,8 @@
 """The routed-expert FFN through ``tokamax.ragged_dot`` (Mosaic GPU grouped GEMMs), an optional backend.
 
-tokamax is not a dependency of the project: ``available()`` says why it cannot be used
-here (not installed, or it fails to import), and nothing else in the project imports it.
+tokamax is not a dependency of the project (``pip install .[tokamax]`` adds it):
+``available()`` says why it cannot be used here (not installed, or it fails to import), and
+nothing but this module and ``experiments/bench_moe.py`` imports it. The api does not try it.
 
 How it computes the reference's ``routed_experts``: the ``P = N k`` pairs sorted by expert
 (``x`` gathered in that order, rows padded to a multiple of 8, which tokamax's Mosaic GPU
@@ -10,6 +11,17 @@ activation in XLA, one ragged dot against ``[E, I, H]``, and the weighted combin
 f32. tokamax's kernel contracts the weight's middle axis; given the Hugging Face
 ``[E, I, H]`` orientation it transposes the whole weight on every call, so its layout
 is made once, at load (``tokamax_layout``), and passed in.
+
+Why optional (2026-12-02, one H200, Qwen3-Next's shape, CUPTI device time of the whole op;
+results/moe_kernels_h200.md): against the project's kernels (``mtp.ops.moe.mosaic``) it is
+slower at decode sizes (77 / 140 / 443 us against 43 / 95 / 414 at 1 / 4 / 32 tokens) and
+faster only for prefill chunks (829 / 1022 us against 964 / 1086 at 256 / 2048 tokens; 1203
+against 1224 with a skewed routing). Its two grouped GEMMs stream as fast as ours there
+(549 + 298 us against 559 + 291 at 2048 tokens); what it saves is in the gather around them.
+That gain needs its own weight layout: a second copy of every expert (3.2 GB a layer at this
+shape) beside the one the decode kernels read, or a transpose per call (a full read and write
+of the weights, ~1.6 ms). It also imports ``xprof`` (32 MB) at import time and brings
+pydantic and qwix.
 """
 
 from __future__ import annotations
