@@ -1,35 +1,13 @@
-"""The routed-expert grouped-GEMM kernels (Mosaic GPU, in Pallas' GPU interpreter) against a
-plain per-pair oracle on fresh random inputs."""
+"""The routed-expert grouped-GEMM kernels (Mosaic GPU, in Pallas' GPU interpreter) against the
+op's reference (`mtp.ops.moe.reference`) on fresh random inputs, and the api's dispatch to them."""
 
 import numpy as np
 import pytest
 
 import jax.numpy as jnp
 
-from mtp.ops.moe import mosaic
+from mtp.ops.moe import api, mosaic, reference
 from mtp.ops.moe.mosaic import GroupedGemmConfig, plan_rows, plan_slots, routed_experts_mosaic, unsupported
-
-
-def _round(a, dtype):
-    return np.asarray(jnp.asarray(a, dtype).astype(jnp.float32))
-
-
-def _oracle(x, ids, w, gate, up, down, swap_gate_up=False):
-    """One (token, slot) pair at a time, in f32 numpy, rounding where the definition rounds."""
-    dtype = x.dtype
-    f = lambda a: np.asarray(a, np.float32)
-    if swap_gate_up:
-        gate, up = up, gate
-    out = np.zeros((x.shape[0], x.shape[1]), np.float32)
-    for n in range(x.shape[0]):
-        xn = f(x[n])
-        for j in range(ids.shape[1]):
-            e = int(ids[n, j])
-            g = _round(f(gate[e]) @ xn, dtype)
-            u = _round(f(up[e]) @ xn, dtype)
-            h = _round(_round(g / (1.0 + np.exp(-g)), dtype) * u, dtype)
-            out[n] += float(w[n, j]) * _round(f(down[e]) @ h, dtype)
-    return out
 
 
 def _inputs(seed, n, k, e, h, i, dtype=jnp.bfloat16, skew=None):
@@ -61,12 +39,14 @@ def _check(args, config=None):
     x = args[0]
     assert out.shape == x.shape and out.dtype == jnp.float32
     assert np.isfinite(np.asarray(out)).all()
-    ref = _oracle(*args)
+    ref = reference.routed_experts(*args)
     err = _rel_err(out, ref)
-    # Both round at the same places; only f32 summation order differs (bf16 flips near ties).
+    # Both round to x's dtype after each GEMM; the f32 summation order and the activation's
+    # internal precision differ (bf16 flips near ties).
     assert err < 1e-2, err
     # A kernel with gate and up swapped would not pass.
-    assert _rel_err(out, _oracle(*args, swap_gate_up=True)) > 0.1
+    x, ids, w, gate, up, down = args
+    assert _rel_err(out, reference.routed_experts(x, ids, w, up, gate, down)) > 0.1
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (1, 4), (2, 2), (3, 8), (4, 3), (5, 5), (6, 7), (7, 2), (8, 6)])
@@ -101,6 +81,22 @@ def test_configs(config, i):
 
 def test_float16():
     _check(_inputs(3, 4, 2, e=8, h=64, i=64, dtype=jnp.float16))
+
+
+def test_api_dispatches_to_the_kernels(monkeypatch):
+    """``routed_experts(impl="interpret")`` runs the kernels; inputs they cannot take (f32) and
+    ``impl="reference"`` run the reference."""
+    calls = []
+    run = mosaic.routed_experts_mosaic
+    monkeypatch.setattr(mosaic, "routed_experts_mosaic", lambda *a, **k: calls.append(k["impl"]) or run(*a, **k))
+    args = _inputs(21, 6, 3, e=12, h=128, i=64)
+    out = api.routed_experts(*args, impl="interpret")
+    assert calls == ["interpret"]
+    assert _rel_err(out, reference.routed_experts(*args)) < 1e-2
+    np.testing.assert_array_equal(api.routed_experts(*args, impl="reference"), reference.routed_experts(*args))
+    f32 = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+    np.testing.assert_array_equal(api.routed_experts(*f32, impl="interpret"), reference.routed_experts(*f32))
+    assert calls == ["interpret"]
 
 
 def test_plan_rows_layout():

@@ -1,7 +1,7 @@
 """The routed-expert FFN as a grouped GEMM in Pallas Mosaic GPU (Hopper: TMA + wgmma).
 
 ``routed_experts_mosaic`` computes what the reference ``mtp.ops.moe.reference.routed_experts``
-defines,
+defines (``mtp.ops.moe.routed_experts`` dispatches to it),
 
     out[n] = sum_j w[n, j] * rnd(down_e @ rnd(rnd(silu(rnd(gate_e @ x_n))) * rnd(up_e @ x_n))),
     e = expert_ids[n, j],
@@ -189,27 +189,6 @@ def unsupported(x, expert_ids, expert_weights, gate, up, down, config: GroupedGe
     return None
 
 
-def check_inputs(x, expert_ids, expert_weights, gate, up, down):
-    """Raises ValueError naming the tensor whose shape or dtype is off."""
-    if x.ndim != 2:
-        raise ValueError(f"x must be [N, H]; got shape {x.shape}")
-    n, h = x.shape
-    if expert_ids.ndim != 2 or expert_ids.shape[0] != n:
-        raise ValueError(f"expert_ids must be [N={n}, k]; got shape {expert_ids.shape}")
-    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
-        raise ValueError(f"expert_ids must be integer; got {expert_ids.dtype}")
-    if expert_weights.shape != expert_ids.shape:
-        raise ValueError(f"expert_weights must be [N, k] = {expert_ids.shape}, like expert_ids; "
-                         f"got {expert_weights.shape}")
-    if gate.ndim != 3 or gate.shape[2] != h:
-        raise ValueError(f"gate must be [E, I, H={h}]; got shape {gate.shape}")
-    if up.shape != gate.shape:
-        raise ValueError(f"up must be [E, I, H] = {gate.shape}, like gate; got {up.shape}")
-    e, i, _ = gate.shape
-    if down.shape != (e, h, i):
-        raise ValueError(f"down must be [E, H, I] = {(e, h, i)}; got {down.shape}")
-
-
 # ------------------------------------------------------------------ the row plan
 
 
@@ -390,8 +369,10 @@ def routed_experts_mosaic(x, expert_ids, expert_weights, gate, up, down, *, impl
     down ``[E, H, I]``. ``impl``: ``"pallas"`` (compiled, a GPU) or ``"interpret"``
     (Pallas' GPU interpreter, any backend; call it eagerly). ``config``: the tiles,
     ``default_config`` when None. Raises ValueError for inputs the kernels cannot take
-    (``unsupported``).
+    (``unsupported``) and, as the api does, for inputs of the wrong shape or dtype.
     """
+    from mtp.ops.moe.api import check_inputs  # the api imports this module
+
     check_inputs(x, expert_ids, expert_weights, gate, up, down)
     if impl not in ("pallas", "interpret"):
         raise ValueError(f"impl={impl!r}: the kernel path runs 'pallas' or 'interpret'")
