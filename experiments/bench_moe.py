@@ -6,13 +6,14 @@ Shapes: Qwen3-Next-80B-A3B (E = 512, top-10, H = 2048, I = 512) and Qwen3.5-35B-
 over the experts or skewed (Zipf popularity, exponent ``--skew``), k distinct experts a
 token, softmax weights.
 
-Variants: ``dense`` (every expert on every token, weighted: the reference's dense
-form), ``gather`` (the selected experts' weights gathered per pair, then einsums),
+Variants: ``dense`` (every expert on every token, weighted), the reference's two sparse forms
+(``mtp.ops.moe.reference``: ``gather``, the selected experts' weights gathered per pair;
+``segments``, the pairs sorted into tiles of one expert, a batched GEMM over the tiles),
 ``mosaic`` (the kernels, ``default_config``) and ``mosaic:<field>=<value>/...`` for each
 ``--configs`` entry (those fields of ``GroupedGemmConfig`` changed), ``tokamax``
 (``mtp.ops.moe.tokamax``, if it imports; its weight layout made beforehand, untimed).
-Every variant is first compared with the dense form on the same inputs (relative error; a
-variant over ``--max_err`` is not timed).
+Every variant is first compared with the reference (``reference.routed_experts``, in the form
+it picks) on the same inputs (relative error; a variant over ``--max_err`` is not timed).
 
 Floors, from ceilings measured in the same run: the active bytes (distinct experts
 touched x an expert's bytes) over the device-to-device copy bandwidth (bytes read plus
@@ -43,7 +44,7 @@ import numpy as np
 
 from experiments import cupti
 from experiments.results_io import write_atomic, write_json
-from mtp.ops.moe import mosaic
+from mtp.ops.moe import mosaic, reference
 from mtp.ops.moe import tokamax as tokamax_backend
 
 SHAPES = {
@@ -59,7 +60,7 @@ flags.DEFINE_list("tokens", ["1", "2", "4", "8", "16", "32", "256", "2048"], "To
 flags.DEFINE_list("routings", ["uniform", "skewed"], "Routing kinds: uniform, skewed.")
 flags.DEFINE_list("skewed_tokens", ["32", "256", "2048"], "Token counts the skewed routing runs at.")
 flags.DEFINE_float("skew", 1.2, "Zipf exponent of the skewed routing's expert popularity.")
-flags.DEFINE_list("variants", ["dense", "gather", "mosaic", "tokamax"], "Variants to run.")
+flags.DEFINE_list("variants", ["dense", "gather", "segments", "mosaic", "tokamax"], "Variants to run.")
 flags.DEFINE_list("configs", [], "Extra mosaic configs, each GroupedGemmConfig fields over default_config's, "
                   "e.g. tile_k=128/stages=3.")
 flags.DEFINE_integer("dense_max_tokens", 256, "Time the dense form only up to this many tokens.")
@@ -67,7 +68,7 @@ flags.DEFINE_integer("gather_max_tokens", 32, "Time the gather form only up to t
 flags.DEFINE_integer("reps", 10, "Timed calls per variant.", lower_bound=1)
 flags.DEFINE_integer("weight_sets", 2, "Weight copies the timed calls rotate through.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Routing and input seed.")
-flags.DEFINE_float("max_err", 2e-2, "Largest relative error to the dense form a timed variant may have.")
+flags.DEFINE_float("max_err", 2e-2, "Largest relative error to the reference a timed variant may have.")
 flags.DEFINE_bool("small", False, "The tiny shape in Pallas' interpret mode, no timing: a CPU check.")
 
 
@@ -94,35 +95,13 @@ def make_weights(key, e, h, i, dtype=jnp.bfloat16):
     return gate, up, down
 
 
-def _expert_ffn(x, gate, up, down):
-    """``rnd(down @ rnd(rnd(silu(rnd(gate @ x))) * rnd(up @ x)))`` for rows of x against stacked experts."""
-    dt = x.dtype
-    g = jnp.einsum("...h,...ih->...i", x, gate, preferred_element_type=jnp.float32).astype(dt)
-    u = jnp.einsum("...h,...ih->...i", x, up, preferred_element_type=jnp.float32).astype(dt)
-    hs = (jax.nn.silu(g.astype(jnp.float32)).astype(dt).astype(jnp.float32) * u.astype(jnp.float32)).astype(dt)
-    return jnp.einsum("...i,...hi->...h", hs, down, preferred_element_type=jnp.float32).astype(dt)
-
-
 @jax.jit
 def dense_form(x, ids, w, gate, up, down):
-    """Every expert on every token, weighted by the routing (zero for unselected experts)."""
+    """Every expert on every token (the reference's expert FFN over all E), weighted by the routing."""
     e = gate.shape[0]
     routing_w = jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32) * w[..., None], axis=1)  # [N, E]
-    y = _expert_ffn(x[:, None, :], gate[None], up[None], down[None])  # [N, E, H]
-    return jnp.einsum("ne,neh->nh", routing_w, y.astype(jnp.float32))
-
-
-@jax.jit
-def gather_form(x, ids, w, gate, up, down):
-    """The selected experts' weights gathered per (token, slot) pair, then batched einsums."""
-    y = _expert_ffn(x[:, None, :], gate[ids], up[ids], down[ids])  # [N, k, H]
-    return jnp.einsum("nk,nkh->nh", w, y.astype(jnp.float32))
-
-
-def dense_reference(x, ids, w, weights, chunk=256):
-    """The dense form over token chunks (bounded memory at 2048 tokens)."""
-    return jnp.concatenate([dense_form(x[s:s + chunk], ids[s:s + chunk], w[s:s + chunk], *weights)
-                            for s in range(0, x.shape[0], chunk)])
+    y = reference.expert_ffn(jnp.broadcast_to(x, (e,) + x.shape), gate, up, down)  # [E, N, H]
+    return jnp.einsum("ne,enh->nh", routing_w, y.astype(jnp.float32))
 
 
 def parse_config(text):
@@ -155,7 +134,9 @@ def variants(n, interpret):
     if "dense" in FLAGS.variants and n <= FLAGS.dense_max_tokens:
         out["dense"] = (lambda x, i, w, ws: dense_form(x, i, w, *ws[:3]), False)
     if "gather" in FLAGS.variants and n <= FLAGS.gather_max_tokens:
-        out["gather"] = (lambda x, i, w, ws: gather_form(x, i, w, *ws[:3]), False)
+        out["gather"] = (lambda x, i, w, ws: reference.routed_experts_gather(x, i, w, *ws[:3]), False)
+    if "segments" in FLAGS.variants:
+        out["segments"] = (lambda x, i, w, ws: reference.routed_experts_segments(x, i, w, *ws[:3]), False)
     if "mosaic" in FLAGS.variants:
         out["mosaic"] = (_mosaic({}, impl), False)
         for text in FLAGS.configs:
@@ -255,7 +236,7 @@ def bench_row(shape_name, n, kind, weight_sets, ceilings, interpret):
         row["floor_bytes_s"] = row["active_bytes"] / ceilings["copy_bytes_per_s"]
         row["floor_flops_s"] = row["active_flops"] / ceilings["gemm_flops_per_s"]
         row["floor_s"] = max(row["floor_bytes_s"], row["floor_flops_s"])
-    ref = dense_reference(x, ids, w, weight_sets[0][:3])
+    ref = jax.jit(reference.routed_experts)(x, ids, w, *weight_sets[0][:3])
     for name, (fn, _) in variants(n, interpret).items():
         v = row["variants"][name] = {}
         try:
@@ -348,7 +329,7 @@ def main(_):
         bad = [(r["tokens"], v, d) for r in results["rows"] for v, d in r["variants"].items()
                if "error" in d or not d.get("finite") or d["rel_err"] > FLAGS.max_err]
         if bad:
-            raise SystemExit(f"variants off the dense form: {bad}")
+            raise SystemExit(f"variants off the reference: {bad}")
 
 
 if __name__ == "__main__":
