@@ -4,8 +4,11 @@ The model's MoE layer (`mtp.model.layers.moe`) routes (softmax, top-k, normalisa
 weights' rounding) and adds the shared expert; this op computes the rest, what the selected
 experts cost and no more (`reference` for the definition and the two sparse forms). ``impl``
 is resolved by `mtp.pallas.backend.resolve_impl` under the op name ``"moe"`` (so
-``MTP_KERNELS=moe=reference`` and the global switch apply). No kernel exists yet, so every
-choice runs the reference; a kernel file beside it (same signature) is dispatched here.
+``MTP_KERNELS=moe=reference`` and the global switch apply): on a GPU ``"auto"`` runs the
+grouped-GEMM kernels of `mosaic` (Mosaic GPU; ``"interpret"`` runs them in Pallas' GPU
+interpreter), except where `mosaic.unsupported` names why they cannot take the inputs (f32,
+quantized experts, sizes their tiles do not divide) or the trace runs under a mesh (the kernels
+see whole arrays; XLA partitions the reference): those go to the reference.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mtp.ops.moe import reference
+from mtp.ops.moe import mosaic, reference
 from mtp.pallas.backend import resolve_impl
 
 
@@ -50,5 +53,15 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, impl: str =
     ``expert_weights`` f32 ``[N, k]``, ``gate``/``up`` ``[E, I, H]``, ``down`` ``[E, H, I]``.
     """
     check_inputs(x, expert_ids, expert_weights, gate, up, down)
-    resolve_impl(impl, "moe")  # validates impl and MTP_KERNELS; every path is the reference for now
-    return reference.routed_experts(x, expert_ids.astype(jnp.int32), expert_weights, gate, up, down)
+    ids = expert_ids.astype(jnp.int32)
+    mode = resolve_impl(impl, "moe")
+    if (mode != "reference" and not _under_mesh()
+            and mosaic.unsupported(x, ids, expert_weights, gate, up, down) is None):
+        return mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
+    return reference.routed_experts(x, ids, expert_weights, gate, up, down)
+
+
+def _under_mesh() -> bool:
+    """Whether the trace runs under a mesh of more than one device (``jax.set_mesh``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.size > 1
