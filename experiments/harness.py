@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import pathlib
 
 import jax.numpy as jnp
@@ -87,13 +86,6 @@ def run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total, mesh=No
 
 
 STINTS = ("wave", "session")  # `run_policies_interleaved`'s turn-taking
-_ENVIRONMENT_PREFIXES = ("MTP_", "XLA_", "JAX_")
-
-
-def environment() -> dict[str, str]:
-    """The variables that change what a run compiles or how it runs (XLA and JAX flags, this
-    project's switches), for its results: two runs that differ only there must say so."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENVIRONMENT_PREFIXES)}
 
 
 def run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs: dict, total, mesh=None,
