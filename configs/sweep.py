@@ -40,7 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
 def _axes_named(v):
     names = [n for n in v.split(",") if n] if isinstance(v, str) else None
     if names is None:
-        return f"a {type(v).__name__}"
+        return cli.kind_of(v)
     return next((f"{n!r} is no axis" for n in names if n not in AXES), None)
 
 

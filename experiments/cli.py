@@ -58,6 +58,12 @@ class Values:
     problem: Callable[[Any], str | None]
 
 
+def kind_of(v) -> str:
+    """``v``'s type with its article: what a value of the wrong type is said to be."""
+    name = type(v).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)  # True is no count (a typo, not 1)
 
@@ -89,7 +95,7 @@ def integer(lo: int | None = None, hi: int | None = None, also: Mapping[int, str
 
     def problem(v):
         if not _is_int(v):
-            return f"a {type(v).__name__}"
+            return kind_of(v)
         if v in also or ((lo is None or v >= lo) and (hi is None or v <= hi)):
             return None
         return ""
@@ -105,7 +111,7 @@ def number(lo: float | None = None, hi: float | None = None, hi_open: bool = Fal
 
     def problem(v):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            return f"a {type(v).__name__}"
+            return kind_of(v)
         above = lo is None or v >= lo
         below = hi is None or (v < hi if hi_open else v <= hi)
         return None if above and below else ""
@@ -113,7 +119,7 @@ def number(lo: float | None = None, hi: float | None = None, hi_open: bool = Fal
     return Values(words, problem)
 
 
-BOOLEAN = Values("True or False", lambda v: None if isinstance(v, bool) else f"a {type(v).__name__}")
+BOOLEAN = Values("True or False", lambda v: None if isinstance(v, bool) else kind_of(v))
 OUTPUT_PATH = Values("a non-empty path", lambda v: None if isinstance(v, str) and v else "")
 
 
@@ -126,11 +132,11 @@ def tuple_of(values: Values, empty_means: str) -> Values:
     """A tuple (or list) whose every element ``values`` takes; ``()`` means ``empty_means``."""
     def problem(v):
         if not isinstance(v, (tuple, list)):
-            return f"a {type(v).__name__}"
+            return kind_of(v)
         for x in v:
             p = values.problem(x)
             if p is not None:
-                return f"element {x!r}{f' is {p}' if p else ''} (each element: {values.accepts})"
+                return f"element {x!r} is {p or 'not one of them'}"
         return None
 
     return Values(f"a tuple of {values.accepts}; () {empty_means}", problem)
@@ -145,7 +151,7 @@ def existing_path(kind: str, holding: tuple[str, ...] = (), root: pathlib.Path |
 
     def problem(v):
         if not isinstance(v, str) or not v:
-            return f"a {type(v).__name__}" if not isinstance(v, str) else "empty"
+            return kind_of(v) if not isinstance(v, str) else "empty"
         p = pathlib.Path(v)
         p = p if p.is_absolute() or root is None else root / p
         if not (p.is_file() if kind == "file" else p.is_dir()):
