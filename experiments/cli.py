@@ -273,8 +273,11 @@ def _override_error(flag: str, default: str, error: Exception) -> str:
     the fields it has), else the config file and the error."""
     import importlib.util
 
-    given = [a[2:].partition("=")[0] for a in sys.argv[1:] if a.startswith(f"--{flag}.")]
-    path = next((a.partition("=")[2] for a in sys.argv[1:] if a.startswith(f"--{flag}=")), default).partition(":")[0]
+    args = sys.argv[1:]
+    given = [a[2:].partition("=")[0] for a in args if a.startswith(f"--{flag}.")]
+    path = next((a.partition("=")[2] if "=" in a else (args[i + 1] if i + 1 < len(args) else default)
+                 for i, a in enumerate(args) if a == f"--{flag}" or a.startswith(f"--{flag}=")), default)
+    path = path.partition(":")[0]  # config_flags' "file.py:argument"
     try:
         spec = importlib.util.spec_from_file_location("_config_of_the_failed_flag", path)
         module = importlib.util.module_from_spec(spec)
@@ -295,12 +298,18 @@ def _override_error(flag: str, default: str, error: Exception) -> str:
     return f"{' '.join('--' + n for n in given) or f'--{flag}={path}'}: {' '.join(str(error).split())}"
 
 
-def _parse_flags(argv):
-    """absl's flag parsing, its errors on one line."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _fail(f"{e} (--help lists the flags and config fields)")
+def _flags_parser(config_flag: str):
+    """absl's flag parsing with its errors on one line, an override of a field the config lacks
+    among them (``config_flags`` finds some of those only here)."""
+    def parse(argv):
+        try:
+            return flags.FLAGS(argv)
+        except flags.Error as e:
+            _fail(f"{e} (--help lists the flags and config fields)")
+        except (AttributeError, KeyError) as e:
+            _fail(_override_error(config_flag, flags.FLAGS[config_flag].default_as_str.strip("'"), e))
+
+    return parse
 
 
 def run(main: Callable, config, config_module, errors: tuple[type[Exception], ...] = ()) -> None:
@@ -327,7 +336,7 @@ def run(main: Callable, config, config_module, errors: tuple[type[Exception], ..
         except (app.UsageError, *errors) as e:
             _fail(e)
 
-    app.run(checked_main, flags_parser=_parse_flags)
+    app.run(checked_main, flags_parser=_flags_parser(config.name))
 
 
 def wrote(directory, files, note: str = "") -> None:
