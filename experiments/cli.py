@@ -136,7 +136,7 @@ def tuple_of(values: Values, empty_means: str) -> Values:
         for x in v:
             p = values.problem(x)
             if p is not None:
-                return f"element {x!r} is {p or 'not one of them'}"
+                return f"element {x!r} is {p or 'refused'}"
         return None
 
     return Values(f"a tuple of {values.accepts}; () {empty_means}", problem)

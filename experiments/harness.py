@@ -31,11 +31,8 @@ def load_experiment(c):
     ``--config.tp`` / ``--config.ep`` above 1 load the checkpoint straight into its shards
     (`mtp.sharding.load_sharded`), for checkpoints one device cannot hold; a layout the
     devices or the checkpoint cannot take is refused by those flags' names before any
-    tensor is read.
+    tensor is read (their values were checked against the config's ``FIELDS`` already).
     """
-    for flag in ("tp", "ep"):
-        if c[flag] < 1:
-            raise app.UsageError(f"--config.{flag}={c[flag]}: give a positive number of devices (1: no split)")
     mesh = None
     if c.tp * c.ep > 1:
         model_cfg = load_config(c.checkpoint)  # a malformed config.json is its own error, not the flags'

@@ -71,14 +71,15 @@ def swept_axes(c) -> list[str]:
     return axes
 
 
-def plan(c, cfg0, sessions, preamble_only) -> dict:
-    """``{axis: (sessions, max new tokens, [(value, cfg, spec, ecfg), ...])}`` for every swept axis and value.
+def plan(c, cfg0, sessions, preamble_only, axes) -> dict:
+    """``{axis: (sessions, max new tokens, [(value, cfg, spec, ecfg), ...])}`` for every axis of
+    ``axes`` (`swept_axes`) and its values.
 
     The Marconi axis runs over the sessions that share only the preamble, where the
     threshold decides between restoring a snapshot and a full drafter prefill.
     """
     out = {}
-    for axis in swept_axes(c):
+    for axis in axes:
         work = preamble_only if axis == "marconi_min_tokens" else sessions
         max_new = max(t.max_new_tokens for s in work for t in s.turns)
         out[axis] = work, max_new, [(v, *_setting(c, cfg0, axis, v, max_new)) for v in c.axes[axis]]
@@ -109,9 +110,10 @@ def main(argv):
     del argv
     c = _CONFIG.value
     start = time.time()
+    swept = swept_axes(c)
     cfg0, params, mesh, sessions, prompts = load_experiment(c)
     preamble_only = session_subset(load_sessions(c.preamble_only_sessions), c.num_preamble_only, "num_preamble_only")
-    axes = plan(c, cfg0, sessions, preamble_only)
+    axes = plan(c, cfg0, sessions, preamble_only, swept)
     out = pathlib.Path(c.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tables, refs = {}, {}  # one plain greedy reference per session set, shared by its axes

@@ -48,28 +48,46 @@ def _python(code: str, *args):
 
 def test_sweep_names_a_bad_axis_or_value_before_any_run(tmp_path):
     """An unknown axis ran the baseline under its label; a bad value stopped the sweep only once
-    the axes before it had run."""
+    the axes before it had run. Every axis and value is checked against the config's table
+    (`configs.sweep.FIELDS`) before `main` runs, by the axis's flag name."""
     code = SWEEP + """
+from experiments import cli
+from configs import sweep as sweep_config
 FAIL_AT = None
-shipped = sweep.plan(c, cfg, sessions, sessions)
+shipped = sweep.plan(c, cfg, sessions, sessions, sweep.swept_axes(c))
 assert {a: len(runs) for a, (_, _, runs) in shipped.items()} == {a: len(v) for a, v in c.axes.items()}
+assert set(sweep._baseline(c, cfg)) == set(sweep_config.AXES) == set(c.axes.keys())  # one list of axes
 for axis, values, message in [
-        ("mtp_qaunt", ("bf16",), "--config.axes.mtp_qaunt: no such axis; choose from verify_width, mtp_quant"),
-        ("mtp_quant", ("bf16", "fp9"), "--config.axes.mtp_quant: value 'fp9': unknown --mtp_quant 'fp9'"),
-        ("verify_width", (2, 1), "--config.axes.verify_width: value 1: verify_width K=1 must be in 2.."),
-        ("verify_width", (2, 2.5), "--config.axes.verify_width: value 2.5 is a float, the axis takes int values"),
-        ("refeed_accepted", (False, "yes"), "value 'yes' is a str, the axis takes bool values"),
-        ("draft_conf_tau", (0.3, 1.0), "--config.axes.draft_conf_tau: value 1.0: draft_conf_tau=1.0 must be in"),
-        ("mtp_hidden_source", ("pre-norm",), "--config.axes.mtp_hidden_source: value 'pre-norm': config field"),
-        ("marconi_min_tokens", (0, -1), "--config.axes.marconi_min_tokens: value -1 must be >= 0"),
-        ("marconi_min_tokens", (), "--config.axes.marconi_min_tokens=(): give a non-empty tuple")]:
-    c.axes = ml_collections.ConfigDict(dict([("draft_conf_tau", (0.0, 0.3)), (axis, values)]))  # sorted: first
+        ("mtp_qaunt", ("bf16",), "--config.axes.mtp_qaunt: no such field (did you mean mtp_quant?); --config.axes has"),
+        ("mtp_quant", ("bf16", "fp9"), "--config.axes.mtp_quant=('bf16', 'fp9'): element 'fp9' is refused; "
+                                       "give a tuple of one of 'bf16', 'fp8', 'nvfp4'"),
+        ("verify_width", (2, 1), "--config.axes.verify_width=(2, 1): element 1 is refused; give a tuple of "
+                                 "an integer in 2..8"),
+        ("verify_width", (2, 2.5), "element 2.5 is a float"),
+        ("refeed_accepted", (False, "yes"), "element 'yes' is a str; give a tuple of True or False"),
+        ("draft_conf_tau", (0.3, 1.0), "--config.axes.draft_conf_tau=(0.3, 1.0): element 1.0 is refused; "
+                                       "give a tuple of a number in [0.0, 1.0)"),
+        ("mtp_hidden_source", ("pre-norm",), "give a tuple of one of 'post_norm', 'pre_norm'"),
+        ("marconi_min_tokens", (0, -1), "--config.axes.marconi_min_tokens=(0, -1): element -1 is refused")]:
+    c.axes = ml_collections.ConfigDict(dict([("draft_conf_tau", (0.0, 0.3)), (axis, values)]))
     try:
-        sweep.main([])
-        raise AssertionError(f"{axis}={values} was swept")
+        cli.check_config(c, sweep_config.FIELDS)
+        raise AssertionError(f"{axis}={values} was taken")
     except app.UsageError as e:
         assert message in str(e), (message, str(e))
-    assert not ran, ran  # the good axis before it did not run either
+# An axis set to () is not swept; --config.only sweeps the named axes alone; none left is refused.
+c.axes = ml_collections.ConfigDict(dict(draft_conf_tau=(0.0, 0.3), verify_width=(), mtp_quant=("bf16",)))
+cli.check_config(c, sweep_config.FIELDS)
+assert sweep.swept_axes(c) == ["draft_conf_tau", "mtp_quant"]
+c.only = "mtp_quant"
+assert sweep.swept_axes(c) == ["mtp_quant"]
+c.only = "verify_width"
+try:
+    sweep.swept_axes(c)
+    raise AssertionError("an empty sweep was planned")
+except app.UsageError as e:
+    assert "no axis left to sweep" in str(e), str(e)
+assert not ran, ran
 print("checked")
 """
     _python(code, str(tmp_path))
@@ -180,7 +198,7 @@ def test_carry_ablation_runs_on_a_tensor_parallel_mesh(tmp_path):
 def test_carry_ablation_names_a_mesh_it_cannot_build(tmp_path):
     for devices, flags, says in ((2, ("--config.tp=4",), "needs 4 devices, only 2"),
                                  (2, ("--config.tp=1", "--config.ep=2"), "num_experts=0"),
-                                 (2, ("--config.tp=0",), "--config.tp=0: give a positive number"),
+                                 (2, ("--config.tp=0",), "--config.tp=0: give an integer >= 1"),
                                  (8, ("--config.tp=7",), "divides none of")):
         proc = _carry_ablation_on_devices(tmp_path, devices, *flags)
         assert proc.returncode != 0 and "--config.tp=" in proc.stderr and says in proc.stderr, proc.stderr[-3000:]
@@ -189,6 +207,6 @@ def test_carry_ablation_names_a_mesh_it_cannot_build(tmp_path):
 
 def test_carry_ablation_names_a_bad_stint(tmp_path):
     proc = _carry_ablation_on_devices(tmp_path, 1, "--config.stint=turn")
-    assert proc.returncode != 0 and "--config.stint='turn': give 'wave' or 'session'" in proc.stderr, \
+    assert proc.returncode != 0 and "--config.stint='turn': give one of 'wave', 'session'" in proc.stderr, \
         proc.stderr[-3000:]
     assert not (tmp_path / "out").exists()
