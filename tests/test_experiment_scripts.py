@@ -210,3 +210,55 @@ def test_carry_ablation_names_a_bad_stint(tmp_path):
     assert proc.returncode != 0 and "--config.stint='turn': give one of 'wave', 'session'" in proc.stderr, \
         proc.stderr[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_carry_ablation_says_beside_each_interval_when_its_sessions_are_too_few(tmp_path):
+    """A 3-session run printed intervals that meant nothing without saying so."""
+    code = """
+from experiments import carry_ablation
+from mtp.analysis import paired_bootstrap
+boot = lambda n: paired_bootstrap([1.0, 2.0, 0.5] * n, [0.0] * (3 * n), list(range(n)) * 3, 200, 0)
+for n, warned in ((3, True), (12, False)):
+    report = dict(header="h", variants={}, lossless="yes",
+                  comparisons={"carry - blind": {"ttft_ms": boot(n), "mean_acceptance_length": boot(n)}})
+    rows = [l for l in carry_ablation._markdown(report).splitlines() if l.startswith("| carry - blind")]
+    assert len(rows) == 2, rows
+    caveat = f"**only {n} sessions (< 10): the interval means little**"
+    assert all((caveat in r) is warned for r in rows), rows
+print("checked")
+"""
+    _python(code, str(tmp_path))
+
+
+def test_carry_ablation_plots_acceptance_per_turn_with_its_spread_and_counts(tmp_path):
+    """Each point pools every session's turn i (as the table does); its error bar is the standard
+    error of the sessions' own values, none where one session has the turn; and both PNGs are written."""
+    code = """
+import pathlib, sys, types
+import numpy as np
+from experiments import carry_ablation
+from mtp.metrics import AcceptanceStats
+
+rng = np.random.default_rng(0)
+def turn():
+    steps = int(rng.integers(1, 30))
+    return types.SimpleNamespace(stats=types.SimpleNamespace(
+        acceptance=AcceptanceStats(steps=steps, draft_tokens=2 * steps, accepted=int(rng.integers(0, 2 * steps)),
+                                   accepted_at_least=np.zeros(2, np.int64)), ttft_s=float(rng.uniform(0.01, 0.2))))
+lengths = {"s0": 4, "s1": 2, "s2": 3}  # turn 3 comes from one session only
+per_turn = {p: {(s, i): turn() for s, n in lengths.items() for i in range(n)} for p in ("blind", "carry")}
+got = carry_ablation._acceptance_by_turn(per_turn)
+for p, turns in per_turn.items():
+    for i in range(4):
+        rows = [r.stats.acceptance for (s, j), r in turns.items() if j == i]
+        pooled = 1 + sum(a.accepted for a in rows) / sum(a.steps for a in rows)
+        own = [1 + a.accepted / a.steps for a in rows]
+        point, err, n = got[p][i]
+        assert n == len(rows) and abs(point - pooled) < 1e-12
+        assert (err is None) if n == 1 else abs(err - np.std(own, ddof=1) / np.sqrt(n)) < 1e-12
+report = {"variants": {p: {} for p in per_turn}}
+carry_ablation._plots(report, per_turn, pathlib.Path(sys.argv[1]))
+assert sorted(q.name for q in pathlib.Path(sys.argv[1]).iterdir()) == sorted(carry_ablation.PLOTS)
+print("checked")
+"""
+    _python(code, str(tmp_path))
