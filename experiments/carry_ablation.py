@@ -7,7 +7,7 @@ Serves the embedded default model's multi-turn evaluation sessions under every
 drafter policy, the policies interleaved wave by wave so that their timings are
 side by side (`harness.run_policies_interleaved`), plus a plain-greedy reference;
 checks every policy's tokens equal the reference's, and reports per policy, split
-into cold (first) and warm turns:
+into each session's first turn and its later turns (JSON keys ``cold`` and ``warm``):
 TTFT, decode tokens/s, verify steps, accepted tokens per step, mean acceptance
 length, per-position acceptance and drafter rows prefilled / adopted / appended;
 with paired bootstrap 95% intervals for ``carry - blind`` and ``carry - rebuild`` (over fewer
@@ -38,28 +38,31 @@ from mtp.engine import EngineConfig
 from mtp.speculative import SpecConfig
 
 _CONFIG = cli.define_config("configs/carry_ablation.py", "The experiment's config file; its fields are listed above.")
+# The results' split of a policy's turns, as tables and plots name it: "cold" and "warm" are the
+# JSON keys, which a reader of a table would take for the policy named cold.
+SPLITS = {"cold": "first turn", "warm": "later turns"}
 COMPARISONS = (("carry", "blind"), ("carry", "rebuild"), ("carry_multi_B2", "carry_single_B2"))
 
 
 def _markdown(report) -> str:
     lines = [f"# Drafter-context ablation\n\n{report['header']}\n",
-             "| variant | turns | split | TTFT p50 ms | decode tok/s | verify steps | accepted/step | "
+             "| variant | turns | which turns | TTFT p50 ms | decode tok/s | verify steps | accepted/step | "
              "mean acc. len | per-position acceptance | drafter rows prefilled / adopted / appended | "
              "carry outcomes (turns) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in report["variants"].items():
-        for split in ("cold", "warm"):
+        for split, shown in SPLITS.items():
             s = v[split]
             if not s["turns"]:
                 continue
             pos = " / ".join(f"{p:.3f}" for p in s["acceptance_per_position"])
             # A disarmed carry says so (DESIGN §3: configured is not armed), never "no_carry".
             outcomes = ", ".join(f"{o} {n}" for o, n in s["carry_outcomes"].items())
-            lines.append(f"| {name} | {s['turns']} | {split} | {s['ttft_ms_p50']:.1f} | {s['decode_tokens_per_s']:.1f} "
+            lines.append(f"| {name} | {s['turns']} | {shown} | {s['ttft_ms_p50']:.1f} | {s['decode_tokens_per_s']:.1f} "
                          f"| {s['verify_steps']} | {s['accepted_per_step']:.3f} | {s['mean_acceptance_length']:.3f} "
                          f"| {pos} | {s['drafter_rows_prefilled']} / {s['drafter_rows_adopted']} / "
                          f"{s['drafter_rows_appended']} | {outcomes} |")
-    lines += ["", "Paired differences over warm turns, 95% CI by a bootstrap over sessions (the acceptance "
+    lines += ["", "Paired differences over later turns, 95% CI by a bootstrap over sessions (the acceptance "
               "length pooled over verify steps, as above; TTFT and wait as means per turn):", "",
               "| comparison | metric | difference | 95% CI | turns | sessions |", "|---|---|---|---|---|---|"]
     for key, cmp in report["comparisons"].items():
@@ -123,8 +126,8 @@ def _plots(report, per_turn, out: pathlib.Path):
     fig.savefig(out / PLOTS[0], dpi=120, bbox_inches="tight")
     plt.close(fig)
 
-    splits = {"first turn of a session (nothing cached)": lambda i: i == 0,
-              "later turns (prefix cached)": lambda i: i > 0}
+    splits = {f"{SPLITS['cold']} of a session (nothing cached)": lambda i: i == 0,
+              f"{SPLITS['warm']} (prefix cached)": lambda i: i > 0}
     fig, ax = plt.subplots(figsize=(8, 4.2))
     names = list(report["variants"])
     for k, (label, in_split) in enumerate(splits.items()):
