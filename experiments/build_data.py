@@ -62,6 +62,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     cfg = _CONFIG.value
+    origin = provenance(cfg)  # the code and command as the run starts
     try:
         spec = spec_from_config(cfg)
     except ValueError as e:
@@ -117,7 +118,7 @@ def main(argv):
     assets = [tokenizer_path] + [sessions_dir / n for n in (sessions_lib.PREAMBLE_FILE, sessions_lib.EVAL_SESSIONS_FILE, sessions_lib.PREAMBLE_ONLY_FILE)]
     turns = [len(s.turns) for s in eval_sessions]
     summary = {
-        **provenance(cfg),
+        **origin,
         "corpus": info.to_dict(),
         "tokenizer": {"path": str(tokenizer_path), "vocab_size": tok.vocab_size, "special_ids": tok.special_ids},
         "preamble_tokens": preamble_tokens,

@@ -168,7 +168,7 @@ def _compare(ta, tb, keys, c) -> dict:
 def main(argv):
     del argv
     c = _CONFIG.value
-    start = time.time()
+    start, origin = time.time(), provenance(c)  # the code and command as the run starts
     if not c.variants:
         raise app.UsageError("--config.variants: empty; give at least one (policy, batch_slots, carry_slots)")
     if c.marconi_min_tokens is not None and not carry_lib.set_marconi_min_tokens(c.marconi_min_tokens):
@@ -215,7 +215,7 @@ def main(argv):
                    + (f". **{len(sessions)} sessions are too few for the bootstrap intervals below (a bootstrap "
                       f"over sessions needs at least {MIN_BOOTSTRAP_SESSIONS}): read them as unknown, and the "
                       f"differences as this run's only.**" if few else "")),
-        **provenance(c),
+        **origin,
         "intervals": {"min_sessions": MIN_BOOTSTRAP_SESSIONS, "sessions": len(sessions), "too_few_sessions": few},
         "lossless": "every policy's tokens equal the plain greedy loop's" if ok else
                     f"MISMATCH: {[n for n, v in same.items() if not v]}",

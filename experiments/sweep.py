@@ -86,9 +86,10 @@ def plan(c, cfg0, sessions, preamble_only, axes) -> dict:
     return out
 
 
-def _write(out: pathlib.Path, header: str, c, tables: dict) -> str:
-    """results.json and results.md of the axes run so far; returns the markdown."""
-    report = {"header": header, **provenance(c), "tables": tables}
+def _write(out: pathlib.Path, header: str, origin: dict, tables: dict) -> str:
+    """results.json (``origin``: the run's `provenance`) and results.md of the axes run so far;
+    returns the markdown."""
+    report = {"header": header, **origin, "tables": tables}
     write_json(out / "results.json", report)
     lines = [f"# Acceptance sweeps\n\n{header}\n"]
     for axis, rows in tables.items():
@@ -109,7 +110,7 @@ def _write(out: pathlib.Path, header: str, c, tables: dict) -> str:
 def main(argv):
     del argv
     c = _CONFIG.value
-    start = time.time()
+    start, origin = time.time(), provenance(c)  # the code and command as the run starts
     swept = swept_axes(c)
     cfg0, params, mesh, sessions, prompts = load_experiment(c)
     preamble_only = session_subset(load_sessions(c.preamble_only_sessions), c.num_preamble_only, "num_preamble_only")
@@ -136,7 +137,7 @@ def main(argv):
                   f"policy={c.policy}, baseline K={c.verify_width} {c.mtp_quant}, "
                   f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s, "
                   f"{len(tables)} of {len(axes)} axes")
-        md = _write(out, header, c, tables)
+        md = _write(out, header, origin, tables)
     print(md)
     cli.wrote(out, ("results.json", "results.md"), f"{len(tables)} of {len(axes)} axes, wall {time.time() - start:.0f} s")
     if not all(r["lossless"] for rows in tables.values() for r in rows):

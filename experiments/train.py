@@ -44,6 +44,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = _CONFIG.value
+    origin = provenance(config)  # the code and command as the run starts
     command = "PYTHONPATH=. python3 " + " ".join(shlex.quote(a) for a in sys.argv)
     logging.info("config:\n%s", config)
     result = train_lib.train(config, _WORKDIR.value, max_train_seconds=_MAX_TRAIN_SECONDS.value,
@@ -57,7 +58,7 @@ def main(argv):
                                        tokenizer_path=config.tokenizer or None,
                                        max_shard_bytes=config.max_shard_bytes or None)
         logging.info("exported to %s", out)
-    write_json(os.path.join(_WORKDIR.value, "summary.json"), {**s, "provenance": provenance(config)}, indent=2)
+    write_json(os.path.join(_WORKDIR.value, "summary.json"), {**s, "provenance": origin}, indent=2)
     print(json.dumps(s, indent=2))
     cli.wrote(_WORKDIR.value, ("summary.json", "metrics.jsonl", "checkpoints/"))
     if export_dir:
