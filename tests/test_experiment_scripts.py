@@ -191,6 +191,8 @@ def test_carry_ablation_runs_on_a_tensor_parallel_mesh(tmp_path):
     assert "(mesh tp=2 x ep=1)" in report["header"]
     assert report["environment"] == {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     assert report["lossless_by_variant"] == {"carry": True}
+    assert report["devices"]["count"] == 2 and report["git"]["commit"] and report["packages"]["jax"]
+    assert "--config.tp=2" in report["command"] and report["config"]["tp"] == 2
     warm = report["variants"]["carry"]["warm"]
     assert warm["turns"] > 0 and warm["drafter_rows_adopted"] > 0 and warm["drafter_rows_appended"] > 0
 
