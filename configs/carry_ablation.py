@@ -1,6 +1,17 @@
-"""The drafter-context ablation (the README's main job) on the embedded default model."""
+"""The drafter-context ablation (the README's main job) on the embedded default model.
+
+``FIELDS`` says what each field means and which values it takes: ``--help`` lists it, and
+`experiments.cli.run` checks a config against it before anything is loaded.
+"""
 
 import ml_collections
+
+from experiments import cli
+from experiments.harness import STINTS
+from mtp.config import MTP_HIDDEN_SOURCES
+from mtp.engine import DRAFTER_POLICIES, TextPrompts
+from mtp.quant import QUANT_CHOICES, parse_quant
+from mtp.speculative import MAX_VERIFY_WIDTH
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -39,3 +50,60 @@ def get_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.out_dir = "runs/carry_ablation"
     return c
+
+
+def _variant_problem(v):
+    """What is wrong with a variant ``(policy, batch_slots, carry_slots)``, or None."""
+    if not isinstance(v, (tuple, list)) or len(v) != 3:
+        return "not a (policy, batch_slots, carry_slots) triple"
+    policy, *slots = v
+    if policy not in DRAFTER_POLICIES:
+        return f"policy {policy!r} is no drafter policy"
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in slots):
+        return f"slots {tuple(slots)} are not both integers >= 1"
+    return None
+
+
+VERIFY_WIDTH = cli.integer(2, MAX_VERIFY_WIDTH)
+MTP_QUANT = cli.parsed_by(parse_quant, QUANT_CHOICES)
+MTP_HIDDEN_SOURCE = cli.one_of(*MTP_HIDDEN_SOURCES)
+MARCONI_MIN_TOKENS = cli.integer(0)
+SESSION_COUNT = cli.integer(1, also={-1: "all of them"})
+MODEL_FIELDS = {
+    "checkpoint": cli.Field("The model: a Hugging Face checkpoint directory.",
+                            cli.existing_path("dir", ("config.json", "tokenizer.json"))),
+    "sessions": cli.Field("The multi-turn evaluation sessions (JSON lines, mtp/data/sessions.py).",
+                          cli.existing_path("file")),
+    "preamble": cli.Field("The system preamble every session's first prompt starts with.",
+                          cli.existing_path("file")),
+    "num_sessions": cli.Field("How many of the sessions are served, from the first.", SESSION_COUNT),
+    "prompt_mode": cli.Field("How a warm turn's prompt is built: 'append' extends the previous turn's full "
+                             "token sequence; 'rerender' re-tokenizes the whole transcript (its boundary "
+                             "tokens may differ, which the carry truncates).", cli.one_of(*TextPrompts.MODES)),
+    "verify_width": cli.Field("K, the verify width: K - 1 drafts per verify step.", VERIFY_WIDTH),
+    "mtp_quant": cli.Field("The MTP head's weight precision.", MTP_QUANT),
+    "dtype": cli.Field("The compute dtype the checkpoint is loaded at (float32 keeps greedy near-ties stable "
+                       "on a CPU).", cli.one_of("float32", "bfloat16")),
+    "marconi_min_tokens": cli.Field(
+        "The shortest matched prefix for which an SSM snapshot is restored rather than recomputed with a "
+        "full drafter prefill (set process-wide, first writer wins).",
+        cli.optional(MARCONI_MIN_TOKENS, "MTP_MARCONI_MIN_TOKENS, else 256")),
+    "refeed_accepted": cli.Field("Rebuild the accepted rows written from drafter hiddens from the target's "
+                                 "hidden after each verify.", cli.BOOLEAN),
+    "tp": cli.Field("Tensor-parallel devices the checkpoint is split over (1: none).", cli.integer(1)),
+    "ep": cli.Field("Expert-parallel groups of a MoE checkpoint (1: none).", cli.integer(1)),
+    "max_context": cli.Field("Prompt + reply tokens one engine slot can address.", cli.integer(1)),
+    "num_pages": cli.Field("KV pages of the target's and of the drafter's page pools.", cli.integer(1)),
+    "out_dir": cli.Field("Where the results are written (created if missing).", cli.OUTPUT_PATH),
+}
+FIELDS = {
+    **MODEL_FIELDS,
+    "variants.*": cli.Field("One served configuration: (policy, batch_slots, carry_slots). batch_slots > 1 "
+                            "disarms the single-slot carry; carry_slots > 1 is the multi-slot carry.",
+                            cli.Values(f"a (policy, batch_slots, carry_slots) triple, policy one of "
+                                       f"{', '.join(DRAFTER_POLICIES)}, slots integers >= 1", _variant_problem)),
+    "stint": cli.Field("How long one policy's engine serves before the next takes over: one 'wave', or until "
+                       "one of its sessions ends ('session').", cli.one_of(*STINTS)),
+    "bootstrap_samples": cli.Field("Resamples of the paired bootstrap over sessions.", cli.integer(100)),
+    "seed": cli.Field("Seed of the bootstrap's resampling.", cli.integer()),
+}

@@ -1,8 +1,16 @@
-"""Acceptance sweeps over the speculative knobs, one table per axis (experiments/sweep.py)."""
+"""Acceptance sweeps over the speculative knobs, one table per axis (experiments/sweep.py).
+
+An axis set to ``()`` is not swept, so ``--config.axes.mtp_quant='()'`` drops one axis and
+``--config.only=verify_width`` runs one alone.
+"""
 
 import ml_collections
 
 from configs import carry_ablation
+from experiments import cli
+from mtp.engine import DRAFTER_POLICIES
+
+AXES = ("verify_width", "mtp_quant", "mtp_hidden_source", "refeed_accepted", "draft_conf_tau", "marconi_min_tokens")
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -24,5 +32,40 @@ def get_config() -> ml_collections.ConfigDict:
         "draft_conf_tau": (0.0, 0.3, 0.6),
         "marconi_min_tokens": (0, 64, 128, 256, 512),
     })
+    c.only = ""  # comma-separated axis names: sweep only these ("": every axis not set to ())
     c.out_dir = "runs/sweep"
     return c
+
+
+def _axes_named(v):
+    names = [n for n in v.split(",") if n] if isinstance(v, str) else None
+    if names is None:
+        return cli.kind_of(v)
+    return next((f"{n!r} is no axis" for n in names if n not in AXES), None)
+
+
+_NOT_SWEPT = "means the axis is not swept"
+FIELDS = {
+    **{k: f for k, f in carry_ablation.FIELDS.items() if k in carry_ablation.MODEL_FIELDS},
+    "marconi_min_tokens": cli.Field("The Marconi threshold of every axis but its own.",
+                                    cli.optional(carry_ablation.MARCONI_MIN_TOKENS, "MTP_MARCONI_MIN_TOKENS, else 256")),
+    "preamble_only_sessions": cli.Field("Sessions that share only the preamble: the Marconi axis runs over them.",
+                                        cli.existing_path("file")),
+    "num_preamble_only": cli.Field("How many of the preamble-only sessions, from the first.",
+                                   carry_ablation.SESSION_COUNT),
+    "policy": cli.Field("The drafter policy of every run.", cli.one_of(*DRAFTER_POLICIES)),
+    "only": cli.Field("Comma-separated axes to sweep alone ('' sweeps every axis not set to ()).",
+                      cli.Values(f"'' or comma-separated names of {', '.join(AXES)}", _axes_named)),
+    "axes.verify_width": cli.Field("Verify widths K.", cli.tuple_of(carry_ablation.VERIFY_WIDTH, _NOT_SWEPT),
+                                   required=False),
+    "axes.mtp_quant": cli.Field("MTP head precisions.", cli.tuple_of(carry_ablation.MTP_QUANT, _NOT_SWEPT),
+                                required=False),
+    "axes.mtp_hidden_source": cli.Field("Which target hidden feeds the MTP head.",
+                                        cli.tuple_of(carry_ablation.MTP_HIDDEN_SOURCE, _NOT_SWEPT), required=False),
+    "axes.refeed_accepted": cli.Field("Refeed on and off.", cli.tuple_of(cli.BOOLEAN, _NOT_SWEPT), required=False),
+    "axes.draft_conf_tau": cli.Field("D-Cut thresholds: a draft chain stops once its least top-1 probability is "
+                                     "below tau (0: never).",
+                                     cli.tuple_of(cli.number(0.0, 1.0, hi_open=True), _NOT_SWEPT), required=False),
+    "axes.marconi_min_tokens": cli.Field("Marconi thresholds, over the preamble-only sessions.",
+                                         cli.tuple_of(carry_ablation.MARCONI_MIN_TOKENS, _NOT_SWEPT), required=False),
+}

@@ -12,28 +12,29 @@ Outputs:
 
 Everything is a function of the config and the running interpreter's stdlib, so two
 runs on the same Python give byte-identical assets; with check_determinism the
-tokenizer is trained twice to prove it on this machine.
+tokenizer is trained twice to prove it on this machine. The config is checked against
+`configs.data.FIELDS` before any file is read; the last lines name what was written.
 """
 
 from __future__ import annotations
 
 import hashlib
 import pathlib
-import sys
 import time
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 from tqdm import tqdm
 
-from experiments.results_io import to_json, write_atomic
+from configs import data as config_module
+from experiments import cli
+from experiments.results_io import provenance, to_json, write_atomic
 from mtp.data import corpus as corpus_lib
 from mtp.data import sessions as sessions_lib
 from mtp.data.tokenizer import train_tokenizer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-_CONFIG = config_flags.DEFINE_config_file("config", str(REPO_ROOT / "configs" / "data.py"), "Data config.")
+_CONFIG = cli.define_config(str(REPO_ROOT / "configs" / "data.py"), "The data config file; its fields are listed above.")
 _WORK_DIR = flags.DEFINE_string("work_dir", "runs/data", "Where the token arrays and data_info.json go.")
 
 
@@ -61,6 +62,11 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     cfg = _CONFIG.value
+    origin = provenance(cfg)  # the code and command as the run starts
+    try:
+        spec = spec_from_config(cfg)
+    except ValueError as e:
+        raise app.UsageError(f"--config.min_turns/max_turns, user_/reply_min_tokens/max_tokens: {e}") from None
     work_dir = _resolve(_WORK_DIR.value)
     t_start = time.perf_counter()
     timings = {}
@@ -88,7 +94,6 @@ def main(argv):
     tok.save(tokenizer_path)
     timings["tokenizer_s"] = time.perf_counter() - t
 
-    spec = spec_from_config(cfg)
     preamble = sessions_lib.PREAMBLE
     preamble_tokens = len(tok.encode(sessions_lib.render_transcript(preamble, [])))
     t = time.perf_counter()
@@ -113,9 +118,7 @@ def main(argv):
     assets = [tokenizer_path] + [sessions_dir / n for n in (sessions_lib.PREAMBLE_FILE, sessions_lib.EVAL_SESSIONS_FILE, sessions_lib.PREAMBLE_ONLY_FILE)]
     turns = [len(s.turns) for s in eval_sessions]
     summary = {
-        "command": " ".join([pathlib.Path(sys.executable).name, "-m", "experiments.build_data"] + sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "config": cfg.to_dict(),
+        **origin,
         "corpus": info.to_dict(),
         "tokenizer": {"path": str(tokenizer_path), "vocab_size": tok.vocab_size, "special_ids": tok.special_ids},
         "preamble_tokens": preamble_tokens,
@@ -145,7 +148,10 @@ def main(argv):
           f"sessions: {len(eval_sessions)} eval ({sum(turns)} turns), {len(preamble_only)} preamble-only")
     print(f"assets: {sum(summary['asset_bytes'].values()):,} bytes; "
           + ", ".join(f"{k} {v}s" for k, v in summary["timings"].items()))
+    cli.wrote(tokenizer_path.parent, (tokenizer_path.name,))
+    cli.wrote(sessions_dir, tuple(p.name for p in assets[1:]))
+    cli.wrote(work_dir, ("train.npy", "heldout.npy", "data_info.json"))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, _CONFIG, config_module)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import pathlib
 
 import jax.numpy as jnp
@@ -32,11 +31,8 @@ def load_experiment(c):
     ``--config.tp`` / ``--config.ep`` above 1 load the checkpoint straight into its shards
     (`mtp.sharding.load_sharded`), for checkpoints one device cannot hold; a layout the
     devices or the checkpoint cannot take is refused by those flags' names before any
-    tensor is read.
+    tensor is read (their values were checked against the config's ``FIELDS`` already).
     """
-    for flag in ("tp", "ep"):
-        if c[flag] < 1:
-            raise app.UsageError(f"--config.{flag}={c[flag]}: give a positive number of devices (1: no split)")
     mesh = None
     if c.tp * c.ep > 1:
         model_cfg = load_config(c.checkpoint)  # a malformed config.json is its own error, not the flags'
@@ -87,13 +83,6 @@ def run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total, mesh=No
 
 
 STINTS = ("wave", "session")  # `run_policies_interleaved`'s turn-taking
-_ENVIRONMENT_PREFIXES = ("MTP_", "XLA_", "JAX_")
-
-
-def environment() -> dict[str, str]:
-    """The variables that change what a run compiles or how it runs (XLA and JAX flags, this
-    project's switches), for its results: two runs that differ only there must say so."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENVIRONMENT_PREFIXES)}
 
 
 def run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs: dict, total, mesh=None,

@@ -1,13 +1,16 @@
 r"""Acceptance sweeps: K, MTP precision, hidden source, refeed, D-Cut, Marconi threshold.
 
-    python -m experiments.sweep [--config configs/sweep.py] [--config.axes.verify_width=(2,4)]
+    python -m experiments.sweep [--config configs/sweep.py] [--config.axes.verify_width=(2,4)] \
+        [--config.only=verify_width] [--config.axes.mtp_quant='()']
 
 Each axis varies one knob from the baseline over the evaluation sessions (the
 Marconi axis over the sessions that share only the preamble, where the threshold
 decides between restoring a snapshot and recomputing with a full drafter prefill).
 Every run is checked token-identical to plain greedy decoding. Every axis and value
-is checked before the first run. ``results.json`` and ``results.md`` (one table per
-axis) go to ``out_dir`` after each axis, so a run cut short keeps the axes it finished.
+is checked before the first run (against `configs.sweep.FIELDS`). An axis set to ``()`` is not
+swept; ``--config.only`` names the axes to sweep alone. ``results.json`` (with the run's
+provenance) and ``results.md`` (one table per axis) go to ``out_dir`` after each axis, so a run cut
+short keeps the axes it finished; the last line names them.
 """
 
 from __future__ import annotations
@@ -16,48 +19,34 @@ import pathlib
 import time
 
 from absl import app, logging
-from ml_collections import config_flags
 
-from experiments.harness import (environment, eos_id, greedy_reference, index_turns, load_experiment, lossless,
-                                 run_policy, session_subset)
-from experiments.results_io import write_atomic, write_json
+from configs import sweep as config_module
+from experiments import cli
+from experiments.harness import (eos_id, greedy_reference, index_turns, load_experiment, lossless, run_policy,
+                                 session_subset)
+from experiments.results_io import provenance, write_atomic, write_json
 from mtp.analysis import summarize
 from mtp.data.sessions import load_sessions
 from mtp.engine import EngineConfig
 from mtp.speculative import SpecConfig
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/sweep.py", "Sweep config.")
+_CONFIG = cli.define_config("configs/sweep.py", "The sweep's config file; its fields are listed above.")
 
 
 def _baseline(c, cfg) -> dict:
-    """Every knob an axis may vary (the axis names): the type of its values, and the value it
-    holds while the other axes vary."""
-    return dict(verify_width=(int, c.verify_width), mtp_quant=(str, c.mtp_quant),
-                refeed_accepted=(bool, c.refeed_accepted), draft_conf_tau=(float, 0.0),
-                marconi_min_tokens=(int, c.marconi_min_tokens), mtp_hidden_source=(str, cfg.mtp_hidden_source))
-
-
-def _of_type(value, kind) -> bool:
-    """``isinstance``, except that a bool is no number (``True`` drafts is a typo) and an int is a float."""
-    if isinstance(value, bool):
-        return kind is bool
-    return isinstance(value, kind) or (kind is float and isinstance(value, int))
+    """Every knob an axis may vary (`configs.sweep.AXES`), at the value it holds while the other
+    axes vary."""
+    return dict(verify_width=c.verify_width, mtp_quant=c.mtp_quant, refeed_accepted=c.refeed_accepted,
+                draft_conf_tau=0.0, marconi_min_tokens=c.marconi_min_tokens,
+                mtp_hidden_source=cfg.mtp_hidden_source)
 
 
 def _setting(c, cfg0, axis, value, max_new):
     """The model config, SpecConfig and EngineConfig of one run: built for every run before the
-    first starts, so that a bad axis or value stops the sweep by name instead of after the
-    axes before it have run."""
-    baseline = _baseline(c, cfg0)
-    if axis not in baseline:
-        raise app.UsageError(f"--config.axes.{axis}: no such axis; choose from {', '.join(baseline)}")
-    kind = baseline[axis][0]
-    if not _of_type(value, kind):
-        raise app.UsageError(f"--config.axes.{axis}: value {value!r} is a {type(value).__name__}, the axis takes "
-                             f"{kind.__name__} values")
-    if axis == "marconi_min_tokens" and value < 0:
-        raise app.UsageError(f"--config.axes.{axis}: value {value} must be >= 0")
-    knobs = {k: v for k, (_, v) in baseline.items()}
+    first starts (the values were checked against `configs.sweep.FIELDS`; a rule of the library
+    that the table does not state still stops the sweep by the axis's name, not after the axes
+    before it have run)."""
+    knobs = _baseline(c, cfg0)
     knobs[axis] = value
     try:
         cfg = cfg0.replace(mtp_hidden_source=knobs["mtp_hidden_source"])
@@ -72,27 +61,35 @@ def _setting(c, cfg0, axis, value, max_new):
     return cfg, spec, ecfg
 
 
-def plan(c, cfg0, sessions, preamble_only) -> dict:
-    """``{axis: (sessions, max new tokens, [(value, cfg, spec, ecfg), ...])}`` for every axis and value.
+def swept_axes(c) -> list[str]:
+    """The axes this config sweeps: those named by ``--config.only`` (all when ''), less those set to ()."""
+    only = [n for n in c.only.split(",") if n]
+    axes = [a for a in c.axes.keys() if (not only or a in only) and len(c.axes[a])]
+    if not axes:
+        raise app.UsageError(f"--config.axes / --config.only={c.only!r}: no axis left to sweep (an axis set to () "
+                             f"is not swept)")
+    return axes
+
+
+def plan(c, cfg0, sessions, preamble_only, axes) -> dict:
+    """``{axis: (sessions, max new tokens, [(value, cfg, spec, ecfg), ...])}`` for every axis of
+    ``axes`` (`swept_axes`) and its values.
 
     The Marconi axis runs over the sessions that share only the preamble, where the
     threshold decides between restoring a snapshot and a full drafter prefill.
     """
-    if not c.axes:
-        raise app.UsageError("--config.axes: no axes to sweep")
     out = {}
-    for axis, values in c.axes.items():
-        if not isinstance(values, (tuple, list)) or not values:
-            raise app.UsageError(f"--config.axes.{axis}={values!r}: give a non-empty tuple of values")
+    for axis in axes:
         work = preamble_only if axis == "marconi_min_tokens" else sessions
         max_new = max(t.max_new_tokens for s in work for t in s.turns)
-        out[axis] = work, max_new, [(v, *_setting(c, cfg0, axis, v, max_new)) for v in values]
+        out[axis] = work, max_new, [(v, *_setting(c, cfg0, axis, v, max_new)) for v in c.axes[axis]]
     return out
 
 
-def _write(out: pathlib.Path, header: str, c, tables: dict) -> str:
-    """results.json and results.md of the axes run so far; returns the markdown."""
-    report = {"header": header, "config": c.to_dict(), "environment": environment(), "tables": tables}
+def _write(out: pathlib.Path, header: str, origin: dict, tables: dict) -> str:
+    """results.json (``origin``: the run's `provenance`) and results.md of the axes run so far;
+    returns the markdown."""
+    report = {"header": header, **origin, "tables": tables}
     write_json(out / "results.json", report)
     lines = [f"# Acceptance sweeps\n\n{header}\n"]
     for axis, rows in tables.items():
@@ -113,10 +110,11 @@ def _write(out: pathlib.Path, header: str, c, tables: dict) -> str:
 def main(argv):
     del argv
     c = _CONFIG.value
-    start = time.time()
+    start, origin = time.time(), provenance(c)  # the code and command as the run starts
+    swept = swept_axes(c)
     cfg0, params, mesh, sessions, prompts = load_experiment(c)
     preamble_only = session_subset(load_sessions(c.preamble_only_sessions), c.num_preamble_only, "num_preamble_only")
-    axes = plan(c, cfg0, sessions, preamble_only)
+    axes = plan(c, cfg0, sessions, preamble_only, swept)
     out = pathlib.Path(c.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tables, refs = {}, {}  # one plain greedy reference per session set, shared by its axes
@@ -139,11 +137,12 @@ def main(argv):
                   f"policy={c.policy}, baseline K={c.verify_width} {c.mtp_quant}, "
                   f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s, "
                   f"{len(tables)} of {len(axes)} axes")
-        md = _write(out, header, c, tables)
+        md = _write(out, header, origin, tables)
     print(md)
+    cli.wrote(out, ("results.json", "results.md"), f"{len(tables)} of {len(axes)} axes, wall {time.time() - start:.0f} s")
     if not all(r["lossless"] for rows in tables.values() for r in rows):
         raise SystemExit("a sweep setting's output differs from plain greedy decoding")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main, _CONFIG, config_module)

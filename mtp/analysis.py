@@ -46,6 +46,22 @@ def summarize(turns: Sequence) -> dict:
     }
 
 
+MIN_BOOTSTRAP_SESSIONS = 10
+"""The fewest sessions whose paired bootstrap interval is reported without a warning. The
+bootstrap resamples whole sessions, so over ``n`` sessions it has only ``n`` values to draw from
+(2 sessions give 3 distinct resamples): below about 10 its percentile interval is too narrow for
+the spread new sessions would show, and one session more or less moves its ends, its sign
+included. Results over fewer sessions say so beside each interval (`interval_caveat`)."""
+
+
+def interval_caveat(result: dict) -> str:
+    """What to write beside a `paired_bootstrap` interval: '' over enough sessions, else a warning
+    naming how few there were."""
+    if not result.get("too_few_sessions"):
+        return ""
+    return f"only {result['sessions']} sessions (< {MIN_BOOTSTRAP_SESSIONS}): the interval means little"
+
+
 def paired_bootstrap(a: Sequence[float], b: Sequence[float], sessions: Sequence, samples: int, seed: int,
                      a_den: Sequence[float] | None = None, b_den: Sequence[float] | None = None) -> dict:
     """Difference between two policies' statistic over the same turns, with its 95% interval.
@@ -57,7 +73,8 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], sessions: Sequence,
     weighs a one-step turn like a hundred-step one). Both sides pool the same turns: one
     without a verify step on either side adds to neither sum. The turns of one session are
     one conversation with one carried drafter, not independent draws, so the interval resamples whole ``sessions`` with
-    replacement, each with all its turns (a cluster bootstrap).
+    replacement, each with all its turns (a cluster bootstrap). ``too_few_sessions`` marks an
+    interval over fewer than `MIN_BOOTSTRAP_SESSIONS` sessions.
     """
     a, b = np.asarray(a, float), np.asarray(b, float)
     a_den = np.ones_like(a) if a_den is None else np.asarray(a_den, float)
@@ -82,7 +99,8 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], sessions: Sequence,
     lo, hi = np.percentile(diffs, [2.5, 97.5])
     total = sums.sum(axis=1)
     return {"mean_diff": float(total[0] / total[1] - total[2] / total[3]), "ci95": [float(lo), float(hi)],
-            "pairs": int(defined.sum()), "sessions": len(labels), "undefined_resamples": int(samples - diffs.size)}
+            "pairs": int(defined.sum()), "sessions": len(labels), "undefined_resamples": int(samples - diffs.size),
+            "too_few_sessions": len(labels) < MIN_BOOTSTRAP_SESSIONS}
 
 
 def first_divergence(cfg, params, prompts, got, want):

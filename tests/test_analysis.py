@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from mtp.analysis import paired_bootstrap, summarize
+from mtp.analysis import MIN_BOOTSTRAP_SESSIONS, interval_caveat, paired_bootstrap, summarize
 from mtp.engine import TurnStats
 from mtp.metrics import AcceptanceStats
 
@@ -84,3 +84,16 @@ def test_turn_stats_serialise_with_the_wave_size():
     d = _turn(wave_turns=2).as_dict()
     assert d["wave_turns"] == 2 and d["acceptance"]["verify_steps"] == 4
     assert {f.name for f in dataclasses.fields(TurnStats)} <= set(d)
+
+
+def test_an_interval_over_too_few_sessions_is_marked():
+    """Over 2 sessions the bootstrap has 3 distinct resamples, and its interval looked tight."""
+    rng = np.random.default_rng(4)
+    for n in (2, MIN_BOOTSTRAP_SESSIONS - 1, MIN_BOOTSTRAP_SESSIONS, 25):
+        sid, d = _sessions(rng, n, 3)
+        r = paired_bootstrap(d, np.zeros_like(d), sid, 300, 0)
+        few = n < MIN_BOOTSTRAP_SESSIONS
+        assert r["sessions"] == n and r["too_few_sessions"] is few
+        caveat = interval_caveat(r)
+        assert (caveat == f"only {n} sessions (< {MIN_BOOTSTRAP_SESSIONS}): the interval means little") if few \
+            else caveat == ""

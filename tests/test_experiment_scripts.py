@@ -48,28 +48,46 @@ def _python(code: str, *args):
 
 def test_sweep_names_a_bad_axis_or_value_before_any_run(tmp_path):
     """An unknown axis ran the baseline under its label; a bad value stopped the sweep only once
-    the axes before it had run."""
+    the axes before it had run. Every axis and value is checked against the config's table
+    (`configs.sweep.FIELDS`) before `main` runs, by the axis's flag name."""
     code = SWEEP + """
+from experiments import cli
+from configs import sweep as sweep_config
 FAIL_AT = None
-shipped = sweep.plan(c, cfg, sessions, sessions)
+shipped = sweep.plan(c, cfg, sessions, sessions, sweep.swept_axes(c))
 assert {a: len(runs) for a, (_, _, runs) in shipped.items()} == {a: len(v) for a, v in c.axes.items()}
+assert set(sweep._baseline(c, cfg)) == set(sweep_config.AXES) == set(c.axes.keys())  # one list of axes
 for axis, values, message in [
-        ("mtp_qaunt", ("bf16",), "--config.axes.mtp_qaunt: no such axis; choose from verify_width, mtp_quant"),
-        ("mtp_quant", ("bf16", "fp9"), "--config.axes.mtp_quant: value 'fp9': unknown --mtp_quant 'fp9'"),
-        ("verify_width", (2, 1), "--config.axes.verify_width: value 1: verify_width K=1 must be in 2.."),
-        ("verify_width", (2, 2.5), "--config.axes.verify_width: value 2.5 is a float, the axis takes int values"),
-        ("refeed_accepted", (False, "yes"), "value 'yes' is a str, the axis takes bool values"),
-        ("draft_conf_tau", (0.3, 1.0), "--config.axes.draft_conf_tau: value 1.0: draft_conf_tau=1.0 must be in"),
-        ("mtp_hidden_source", ("pre-norm",), "--config.axes.mtp_hidden_source: value 'pre-norm': config field"),
-        ("marconi_min_tokens", (0, -1), "--config.axes.marconi_min_tokens: value -1 must be >= 0"),
-        ("marconi_min_tokens", (), "--config.axes.marconi_min_tokens=(): give a non-empty tuple")]:
-    c.axes = ml_collections.ConfigDict(dict([("draft_conf_tau", (0.0, 0.3)), (axis, values)]))  # sorted: first
+        ("mtp_qaunt", ("bf16",), "--config.axes.mtp_qaunt: no such field (did you mean mtp_quant?); --config.axes has"),
+        ("mtp_quant", ("bf16", "fp9"), "--config.axes.mtp_quant=('bf16', 'fp9'): element 'fp9' is refused; "
+                                       "give a tuple of one of 'bf16', 'fp8', 'nvfp4'"),
+        ("verify_width", (2, 1), "--config.axes.verify_width=(2, 1): element 1 is refused; give a tuple of "
+                                 "an integer in 2..8"),
+        ("verify_width", (2, 2.5), "element 2.5 is a float"),
+        ("refeed_accepted", (False, "yes"), "element 'yes' is a str; give a tuple of True or False"),
+        ("draft_conf_tau", (0.3, 1.0), "--config.axes.draft_conf_tau=(0.3, 1.0): element 1.0 is refused; "
+                                       "give a tuple of a number in [0.0, 1.0)"),
+        ("mtp_hidden_source", ("pre-norm",), "give a tuple of one of 'post_norm', 'pre_norm'"),
+        ("marconi_min_tokens", (0, -1), "--config.axes.marconi_min_tokens=(0, -1): element -1 is refused")]:
+    c.axes = ml_collections.ConfigDict(dict([("draft_conf_tau", (0.0, 0.3)), (axis, values)]))
     try:
-        sweep.main([])
-        raise AssertionError(f"{axis}={values} was swept")
+        cli.check_config(c, sweep_config.FIELDS)
+        raise AssertionError(f"{axis}={values} was taken")
     except app.UsageError as e:
         assert message in str(e), (message, str(e))
-    assert not ran, ran  # the good axis before it did not run either
+# An axis set to () is not swept; --config.only sweeps the named axes alone; none left is refused.
+c.axes = ml_collections.ConfigDict(dict(draft_conf_tau=(0.0, 0.3), verify_width=(), mtp_quant=("bf16",)))
+cli.check_config(c, sweep_config.FIELDS)
+assert sweep.swept_axes(c) == ["draft_conf_tau", "mtp_quant"]
+c.only = "mtp_quant"
+assert sweep.swept_axes(c) == ["mtp_quant"]
+c.only = "verify_width"
+try:
+    sweep.swept_axes(c)
+    raise AssertionError("an empty sweep was planned")
+except app.UsageError as e:
+    assert "no axis left to sweep" in str(e), str(e)
+assert not ran, ran
 print("checked")
 """
     _python(code, str(tmp_path))
@@ -173,6 +191,8 @@ def test_carry_ablation_runs_on_a_tensor_parallel_mesh(tmp_path):
     assert "(mesh tp=2 x ep=1)" in report["header"]
     assert report["environment"] == {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     assert report["lossless_by_variant"] == {"carry": True}
+    assert report["devices"]["count"] == 2 and report["git"]["commit"] and report["packages"]["jax"]
+    assert "--config.tp=2" in report["command"] and report["config"]["tp"] == 2
     warm = report["variants"]["carry"]["warm"]
     assert warm["turns"] > 0 and warm["drafter_rows_adopted"] > 0 and warm["drafter_rows_appended"] > 0
 
@@ -180,7 +200,7 @@ def test_carry_ablation_runs_on_a_tensor_parallel_mesh(tmp_path):
 def test_carry_ablation_names_a_mesh_it_cannot_build(tmp_path):
     for devices, flags, says in ((2, ("--config.tp=4",), "needs 4 devices, only 2"),
                                  (2, ("--config.tp=1", "--config.ep=2"), "num_experts=0"),
-                                 (2, ("--config.tp=0",), "--config.tp=0: give a positive number"),
+                                 (2, ("--config.tp=0",), "--config.tp=0: give an integer >= 1"),
                                  (8, ("--config.tp=7",), "divides none of")):
         proc = _carry_ablation_on_devices(tmp_path, devices, *flags)
         assert proc.returncode != 0 and "--config.tp=" in proc.stderr and says in proc.stderr, proc.stderr[-3000:]
@@ -189,6 +209,58 @@ def test_carry_ablation_names_a_mesh_it_cannot_build(tmp_path):
 
 def test_carry_ablation_names_a_bad_stint(tmp_path):
     proc = _carry_ablation_on_devices(tmp_path, 1, "--config.stint=turn")
-    assert proc.returncode != 0 and "--config.stint='turn': give 'wave' or 'session'" in proc.stderr, \
+    assert proc.returncode != 0 and "--config.stint='turn': give one of 'wave', 'session'" in proc.stderr, \
         proc.stderr[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_carry_ablation_says_beside_each_interval_when_its_sessions_are_too_few(tmp_path):
+    """A 3-session run printed intervals that meant nothing without saying so."""
+    code = """
+from experiments import carry_ablation
+from mtp.analysis import paired_bootstrap
+boot = lambda n: paired_bootstrap([1.0, 2.0, 0.5] * n, [0.0] * (3 * n), list(range(n)) * 3, 200, 0)
+for n, warned in ((3, True), (12, False)):
+    report = dict(header="h", variants={}, lossless="yes",
+                  comparisons={"carry - blind": {"ttft_ms": boot(n), "mean_acceptance_length": boot(n)}})
+    rows = [l for l in carry_ablation._markdown(report).splitlines() if l.startswith("| carry - blind")]
+    assert len(rows) == 2, rows
+    caveat = f"**only {n} sessions (< 10): the interval means little**"
+    assert all((caveat in r) is warned for r in rows), rows
+print("checked")
+"""
+    _python(code, str(tmp_path))
+
+
+def test_carry_ablation_plots_acceptance_per_turn_with_its_spread_and_counts(tmp_path):
+    """Each point pools every session's turn i (as the table does); its error bar is the standard
+    error of the sessions' own values, none where one session has the turn; and both PNGs are written."""
+    code = """
+import pathlib, sys, types
+import numpy as np
+from experiments import carry_ablation
+from mtp.metrics import AcceptanceStats
+
+rng = np.random.default_rng(0)
+def turn():
+    steps = int(rng.integers(1, 30))
+    return types.SimpleNamespace(stats=types.SimpleNamespace(
+        acceptance=AcceptanceStats(steps=steps, draft_tokens=2 * steps, accepted=int(rng.integers(0, 2 * steps)),
+                                   accepted_at_least=np.zeros(2, np.int64)), ttft_s=float(rng.uniform(0.01, 0.2))))
+lengths = {"s0": 4, "s1": 2, "s2": 3}  # turn 3 comes from one session only
+per_turn = {p: {(s, i): turn() for s, n in lengths.items() for i in range(n)} for p in ("blind", "carry")}
+got = carry_ablation._acceptance_by_turn(per_turn)
+for p, turns in per_turn.items():
+    for i in range(4):
+        rows = [r.stats.acceptance for (s, j), r in turns.items() if j == i]
+        pooled = 1 + sum(a.accepted for a in rows) / sum(a.steps for a in rows)
+        own = [1 + a.accepted / a.steps for a in rows]
+        point, err, n = got[p][i]
+        assert n == len(rows) and abs(point - pooled) < 1e-12
+        assert (err is None) if n == 1 else abs(err - np.std(own, ddof=1) / np.sqrt(n)) < 1e-12
+report = {"variants": {p: {} for p in per_turn}}
+carry_ablation._plots(report, per_turn, pathlib.Path(sys.argv[1]))
+assert sorted(q.name for q in pathlib.Path(sys.argv[1]).iterdir()) == sorted(carry_ablation.PLOTS)
+print("checked")
+"""
+    _python(code, str(tmp_path))

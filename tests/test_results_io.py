@@ -6,7 +6,12 @@ import pathlib
 import numpy as np
 import pytest
 
-from experiments.results_io import to_json, write_atomic, write_json
+import re
+import shlex
+import subprocess
+import sys
+
+from experiments.results_io import git_state, provenance, to_json, write_atomic, write_json
 
 
 def test_write_atomic_replaces_the_file_whole(tmp_path):
@@ -44,3 +49,26 @@ def test_json_is_strict(tmp_path):
                     "nested": [{"v": None}]}
     write_json(tmp_path / "r.json", obj)
     assert json.loads((tmp_path / "r.json").read_text()) == back
+
+
+def test_provenance_records_commit_packages_devices_command_and_config():
+    import jax  # noqa: F401  (the devices are recorded once a program has started JAX)
+    import ml_collections
+
+    config = ml_collections.ConfigDict({"num_sessions": 3, "axes": {"k": (2, 3)}})
+    p = provenance(config)
+    assert p["command"] == shlex.join(sys.orig_argv)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=pathlib.Path(__file__).parent, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert p["git"]["commit"] == head and isinstance(p["git"]["dirty"], bool)
+    versions = p["packages"]
+    assert versions["jax"] == jax.__version__ and versions["jaxlib"] and versions["flax"] and versions["numpy"]
+    assert p["devices"]["backend"] == jax.default_backend() and p["devices"]["count"] == len(jax.devices())
+    assert p["config"] == {"num_sessions": 3, "axes": {"k": (2, 3)}}
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", p["date_utc"])
+    json.loads(to_json(p))  # strict JSON, as written
+
+
+def test_git_state_of_a_tree_without_git_says_why(tmp_path):
+    state = git_state(tmp_path)
+    assert state["commit"] is None and state["dirty"] is None and "not a git repository" in state["error"]
