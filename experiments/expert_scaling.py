@@ -16,7 +16,13 @@ checkpoint is saved per expert (as transformers writes one), then
 An untimed run of the first expert count goes first, so that no measure carries the process's
 first-use costs. Each measure is also given as a ratio to the first expert count's. The weights grow with the
 expert count, so the load reads more bytes by nature; the step's compute and the compile do
-not need to. Results go to ``out_dir`` as ``results.json`` and ``results.md``.
+not need to.
+
+With ``--form_pairs`` (a list of pair counts ``N * k``), the two forms of the op's reference
+(`mtp.ops.moe.reference`) are also timed alone, one layer's routed FFN at ``--form_shape``
+(H, I) for each expert count, on distinct random experts per token: the measurement behind
+``reference.GATHER_MAX_PAIRS``. Results go to ``out_dir`` as ``results.json`` and
+``results.md``.
 """
 
 from __future__ import annotations
@@ -40,19 +46,29 @@ from mtp.config import ModelConfig
 from mtp.generation import generate
 from mtp.model import target
 from mtp.model.params import init_params
+from mtp.ops.moe import reference
 from mtp.speculative import SpecConfig
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "runs/expert_scaling", "Where results.json / results.md go.")
-flags.DEFINE_string("config", "configs/models/tiny_moe.json", "The model whose expert count is varied.")
-flags.DEFINE_list("experts", ["8", "256"], "Routed expert counts to compare (the first is the baseline).")
-flags.DEFINE_integer("top_k", 2, "Experts per token.", lower_bound=1)
-flags.DEFINE_integer("batch", 2, "Prompts decoded together.", lower_bound=1)
-flags.DEFINE_integer("prompt_len", 24, "Tokens per prompt.", lower_bound=1)
-flags.DEFINE_integer("max_new_tokens", 32, "Tokens generated per prompt.", lower_bound=1)
-flags.DEFINE_integer("verify_width", 3, "Verify width K of the speculative decode.", lower_bound=2)
-flags.DEFINE_integer("reps", 5, "Timed compiled generations (median reported).", lower_bound=1)
-require_ints("experts", 1, what="routed experts per MoE layer")
+
+
+def define_flags() -> None:
+    """The program's flags, defined only when it runs as a program: `tests/test_moe.py` imports
+    `decode_step_cost` into a pytest process whose other experiment modules own flags of these names."""
+    flags.DEFINE_string("out_dir", "runs/expert_scaling", "Where results.json / results.md go.")
+    flags.DEFINE_string("config", "configs/models/tiny_moe.json", "The model whose expert count is varied.")
+    flags.DEFINE_list("experts", ["8", "256"], "Routed expert counts to compare (the first is the baseline).")
+    flags.DEFINE_integer("top_k", 2, "Experts per token.", lower_bound=1)
+    flags.DEFINE_integer("batch", 2, "Prompts decoded together.", lower_bound=1)
+    flags.DEFINE_integer("prompt_len", 24, "Tokens per prompt.", lower_bound=1)
+    flags.DEFINE_integer("max_new_tokens", 32, "Tokens generated per prompt.", lower_bound=1)
+    flags.DEFINE_integer("verify_width", 3, "Verify width K of the speculative decode.", lower_bound=2)
+    flags.DEFINE_integer("reps", 5, "Timed compiled generations (median reported).", lower_bound=1)
+    flags.DEFINE_list("form_pairs", [], "Pair counts N * k at which to time the op's two forms alone (none: skip).")
+    flags.DEFINE_list("form_shape", ["512", "256"], "H, I of the op's forms timed alone.")
+    require_ints("experts", 1, what="routed experts per MoE layer")
+    require_ints("form_pairs", 1)
+    require_ints("form_shape", 1)
 
 
 def decode_step_cost(cfg: ModelConfig, params=None) -> dict:
@@ -95,6 +111,45 @@ def measure(base: ModelConfig, experts: int) -> dict:
     return row
 
 
+def _median_ms(f, *args) -> float:
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(FLAGS.reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def time_forms(experts: int) -> list[dict]:
+    """ms of the gather and the segments form for each ``--form_pairs`` count (k = ``--top_k``)."""
+    h, i = (int(v) for v in FLAGS.form_shape)
+    k = FLAGS.top_k
+    keys = jax.random.split(jax.random.key(experts), 4)
+    gate, up = (jax.random.normal(kk, (experts, i, h), jnp.float32) / h**0.5 for kk in keys[:2])
+    down = jax.random.normal(keys[2], (experts, h, i), jnp.float32) / i**0.5
+    rng = np.random.default_rng(experts)
+    rows = []
+    for pairs in (int(p) for p in FLAGS.form_pairs):
+        n = max(1, pairs // k)
+        ids = jnp.asarray(np.stack([rng.choice(experts, k, replace=False) for _ in range(n)]), jnp.int32)
+        args = (jax.random.normal(keys[3], (n, h), jnp.float32), ids, jnp.full((n, k), 1.0 / k, jnp.float32),
+                gate, up, down)
+        row = {"experts": experts, "pairs": n * k, "H": h, "I": i,
+               "gather_ms": _median_ms(jax.jit(reference.routed_experts_gather), *args),
+               "segments_ms": _median_ms(jax.jit(reference.routed_experts_segments), *args)}
+        logging.info("%s", row)
+        rows.append(row)
+    return rows
+
+
+def forms_markdown(rows: list[dict]) -> str:
+    lines = ["| experts | pairs N*k | H | I | gather ms | segments ms |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['experts']} | {r['pairs']} | {r['H']} | {r['I']} | {r['gather_ms']:.2f} | {r['segments_ms']:.2f} |"
+              for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 MEASURES = ("load_s", "compile_s", "decode_s", "step_flops")
 
 
@@ -129,8 +184,14 @@ def main(argv):
             r.update({f"{m}_ratio": r[m] / rows[0][m] if rows[0][m] else None for m in MEASURES})
         write_json(out / "results.json", {"config": FLAGS.config, "rows": rows})
         write_atomic(out / "results.md", markdown(rows))
-    print(markdown(rows))
+    forms = []
+    for experts in counts if FLAGS.form_pairs else ():
+        forms += time_forms(experts)
+        write_json(out / "results.json", {"config": FLAGS.config, "rows": rows, "forms": forms})
+        write_atomic(out / "results.md", markdown(rows) + "\n" + forms_markdown(forms))
+    print(markdown(rows) + ("\n" + forms_markdown(forms) if forms else ""))
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
