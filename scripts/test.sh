@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
-# The test suite on CPU (Pallas kernels run in interpret mode). Sets itself up on first use.
+# The test suite on the CPU (Pallas kernels in interpret mode). Sets itself up on first use.
+#   bash scripts/test.sh           the fast loop: every module, the tests tests/slow_tests.txt lists left out
+#   bash scripts/test.sh --full    every test (what CI runs)
+# Other arguments go to pytest.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$ROOT"
-exec python -m pytest tests "$@"
+if [ "${1:-}" = "--full" ]; then
+  shift
+  exec python -m pytest tests "$@"
+fi
+exec python -m pytest tests -m "not slow" "$@"

@@ -200,3 +200,43 @@ def decode_through_kernel(monkeypatch, module, kernel: str, op: str, decode_step
         results[choice] = (np.concatenate([np.asarray(x).reshape(-1) for x in out]), cache)
     assert calls, "the kernel never ran"
     return results
+
+
+# ------------------------------------------------------------------ the fast test loop
+SLOW_LIST = pathlib.Path(__file__).with_name("slow_tests.txt")
+
+
+def _slow_tests() -> dict[str, str]:
+    """``tests/slow_tests.txt``: test id -> the note beside it (its measured time)."""
+    out = {}
+    for line in SLOW_LIST.read_text().splitlines():
+        test_id, _, note = line.partition("#")
+        if test_id.strip():
+            out[test_id.strip()] = note.strip()
+    return out
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of the default loop (`bash scripts/test.sh`); "
+                                       "`bash scripts/test.sh --full` and CI run it")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests ``slow_tests.txt`` lists as ``slow``: a list of ids with their measured times
+    rather than markers spread over the files, so the split is one reviewable table. An id may name
+    a test (``file::name``, every parametrisation) or one case (``file::name[param]``). An entry
+    that matches no collected test fails the run when whole files were collected, so the list
+    cannot rot into naming tests that no longer exist."""
+    listed = _slow_tests()
+    used = set()
+    for item in items:
+        base = item.nodeid.split("[", 1)[0]
+        for key in (item.nodeid, base):
+            if key in listed:
+                item.add_marker(pytest.mark.slow)
+                used.add(key)
+    files = {item.nodeid.split("::", 1)[0] for item in items}
+    whole_files = not config.option.keyword and all("::" not in arg for arg in config.args)
+    stale = [k for k in listed if k not in used and k.split("::", 1)[0] in files]
+    if stale and whole_files:
+        raise pytest.UsageError(f"{SLOW_LIST.name} names tests that do not exist: {', '.join(stale)}")
