@@ -10,8 +10,12 @@ Qwen3-Next-80B-A3B (512 experts, top-10 + shared) at the depth whose bf16 weight
 
 Weights are random, made on the device one layer at a time by a jitted init (a seed fixes them; the
 host never holds them), and every program takes them as arguments, never as closed-over constants.
-Programs are compiled ahead of time, several at once in threads (``--config.compile_workers``); the
-plain decode loop's compile is timed alone, before any other.
+Programs are compiled ahead of time, several at once in threads (``--config.compile_workers``), in
+three phases: the plain decode loop's compile alone (the compile time reported); the first model's
+programs, after which its goals' rows (decode at batch 1, verify at K = ``--config.spec_k``, both
+loops) are timed with nothing compiling; then the other models' programs compile while the first
+model's other rows, the peer and the other models run. A row timed while compiles were in flight
+says so (``compiles_in_flight``; "while compiling" in the table).
 
 What is measured, each against a floor measured in the same run:
 
@@ -290,11 +294,16 @@ class Programs:
             return compiled, time.perf_counter() - t
         self.futures[name] = self.pool.submit(build)
 
-    def get(self, name: str):
-        return self.futures.pop(name).result()
+    def get(self, name: str, deadline: "Deadline | None" = None):
+        """The compiled program, waiting for its compile at most until ``deadline``."""
+        future = self.futures.pop(name)
+        try:
+            return future.result(timeout=None if deadline is None else deadline.remaining())
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{name} was still compiling at the deadline") from None
 
-    def wait_all(self):
-        concurrent.futures.wait(list(self.futures.values()))
+    def wait_all(self, timeout: float | None = None):
+        concurrent.futures.wait(list(self.futures.values()), timeout=timeout)
 
     def in_flight(self) -> int:
         return sum(not f.done() for f in self.futures.values())
@@ -328,9 +337,10 @@ def _abstract(tree):
 class ModelBench:
     """One model's programs (declared, then compiled in the pool) and its measurements."""
 
-    def __init__(self, name: str, cfg: ModelConfig, suite: str, conf, programs: Programs, report: "Report"):
+    def __init__(self, name: str, cfg: ModelConfig, suite: str, conf, programs: Programs, report: "Report",
+                 deadline: "Deadline"):
         self.name, self.cfg, self.suite, self.conf = name, cfg, suite, conf
-        self.programs, self.report = programs, report
+        self.programs, self.report, self.deadline = programs, report, deadline
         self.k_route = cfg.num_experts_per_tok if cfg.num_experts else None
         self.params_abs = abstract_params(cfg)
         self.head_abs = jax.eval_shape(lambda p: quantize_head(p, "bf16"), self.params_abs)
@@ -384,24 +394,27 @@ class ModelBench:
         self.programs.submit(f"{self.name}/greedy_loop", greedy_loop, *args)
 
     def declare(self):
+        """Submit this model's programs, in the order `measure` times them: the goals' first."""
         c, conf = self.cfg, self.conf
-        for b in conf.batches:
-            self._declare_step(f"decode b={b}", chained_verify_step(c, "auto"), self.params_abs,
-                               lambda b=b: self._decode_state(b, 1))
+        steps = {f"decode b={b}": (lambda b=b: self._decode_state(b, 1)) for b in conf.batches}
+        if self.suite == "full":
+            steps.update({f"verify K={k}": (lambda k=k: self._decode_state(1, k)) for k in conf.verify_widths})
+        goals = [w for w in ("decode b=1", f"verify K={conf.spec_k}") if w in steps]
+        for what in goals:
+            self._declare_step(what, chained_verify_step(c, "auto"), self.params_abs, steps.pop(what))
+        if self.suite == "full":
+            b = 1
+            args = (c, self.head_abs, self._state_abs(lambda: self._loop_cache(b)),
+                    self._state_abs(lambda: self._loop_drafter(b)), jax.ShapeDtypeStruct((b,), jnp.int32),
+                    jax.ShapeDtypeStruct((b, c.hidden_size), DTYPE), jax.ShapeDtypeStruct((b,), jnp.int32),
+                    self.plain_spec, jax.eval_shape(lambda: jax.random.key(0)), None,
+                    jax.ShapeDtypeStruct((), jnp.float32))
+            self.programs.submit(f"{self.name}/spec_loop", speculative_loop, *args)
+        for what, make_state in steps.items():
+            self._declare_step(what, chained_verify_step(c, "auto"), self.params_abs, make_state)
+        if self.suite == "full":
+            self._declare_step("propose", chained_propose_step(c, "auto"), self.head_abs, self._propose_state)
         self._declare_prefill()
-        if self.suite != "full":
-            return
-        for k in conf.verify_widths:
-            self._declare_step(f"verify K={k}", chained_verify_step(c, "auto"), self.params_abs,
-                               lambda k=k: self._decode_state(1, k))
-        self._declare_step("propose", chained_propose_step(c, "auto"), self.head_abs, self._propose_state)
-        b = 1
-        args = (c, self.head_abs, self._state_abs(lambda: self._loop_cache(b)),
-                self._state_abs(lambda: self._loop_drafter(b)), jax.ShapeDtypeStruct((b,), jnp.int32),
-                jax.ShapeDtypeStruct((b, c.hidden_size), DTYPE), jax.ShapeDtypeStruct((b,), jnp.int32),
-                self.plain_spec,
-                jax.eval_shape(lambda: jax.random.key(0)), None, jax.ShapeDtypeStruct((), jnp.float32))
-        self.programs.submit(f"{self.name}/spec_loop", speculative_loop, *args)
 
     def _declare_step(self, what, step, params_abs, make_state):
         step, state_abs = self._routed_state(step, params_abs, self._state_abs(make_state))
@@ -432,7 +445,7 @@ class ModelBench:
                         compiles_in_flight=self.programs.in_flight(), **row)
 
     def time_step(self, what, params, floor_bytes: Callable[[list[int] | None], float]):
-        compiled, compile_s = self.programs.get(f"{self.name}/{what}")
+        compiled, compile_s = self.programs.get(f"{self.name}/{what}", self.deadline)
         make_state, routing_abs = self.step_states.pop(what)
         box = [jax.block_until_ready(make_state())]
         if routing_abs is not None:
@@ -466,8 +479,8 @@ class ModelBench:
             self.report.error(f"{self.name} {what}", e)
             return None
 
-    def measure(self, params, deadline):
-        """Every measurement of this model's suite, the goals' rows first."""
+    def measure(self, params, deadline, after_goals: Callable[[], None] = lambda: None):
+        """Every measurement of this model's suite, the goals' rows first; ``after_goals`` runs between."""
         c, conf = self.cfg, self.conf
         n_attn, n_lin = len(c.attention_layers), len(c.linear_layers)
         rows = {}
@@ -494,6 +507,7 @@ class ModelBench:
             self.guarded(what, deadline, lambda what=what: step_row(what))
         if self.suite == "full":
             self.measure_loops(params, rows, deadline, speculative=True)
+        after_goals()
         for what in order:
             if what not in goals:
                 self.guarded(what, deadline, lambda what=what: step_row(what))
@@ -511,7 +525,7 @@ class ModelBench:
 
     def measure_prefill(self, params):
         c, t = self.cfg, self.conf.prefill_chunk
-        compiled, compile_s = self.programs.get(f"{self.name}/prefill")
+        compiled, compile_s = self.programs.get(f"{self.name}/prefill", self.deadline)
         cache = random_cache(c, 1, t, PAGE, DTYPE, jax.random.key(7))
         tokens = jax.random.randint(jax.random.key(8), (1, t), 0, c.vocab_size, jnp.int32)
         for _ in range(2):
@@ -576,7 +590,7 @@ class ModelBench:
         budgets = (conf.loop_tokens, 2 * conf.loop_tokens)
         first = jnp.ones((b,), jnp.int32)
         rng = jax.random.key(conf.seed)
-        compiled, spec_compile_s = self.programs.get(f"{self.name}/spec_loop")
+        compiled, spec_compile_s = self.programs.get(f"{self.name}/spec_loop", self.deadline)
         head = quantize_head(params, "bf16")
         hidden = jax.random.normal(jax.random.key(9), (b, c.hidden_size), DTYPE)
         state = {"cache": self._loop_cache(b), "dcache": self._loop_drafter(b)}
@@ -610,6 +624,9 @@ class ModelBench:
 class Deadline:
     def __init__(self, seconds: float):
         self.end = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return max(0.0, self.end - time.monotonic())
 
     def passed(self, what: str, report: "Report") -> bool:
         if time.monotonic() < self.end:
@@ -746,7 +763,7 @@ def run(conf) -> dict:
     for name, suite in chosen:
         cfg = load_model_config(name)
         depth = fitting_depth(cfg, conf.fit_memory_gib)
-        benches.append(ModelBench(name, at_depth(cfg, depth), suite, conf, programs, report))
+        benches.append(ModelBench(name, at_depth(cfg, depth), suite, conf, programs, report, deadline))
         report.add(what="model", model=name, layers=depth, published_layers=cfg.num_hidden_layers,
                    params=sum(math.prod(s) for s in stacked_shapes(at_depth(cfg, depth)).values()))
     peer_name = (TINY_PEER if tiny and conf.peer_model else conf.peer_model) or None
@@ -755,25 +772,25 @@ def run(conf) -> dict:
         pcfg = at_depth(load_model_config(peer_name), conf.peer_layers)
         pconf = conf.copy_and_resolve_references()
         pconf.context = conf.peer_prompt
-        peer = ModelBench(f"{peer_name} (peer shape)", pcfg, "loop", pconf, programs, report)
+        peer = ModelBench(f"{peer_name} (peer shape)", pcfg, "loop", pconf, programs, report, deadline)
     first = benches[0]
     try:
         # 1. The plain loop's compile alone (the compile-time goal); the first model's weights meanwhile.
         first.declare_loop()
         params = device_params(first.cfg, conf.seed)
-        first.loop_compile = programs.get(f"{first.name}/greedy_loop")
+        first.loop_compile = programs.get(f"{first.name}/greedy_loop", deadline)
         # 2. The first model's programs (and the peer's small loop), compiled together; then the
         # first model is timed with no compile in flight.
         first.declare()
         if peer:
             peer.declare_loop()
-        programs.wait_all()
-        first.measure(params, deadline)
+        # Waiting stops early enough to leave the first model's timings their share of the budget.
+        programs.wait_all(timeout=max(0.0, deadline.remaining() - conf.first_model_timing_s))
+        # 3. The goals' rows with no compile in flight, then the other models' programs compile while
+        # the first model's other rows and the peer run; each model is timed once its own are done.
+        first.measure(params, deadline, after_goals=lambda: [bench.declare() for bench in benches[1:]])
         del params
         gc.collect()
-        # 3. The other models' programs compile while the peer runs; each is timed once its own are done.
-        for bench in benches[1:]:
-            bench.declare()
         if peer:
             run_peer(peer, conf, report, deadline)
         for bench in benches[1:]:
@@ -799,7 +816,7 @@ def run_peer(peer: ModelBench, conf, report: Report, deadline: Deadline):
         return
     try:
         params = device_params(peer.cfg, conf.seed)
-        peer.loop_compile = peer.programs.get(f"{peer.name}/greedy_loop")
+        peer.loop_compile = peer.programs.get(f"{peer.name}/greedy_loop", deadline)
         rows_before = len(report.data["rows"])
         peer.measure_loops(params, {}, deadline, speculative=False)
         ours = next(r for r in report.data["rows"][rows_before:] if r["what"] == "plain greedy loop")

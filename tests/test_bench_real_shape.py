@@ -16,8 +16,8 @@ from mtp.model.params import flatten
 def _tiny_conf(tmp_path, **changes):
     conf = get_config()
     conf.update(dict(model="tiny", models="tiny_qwen35_moe,tiny_qwen35", peer_model="", batches=(1,),
-                     verify_widths=(2,), spec_k=2, alphas=(0.0, 1.0), loop_tokens=4, context=32, prefill_chunk=32,
-                     reps=2, steps_per_call=2, compile_workers=2, deadline_s=3600.0, out_dir=str(tmp_path)))
+                     verify_widths=(2,), spec_k=2, alphas=(0.0, 1.0), loop_tokens=128, context=32, prefill_chunk=32,
+                     reps=5, steps_per_call=256, compile_workers=2, deadline_s=3600.0, out_dir=str(tmp_path)))
     conf.update(changes)
     return conf
 
@@ -99,3 +99,18 @@ def test_the_80b_runs_at_the_depth_that_fits():
 def test_bad_config_stops_before_anything_runs(tmp_path, changes, message):
     with pytest.raises(SystemExit, match=message):
         brs.run(_tiny_conf(tmp_path, **changes))
+
+
+def test_the_report_renders_a_peer_row_and_unmeasured_goals():
+    conf = get_config()
+    data = {"device": "H200", "backend": "gpu", "date": "2026-12-02 05:00 UTC", "skipped": ["x prefill"],
+            "errors": [], "rows": [
+                dict(what="ceilings", copy_bandwidth_TBps=4.2, gemm_TFLOPps=700.0, gemm_n=8192),
+                dict(what="peer", model="qwen3_next_80b_a3b (peer shape)", layers=4, prompt=512, ms_per_token=30.0,
+                     ours_ms_per_token=1.5, transformers="5.17.0", flash_linear_attention="0.5.2",
+                     gated_delta_rule={"chunk_gated_delta_rule": "fla.ops.gated_delta_rule.chunk_gated_delta_rule"})]}
+    data["verdicts"] = brs.verdicts(data, "qwen3_5_35b_a3b", conf)
+    assert [v["verdict"] for v in data["verdicts"]] == ["n/a (not measured)"] * 4
+    md = brs.markdown(data)
+    assert "30.00 ms/token" in md and "20.0x" in md and "fla.ops.gated_delta_rule" in md
+    assert "Skipped (deadline): x prefill" in md
