@@ -68,7 +68,6 @@ from ml_collections import config_flags
 from experiments.bench_decode import (_per_step_slope, chained_propose_step, chained_verify_step, copy_bandwidth,
                                       random_cache, random_drafter_cache)
 from experiments.results_io import write_atomic, write_json
-from mtp import sharding
 from mtp.config import ModelConfig
 from mtp.model import params as P
 from mtp.model import target
@@ -93,22 +92,10 @@ def load_model_config(name: str) -> ModelConfig:
 
 
 # ====================================================================== weights on the device
-def stacked_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the params tree and its shape, a layer's routed experts stacked ``[E, ...]``."""
-    out: dict[str, tuple[int, ...]] = {}
-    for name, shape in P.param_shapes(cfg).items():
-        m = sharding._EXPERT_LEAF.match(name)
-        if m is None:
-            out[name] = shape
-        else:
-            out.setdefault(sharding._stacked_name(m), (cfg.num_experts, *shape))
-    return out
-
-
 def weight_groups(cfg: ModelConfig) -> dict[str, tuple[tuple[str, tuple[int, ...]], ...]]:
     """The tensors by the group one init call makes: a decoder layer, the MTP head, the rest."""
     groups: dict[str, list] = {}
-    for name, shape in stacked_shapes(cfg).items():
+    for name, shape in P.param_shapes(cfg).items():
         m = re.match(r"^(model\.layers\.\d+\.|mtp\.)", name)
         prefix = m.group(1) if m else ""
         groups.setdefault(prefix, []).append((name[len(prefix):], shape))
@@ -143,7 +130,7 @@ def fitting_depth(cfg: ModelConfig, budget_gib: float) -> int:
 
     def gib(layers):
         c = cfg.replace(num_hidden_layers=layers, layer_types=cfg.layer_types[:layers])
-        return 2 * sum(math.prod(s) for s in stacked_shapes(c).values()) / 2 ** 30
+        return 2 * sum(math.prod(s) for s in P.param_shapes(c).values()) / 2 ** 30
 
     depth = cfg.num_hidden_layers
     while depth > period and gib(depth) > budget_gib:
@@ -159,13 +146,6 @@ def at_depth(cfg: ModelConfig, layers: int) -> ModelConfig:
 
 
 # ====================================================================== floors
-_EXPERT_STACK = re.compile(r"\.mlp\.experts\.(gate|up|down)_proj\.weight$")
-
-
-def _is_routed(name: str) -> bool:
-    return _EXPERT_STACK.search(name) is not None
-
-
 def _nbytes(shape, itemsize=2) -> int:
     return math.prod(shape) * itemsize
 
@@ -183,8 +163,8 @@ def target_dense_bytes(cfg: ModelConfig) -> int:
     """Bytes every target step reads whatever its tokens: the decoder layers but their routed
     experts, the final norm and the LM head (an embedding lookup reads a few rows: not counted)."""
     out = 0
-    for name, shape in stacked_shapes(cfg).items():
-        if name.startswith("model.layers.") and not _is_routed(name) or name == "model.norm.weight":
+    for name, shape in P.param_shapes(cfg).items():
+        if name.startswith("model.layers.") and not P.is_expert_stack(name) or name == "model.norm.weight":
             out += _nbytes(shape)
     return out + lm_head_bytes(cfg)
 
@@ -192,8 +172,8 @@ def target_dense_bytes(cfg: ModelConfig) -> int:
 def head_dense_bytes(cfg: ModelConfig) -> int:
     """The same for one MTP draft: the head's fc, norms and layer but its routed experts, and the
     shared LM head."""
-    return sum(_nbytes(s) for n, s in stacked_shapes(cfg).items()
-               if n.startswith("mtp.") and not _is_routed(n)) + lm_head_bytes(cfg)
+    return sum(_nbytes(s) for n, s in P.param_shapes(cfg).items()
+               if n.startswith("mtp.") and not P.is_expert_stack(n)) + lm_head_bytes(cfg)
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, context: int, attention_layers: int, linear_layers: int) -> int:
@@ -213,7 +193,7 @@ def active_flops_per_token(cfg: ModelConfig) -> int:
     """Matrix FLOPs of one token through the target's layers: every 2-D weight but the routed
     experts, plus ``num_experts_per_tok`` of those per MoE layer (the LM head is counted apart)."""
     flops = 0
-    for name, shape in stacked_shapes(cfg).items():
+    for name, shape in P.param_shapes(cfg).items():
         if name.startswith("model.layers.") and len(shape) == 2:
             flops += 2 * math.prod(shape)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
@@ -564,6 +544,8 @@ class ModelBench:
     def _measure_plain_loop(self, params, rows):
         conf, b = self.conf, 1
         budgets = (conf.loop_tokens, 2 * conf.loop_tokens)
+        if self.loop_compile is None:
+            raise RuntimeError("the plain loop has no compiled program (its compile failed; see the errors)")
         compiled, compile_s = self.loop_compile
         first = jnp.ones((b,), jnp.int32)
         rng = jax.random.key(conf.seed)
@@ -670,7 +652,11 @@ def markdown(data) -> str:
         if r["what"] == "ceilings":
             lines.append(f"Copy bandwidth {r['copy_bandwidth_TBps']:.2f} TB/s (read + written); bf16 GEMM "
                          f"{r['gemm_TFLOPps']:.0f} TFLOP/s ({r['gemm_n']}^3).\n")
-    lines += ["| model | layers | what | time | floor | ratio | distinct experts / layer | compile s |",
+    for r in rows:
+        if r["what"] == "model":
+            lines.append(f"- {r['model']}: {r['layers']} of its {r['published_layers']} layers, "
+                         f"{r['params'] / 1e9:.2f}B parameters with the MTP head ({2 * r['params'] / 2 ** 30:.1f} GiB)")
+    lines += ["", "| model | layers | what | time | floor | ratio | distinct experts / layer | compile s |",
               "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["what"] in ("ceilings", "model", "peer"):
@@ -765,7 +751,7 @@ def run(conf) -> dict:
         depth = fitting_depth(cfg, conf.fit_memory_gib)
         benches.append(ModelBench(name, at_depth(cfg, depth), suite, conf, programs, report, deadline))
         report.add(what="model", model=name, layers=depth, published_layers=cfg.num_hidden_layers,
-                   params=sum(math.prod(s) for s in stacked_shapes(at_depth(cfg, depth)).values()))
+                   params=sum(math.prod(s) for s in P.param_shapes(at_depth(cfg, depth)).values()))
     peer_name = (TINY_PEER if tiny and conf.peer_model else conf.peer_model) or None
     peer = None
     if peer_name:
@@ -778,7 +764,10 @@ def run(conf) -> dict:
         # 1. The plain loop's compile alone (the compile-time goal); the first model's weights meanwhile.
         first.declare_loop()
         params = device_params(first.cfg, conf.seed)
-        first.loop_compile = programs.get(f"{first.name}/greedy_loop", deadline)
+        try:
+            first.loop_compile = programs.get(f"{first.name}/greedy_loop", deadline)
+        except Exception as e:  # noqa: BLE001 - the loop's rows say it failed; the steps still run
+            report.error(f"{first.name} greedy loop compile", e)
         # 2. The first model's programs (and the peer's small loop), compiled together; then the
         # first model is timed with no compile in flight.
         first.declare()
@@ -796,9 +785,12 @@ def run(conf) -> dict:
         for bench in benches[1:]:
             if deadline.passed(f"{bench.name} (all)", report):
                 continue
-            params = device_params(bench.cfg, conf.seed)
-            bench.measure(params, deadline)
-            del params
+            try:
+                params = device_params(bench.cfg, conf.seed)
+                bench.measure(params, deadline)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: the next model still runs
+                report.error(bench.name, e)
+            params = None
             gc.collect()
     finally:
         programs.cancel_all()

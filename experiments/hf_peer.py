@@ -13,6 +13,7 @@ import re
 import time
 from typing import Any, Callable, Mapping
 
+# A stack of routed experts, `mtp.model.params.EXPERT_STACK` restated: this module imports no JAX.
 _EXPERTS = re.compile(r"^(?P<stem>.*\.mlp\.experts\.)(?P<proj>gate|up|down)_proj\.weight$")
 
 

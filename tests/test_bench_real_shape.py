@@ -10,13 +10,14 @@ import pytest
 from configs.bench_real_shape import get_config
 from experiments import bench_real_shape as brs
 from mtp.model import layers
+from mtp.model import params as P
 from mtp.model.params import flatten
 
 
 def _tiny_conf(tmp_path, **changes):
     conf = get_config()
     conf.update(dict(model="tiny", models="tiny_qwen35_moe,tiny_qwen35", peer_model="", batches=(1,),
-                     verify_widths=(2,), spec_k=2, alphas=(0.0, 1.0), loop_tokens=128, context=32, prefill_chunk=32,
+                     verify_widths=(2,), spec_k=2, alphas=(0.0, 0.8, 1.0), loop_tokens=128, context=32, prefill_chunk=32,
                      reps=5, steps_per_call=256, compile_workers=2, deadline_s=3600.0, out_dir=str(tmp_path)))
     conf.update(changes)
     return conf
@@ -64,7 +65,7 @@ def test_routing_of_returns_each_top_k_a_step_selects():
 def test_device_params_make_the_model_tree_with_stacked_experts():
     cfg = brs.load_model_config("tiny_qwen35_moe")
     flat = flatten(brs.device_params(cfg, 0))
-    assert {n: tuple(w.shape) for n, w in flat.items()} == brs.stacked_shapes(cfg)
+    assert {n: tuple(w.shape) for n, w in flat.items()} == P.param_shapes(cfg)
     assert flat["model.layers.0.mlp.experts.gate_proj.weight"].shape[0] == cfg.num_experts
     again = flatten(brs.device_params(cfg, 0))
     other = flatten(brs.device_params(cfg, 1))
@@ -75,7 +76,7 @@ def test_device_params_make_the_model_tree_with_stacked_experts():
 
 def test_floors_split_the_weights_exactly():
     cfg = brs.load_model_config("qwen3_5_35b_a3b")
-    shapes = brs.stacked_shapes(cfg)
+    shapes = P.param_shapes(cfg)
     stack = sum(2 * math.prod(s) for n, s in shapes.items() if n.startswith("model.layers.") or n == "model.norm.weight")
     routed = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) * cfg.num_experts * brs.expert_bytes(cfg)
     assert brs.target_dense_bytes(cfg) + routed == stack + brs.lm_head_bytes(cfg)
