@@ -1,0 +1,355 @@
+"""Checks and times one layer's routed-expert FFN on a GPU: XLA's forms, the grouped-GEMM
+kernels (``mtp.ops.moe.mosaic``) and tokamax, each against its floors.
+
+Shapes: Qwen3-Next-80B-A3B (E = 512, top-10, H = 2048, I = 512) and Qwen3.5-35B-A3B
+(E = 256, top-8), bf16, at ``--tokens`` tokens; routing drawn from ``--seed``, uniform
+over the experts or skewed (Zipf popularity, exponent ``--skew``), k distinct experts a
+token, softmax weights.
+
+Variants: ``dense`` (every expert on every token, weighted: the reference's dense
+form), ``gather`` (the selected experts' weights gathered per pair, then einsums),
+``mosaic`` (the kernels, ``default_config``) and ``mosaic:<field>=<value>/...`` for each
+``--configs`` entry (those fields of ``GroupedGemmConfig`` changed), ``tokamax``
+(``mtp.ops.moe.tokamax``, if it imports; its weight layout made beforehand, untimed).
+Every variant is first compared with the dense form on the same inputs (relative error; a
+variant over ``--max_err`` is not timed).
+
+Floors, from ceilings measured in the same run: the active bytes (distinct experts
+touched x an expert's bytes) over the device-to-device copy bandwidth (bytes read plus
+written, torch's ``copy_`` of 1 GiB), and the active FLOPs (``6 P H I`` for ``P = N k``
+pairs) over XLA's bf16 GEMM rate at 8192^3 on random data.
+
+Timing: CUPTI device time (the sum of one call's kernels) after a read that evicts the
+L2 (``experiments.cupti``), median of ``--reps`` calls rotating through ``--weight_sets``
+copies of the weights; and the wall time of back-to-back calls (median of 5 loops).
+
+  PYTHONPATH=. python3 experiments/bench_moe.py --out_dir $OUT
+
+Writes ``moe_bench.json`` and ``moe_bench.md`` under ``--out_dir`` after every row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+import traceback
+
+from absl import app, flags, logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import cupti
+from experiments.results_io import write_atomic, write_json
+from mtp.ops.moe import mosaic
+from mtp.ops.moe import tokamax as tokamax_backend
+
+SHAPES = {
+    "qwen3_next": dict(experts=512, top_k=10, hidden=2048, inter=512),
+    "qwen35": dict(experts=256, top_k=8, hidden=2048, inter=512),
+    "tiny": dict(experts=16, top_k=4, hidden=128, inter=64),  # --small: a CPU check in interpret mode
+}
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out_dir", os.environ.get("OUT", "/tmp/bench_moe"), "Where results go.")
+flags.DEFINE_list("shapes", ["qwen3_next", "qwen35"], f"Model shapes, of {', '.join(SHAPES)}.")
+flags.DEFINE_list("tokens", ["1", "2", "4", "8", "16", "32", "256", "2048"], "Token counts N.")
+flags.DEFINE_list("routings", ["uniform", "skewed"], "Routing kinds: uniform, skewed.")
+flags.DEFINE_list("skewed_tokens", ["32", "256", "2048"], "Token counts the skewed routing runs at.")
+flags.DEFINE_float("skew", 1.2, "Zipf exponent of the skewed routing's expert popularity.")
+flags.DEFINE_list("variants", ["dense", "gather", "mosaic", "tokamax"], "Variants to run.")
+flags.DEFINE_list("configs", [], "Extra mosaic configs, each GroupedGemmConfig fields over default_config's, "
+                  "e.g. tile_k=128/stages=3.")
+flags.DEFINE_integer("dense_max_tokens", 256, "Time the dense form only up to this many tokens.")
+flags.DEFINE_integer("gather_max_tokens", 32, "Time the gather form only up to this many tokens.")
+flags.DEFINE_integer("reps", 10, "Timed calls per variant.", lower_bound=1)
+flags.DEFINE_integer("weight_sets", 2, "Weight copies the timed calls rotate through.", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "Routing and input seed.")
+flags.DEFINE_float("max_err", 2e-2, "Largest relative error to the dense form a timed variant may have.")
+flags.DEFINE_bool("small", False, "The tiny shape in Pallas' interpret mode, no timing: a CPU check.")
+
+
+# ------------------------------------------------------------------ inputs and forms
+
+
+def routing(rng, n, e, k, kind, skew):
+    """``(ids [n, k] int32, weights [n, k] f32)``: k distinct experts a token (Gumbel top-k)."""
+    log_pop = np.zeros(e) if kind == "uniform" else -skew * np.log(np.arange(1, e + 1))
+    if kind not in ("uniform", "skewed"):
+        raise ValueError(f"routing {kind!r}: choose uniform or skewed")
+    scores = log_pop[None, :] + rng.gumbel(size=(n, e))
+    ids = np.argsort(-scores, axis=1)[:, :k]
+    logits = rng.standard_normal((n, k))
+    w = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(w, jnp.float32)
+
+
+def make_weights(key, e, h, i, dtype=jnp.bfloat16):
+    kg, ku, kd = jax.random.split(key, 3)
+    gate = (jax.random.normal(kg, (e, i, h), jnp.float32) / np.sqrt(h)).astype(dtype)
+    up = (jax.random.normal(ku, (e, i, h), jnp.float32) / np.sqrt(h)).astype(dtype)
+    down = (jax.random.normal(kd, (e, h, i), jnp.float32) / np.sqrt(i)).astype(dtype)
+    return gate, up, down
+
+
+def _expert_ffn(x, gate, up, down):
+    """``rnd(down @ rnd(rnd(silu(rnd(gate @ x))) * rnd(up @ x)))`` for rows of x against stacked experts."""
+    dt = x.dtype
+    g = jnp.einsum("...h,...ih->...i", x, gate, preferred_element_type=jnp.float32).astype(dt)
+    u = jnp.einsum("...h,...ih->...i", x, up, preferred_element_type=jnp.float32).astype(dt)
+    hs = (jax.nn.silu(g.astype(jnp.float32)).astype(dt).astype(jnp.float32) * u.astype(jnp.float32)).astype(dt)
+    return jnp.einsum("...i,...hi->...h", hs, down, preferred_element_type=jnp.float32).astype(dt)
+
+
+@jax.jit
+def dense_form(x, ids, w, gate, up, down):
+    """Every expert on every token, weighted by the routing (zero for unselected experts)."""
+    e = gate.shape[0]
+    routing_w = jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32) * w[..., None], axis=1)  # [N, E]
+    y = _expert_ffn(x[:, None, :], gate[None], up[None], down[None])  # [N, E, H]
+    return jnp.einsum("ne,neh->nh", routing_w, y.astype(jnp.float32))
+
+
+@jax.jit
+def gather_form(x, ids, w, gate, up, down):
+    """The selected experts' weights gathered per (token, slot) pair, then batched einsums."""
+    y = _expert_ffn(x[:, None, :], gate[ids], up[ids], down[ids])  # [N, k, H]
+    return jnp.einsum("nk,nkh->nh", w, y.astype(jnp.float32))
+
+
+def dense_reference(x, ids, w, weights, chunk=256):
+    """The dense form over token chunks (bounded memory at 2048 tokens)."""
+    return jnp.concatenate([dense_form(x[s:s + chunk], ids[s:s + chunk], w[s:s + chunk], *weights)
+                            for s in range(0, x.shape[0], chunk)])
+
+
+def parse_config(text):
+    """``"tile_k=128/stages=3"``: fields of ``GroupedGemmConfig`` that override ``default_config``'s."""
+    fields = {f.name: f.type for f in dataclasses.fields(mosaic.GroupedGemmConfig)}
+    out = {}
+    for item in text.split("/"):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise ValueError(f"--configs entry {text!r}: no GroupedGemmConfig field {name!r}; the fields "
+                             f"are {', '.join(fields)}")
+        out[name] = value if name == "layout" else (value in ("1", "true", "True")) if name == "columns_minor" \
+            else int(value)
+    return out
+
+
+def _mosaic(overrides, impl):
+    def run(x, ids, w, ws):
+        gate = ws[0]
+        cfg = mosaic.default_config(x.shape[0], ids.shape[1], gate.shape[0], x.shape[1], gate.shape[1])
+        cfg = dataclasses.replace(cfg, **overrides)
+        return mosaic.routed_experts_mosaic(x, ids, w, *ws[:3], impl=impl, config=cfg)
+    return run
+
+
+def variants(n, interpret):
+    """``{name: (fn(x, ids, w, weight_set), needs_tokamax_layout)}`` for N tokens."""
+    impl = "interpret" if interpret else "pallas"
+    out = {}
+    if "dense" in FLAGS.variants and n <= FLAGS.dense_max_tokens:
+        out["dense"] = (lambda x, i, w, ws: dense_form(x, i, w, *ws[:3]), False)
+    if "gather" in FLAGS.variants and n <= FLAGS.gather_max_tokens:
+        out["gather"] = (lambda x, i, w, ws: gather_form(x, i, w, *ws[:3]), False)
+    if "mosaic" in FLAGS.variants:
+        out["mosaic"] = (_mosaic({}, impl), False)
+        for text in FLAGS.configs:
+            out[f"mosaic:{text}"] = (_mosaic(parse_config(text), impl), False)
+    if "tokamax" in FLAGS.variants and not interpret and tokamax_backend.available() is None:
+        out["tokamax"] = (lambda x, i, w, ws: tokamax_backend.routed_experts_tokamax(x, i, w, *ws[3:]), True)
+    return out
+
+
+# ------------------------------------------------------------------ ceilings and timing
+
+
+def copy_bandwidth():
+    """(bytes/s read + written, method) of a 1 GiB device-to-device copy."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
+            b = torch.empty_like(a)
+            for _ in range(3):
+                b.copy_(a)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(10):
+                start.record()
+                b.copy_(a)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e-3)
+            bw = 2 * a.numel() * 2 / statistics.median(times)
+            del a, b
+            torch.cuda.empty_cache()
+            return bw, "torch copy_ 1 GiB"
+    except ImportError:
+        pass
+    a = jnp.ones((1 << 29,), jnp.bfloat16)
+    f = jax.jit(lambda v: v + 1)
+    t, _ = _wall(f, [(a,)], 10)
+    return 2 * a.size * 2 / t, "XLA a + 1 over 1 GiB"
+
+
+def gemm_peak():
+    """bf16 FLOP/s of XLA's 8192^3 GEMM on random data."""
+    k1, k2 = jax.random.split(jax.random.key(1))
+    a = jax.random.normal(k1, (8192, 8192), jnp.bfloat16)
+    b = jax.random.normal(k2, (8192, 8192), jnp.bfloat16)
+    f = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    t, _ = _device_time(f, [(a, b)], 10)
+    return 2 * 8192 ** 3 / t
+
+
+def _wall(fn, arg_sets, reps):
+    for a in arg_sets[:2]:
+        jax.block_until_ready(fn(*a))
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        out = None
+        for r in range(reps):
+            out = fn(*arg_sets[r % len(arg_sets)])
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / reps)
+    return statistics.median(samples), "wall"
+
+
+def _device_time(fn, arg_sets, reps):
+    """(median s, per-kernel ms of the last call) from CUPTI with the L2 evicted."""
+    for a in arg_sets[:2]:
+        jax.block_until_ready(fn(*a))
+    times, kernels = [], []
+    for r in range(reps):
+        kernels = cupti.kernel_timings(fn, arg_sets[r % len(arg_sets)])
+        times.append(sum(ms for _, ms in kernels) * 1e-3)
+    return statistics.median(times), kernels
+
+
+def _rel_err(a, b):
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+# ------------------------------------------------------------------ the run
+
+
+def bench_row(shape_name, n, kind, weight_sets, ceilings, interpret):
+    s = SHAPES[shape_name]
+    e, k, h, i = s["experts"], s["top_k"], s["hidden"], s["inter"]
+    rng = np.random.default_rng([FLAGS.seed, n, 0 if kind == "uniform" else 1])
+    ids, w = routing(rng, n, e, k, kind, FLAGS.skew)
+    x = jnp.asarray(rng.standard_normal((n, h)), jnp.bfloat16)
+    distinct = int(np.unique(np.asarray(ids)).size)
+    expert_bytes = 3 * i * h * 2
+    row = dict(shape=shape_name, tokens=n, routing=kind, pairs=n * k, distinct_experts=distinct,
+               active_bytes=distinct * expert_bytes, active_flops=6 * n * k * h * i, variants={})
+    if ceilings:
+        row["floor_bytes_s"] = row["active_bytes"] / ceilings["copy_bytes_per_s"]
+        row["floor_flops_s"] = row["active_flops"] / ceilings["gemm_flops_per_s"]
+        row["floor_s"] = max(row["floor_bytes_s"], row["floor_flops_s"])
+    ref = dense_reference(x, ids, w, weight_sets[0][:3])
+    for name, (fn, _) in variants(n, interpret).items():
+        v = row["variants"][name] = {}
+        try:
+            jfn = fn if interpret else jax.jit(fn)  # interpret mode is switched on eagerly, per call
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(jfn(x, ids, w, weight_sets[0]))
+            v["first_call_s"] = time.perf_counter() - t0  # compile included
+            v["rel_err"] = _rel_err(out, ref)
+            v["finite"] = bool(np.isfinite(np.asarray(out)).all())
+            if not v["finite"] or v["rel_err"] > FLAGS.max_err or interpret:
+                continue
+            sets = [(x, ids, w, ws) for ws in weight_sets]
+            t, kernels = _device_time(jfn, sets, FLAGS.reps)
+            v["device_s"] = t
+            v["kernels_ms"] = [[name_, ms] for name_, ms in kernels]
+            v["wall_s"], _ = _wall(jfn, sets, FLAGS.reps)
+            if ceilings:
+                v["over_floor"] = t / row["floor_s"]
+        except Exception as ex:  # noqa: BLE001 - a failing variant must not end the run
+            traceback.print_exc()
+            v["error"] = f"{type(ex).__name__}: {str(ex)[:400]}"
+    return row
+
+
+def render(results):
+    c = results.get("ceilings") or {}
+    lines = [f"# Routed-expert FFN, one layer ({results['date']}, {results['device']})", ""]
+    if c:
+        lines += [f"Ceilings: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s ({c['copy_method']}), "
+                  f"bf16 GEMM {c['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s (XLA 8192^3).", ""]
+    names = []
+    for r in results["rows"]:
+        names += [v for v in r["variants"] if v not in names]
+    lines.append("| shape | routing | N | experts | floor us (bytes / flops) | "
+                 + " | ".join(f"{v} us (x floor)" for v in names) + " |")
+    lines.append("|" + "---|" * (5 + len(names)))
+    for r in results["rows"]:
+        floor = (f"{r['floor_bytes_s'] * 1e6:.1f} / {r['floor_flops_s'] * 1e6:.1f}"
+                 if "floor_s" in r else "-")
+        cells = []
+        for v in names:
+            d = r["variants"].get(v)
+            if d is None:
+                cells.append("")
+            elif "device_s" in d:
+                ratio = f" ({d['over_floor']:.2f}x)" if "over_floor" in d else ""
+                cells.append(f"{d['device_s'] * 1e6:.1f}{ratio}")
+            elif "error" in d:
+                cells.append("error")
+            else:
+                cells.append(f"err {d.get('rel_err', float('nan')):.1e}")
+        lines.append(f"| {r['shape']} | {r['routing']} | {r['tokens']} | {r['distinct_experts']} | {floor} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(_):
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    interpret = FLAGS.small
+    shapes = ["tiny"] if interpret else FLAGS.shapes
+    results = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   device=str(jax.devices()[0].device_kind), flags=FLAGS.flags_into_string(),
+                   tokamax=tokamax_backend.available() or "importable", rows=[])
+    if not interpret:
+        bw, method = copy_bandwidth()
+        results["ceilings"] = dict(copy_bytes_per_s=bw, copy_method=method, gemm_flops_per_s=gemm_peak())
+        logging.info("ceilings %s", results["ceilings"])
+    for shape_name in shapes:
+        s = SHAPES[shape_name]
+        keys = jax.random.split(jax.random.key(FLAGS.seed), FLAGS.weight_sets)
+        weight_sets = []
+        for key in keys[:1 if interpret else FLAGS.weight_sets]:
+            ws = make_weights(key, s["experts"], s["hidden"], s["inter"])
+            if "tokamax" in FLAGS.variants and not interpret and tokamax_backend.available() is None:
+                ws = ws + tokamax_backend.tokamax_layout(*ws)
+            weight_sets.append(jax.block_until_ready(ws))
+        for kind in FLAGS.routings:
+            tokens = FLAGS.tokens if kind == "uniform" else [t for t in FLAGS.tokens if t in FLAGS.skewed_tokens]
+            for n in (int(t) for t in tokens):
+                row = bench_row(shape_name, n, kind, weight_sets, results.get("ceilings"), interpret)
+                results["rows"].append(row)
+                write_json(os.path.join(FLAGS.out_dir, "moe_bench.json"), results)
+                write_atomic(os.path.join(FLAGS.out_dir, "moe_bench.md"), render(results))
+                logging.info("%s %s N=%d: %s", shape_name, kind, n,
+                             {v: (d.get("device_s"), d.get("rel_err"), d.get("error")) for v, d in
+                              row["variants"].items()})
+        del weight_sets
+    print(render(results))
+    if interpret:
+        bad = [(r["tokens"], v, d) for r in results["rows"] for v, d in r["variants"].items()
+               if "error" in d or not d.get("finite") or d["rel_err"] > FLAGS.max_err]
+        if bad:
+            raise SystemExit(f"variants off the dense form: {bad}")
+
+
+if __name__ == "__main__":
+    app.run(main)
