@@ -23,8 +23,8 @@ What is measured, each against a floor measured in the same run:
 * the plain decode step at each batch of ``--config.batches`` (every model), against its
   active-bytes floor: the bytes the step must read (dense weights, the LM head, the routed experts
   that the step's own routing selects, counted once per layer however many tokens select them, the
-  KV of ``--config.context`` positions, the Gated DeltaNet states read and written) over the copy
-  bandwidth. The routing is read from the timed program itself (`routing_of`);
+  KV of ``--config.context`` positions, the Gated DeltaNet states read, and written once per
+  position) over the copy bandwidth. The routing is read from the timed program itself (`routing_of`);
 * verify at each K of ``--config.verify_widths`` (batch 1, the first model) against decode, with the
   distinct experts each verify touches: the MoE verify-cost curve;
 * the propose step (one MTP draft), against decode and its own active-bytes floor;
@@ -176,12 +176,14 @@ def head_dense_bytes(cfg: ModelConfig) -> int:
                if n.startswith("mtp.") and not P.is_expert_stack(n)) + lm_head_bytes(cfg)
 
 
-def cache_bytes(cfg: ModelConfig, batch: int, context: int, attention_layers: int, linear_layers: int) -> int:
-    """KV of ``context`` positions read, and each Gated DeltaNet layer's states read and written."""
+def cache_bytes(cfg: ModelConfig, batch: int, context: int, attention_layers: int, linear_layers: int,
+                positions: int = 1) -> int:
+    """KV of ``context`` positions read, and each Gated DeltaNet layer's states read once and written
+    once per step position (a verify of K positions returns the state after each, `target.verify`)."""
     kv = batch * attention_layers * 2 * context * cfg.num_key_value_heads * cfg.head_dim * 2
     rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     conv = (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim * 2
-    return kv + 2 * batch * linear_layers * (rec + conv)
+    return kv + (1 + positions) * batch * linear_layers * (rec + conv)
 
 
 def distinct_experts(routing) -> list[int]:
@@ -465,15 +467,15 @@ class ModelBench:
         n_attn, n_lin = len(c.attention_layers), len(c.linear_layers)
         rows = {}
 
-        def floor_of(dense, batch, attention_layers, linear_layers):
+        def floor_of(dense, batch, attention_layers, linear_layers, positions=1):
             def floor(experts):
                 routed = sum(experts) * expert_bytes(c) if experts else 0
-                return dense + routed + cache_bytes(c, batch, conf.context, attention_layers, linear_layers)
+                return dense + routed + cache_bytes(c, batch, conf.context, attention_layers, linear_layers, positions)
             return floor
 
         def step_row(what):
             b, k = (int(what.split("=")[1]), 1) if what.startswith("decode") else (1, int(what.split("=")[1]))
-            row = self.time_step(what, params, floor_of(target_dense_bytes(c), b, n_attn, n_lin))
+            row = self.time_step(what, params, floor_of(target_dense_bytes(c), b, n_attn, n_lin, k))
             if k > 1 and "decode b=1" in rows:
                 row["ratio_to_decode"] = row["ms"] / rows["decode b=1"]["ms"]
             self.add(what, batch=b, **({"K": k} if k > 1 else {}), **row)
