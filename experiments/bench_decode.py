@@ -294,7 +294,7 @@ def random_cache(cfg, batch, context, page, dtype, key):
     blocks = math.ceil((context + 16) / page)
     cache = TargetCache.create(cfg, batch, batch * blocks + 1, page, blocks, dtype)
     tables = (1 + np.arange(batch * blocks, dtype=np.int32)).reshape(batch, blocks)
-    ks = iter(jax.random.split(key, 64))
+    ks = iter(jax.random.split(key, len(jax.tree.leaves((cache.kv, cache.linear)))))  # one key a layer's array
     rand = lambda a: (0.5 * jax.random.normal(next(ks), a.shape, jnp.float32)).astype(a.dtype)
     return cache.replace(kv=jax.tree.map(rand, cache.kv), linear=jax.tree.map(rand, cache.linear),
                          block_tables=jnp.asarray(tables), lengths=jnp.full((batch,), context, jnp.int32))

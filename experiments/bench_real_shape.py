@@ -10,12 +10,13 @@ Qwen3-Next-80B-A3B (512 experts, top-10 + shared) at the depth whose bf16 weight
 
 Weights are random, made on the device one layer at a time by a jitted init (a seed fixes them; the
 host never holds them), and every program takes them as arguments, never as closed-over constants.
-Programs are compiled ahead of time, several at once in threads (``--config.compile_workers``), in
-three phases: the plain decode loop's compile alone (the compile time reported); the first model's
-programs, after which its goals' rows (decode at batch 1, verify at K = ``--config.spec_k``, both
-loops) are timed with nothing compiling; then the other models' programs compile while the first
-model's other rows, the peer and the other models run. A row timed while compiles were in flight
-says so (``compiles_in_flight``; "while compiling" in the table).
+The peer runs first, while the process's JAX memory pool is still small (JAX keeps the memory it
+has grown to). Programs are compiled ahead of time, several at once in threads
+(``--config.compile_workers``), in three phases: the plain decode loop's compile alone (the compile
+time reported); the first model's programs, after which its goals' rows (decode at batch 1, verify
+at K = ``--config.spec_k``, both loops) are timed with nothing compiling; then the other models'
+programs compile while the first model's other rows and the other models run. A row timed while
+compiles were in flight says so (``compiles_in_flight``; "while compiling" in the table).
 
 What is measured, each against a floor measured in the same run:
 
@@ -186,9 +187,14 @@ def cache_bytes(cfg: ModelConfig, batch: int, context: int, attention_layers: in
     return kv + (1 + positions) * batch * linear_layers * (rec + conv)
 
 
-def distinct_experts(routing) -> list[int]:
-    """Per MoE layer, how many experts the step's tokens select (each counted once)."""
-    return [int(np.unique(np.asarray(r)).size) for r in routing]
+def distinct_experts(routing, rows: int | None = None) -> list[int]:
+    """Per MoE layer, how many experts the step's first ``rows`` routed rows select (each counted once).
+
+    A one-row step carries its stream padded with zero rows after the real one
+    (`mtp.model.layers.stream_rows`), and the MoE layer routes those too; ``rows`` = the step's
+    tokens counts the real rows alone (None: every routed row).
+    """
+    return [int(np.unique(np.asarray(r).reshape(-1, np.shape(r)[-1])[:rows]).size) for r in routing]
 
 
 def active_flops_per_token(cfg: ModelConfig) -> int:
@@ -426,7 +432,8 @@ class ModelBench:
         self.report.add(model=self.name, layers=self.cfg.num_hidden_layers, what=what,
                         compiles_in_flight=self.programs.in_flight(), **row)
 
-    def time_step(self, what, params, floor_bytes: Callable[[list[int] | None], float]):
+    def time_step(self, what, params, floor_bytes: Callable[[list[int] | None], float], tokens: int):
+        """ms a step (the slope), its floor from the experts its ``tokens`` real rows selected, and those."""
         compiled, compile_s = self.programs.get(f"{self.name}/{what}", self.deadline)
         make_state, routing_abs = self.step_states.pop(what)
         box = [jax.block_until_ready(make_state())]
@@ -442,12 +449,16 @@ class ModelBench:
             return call
 
         ms, ms_call = _per_step_slope({n: call_of(n), 4 * n: call_of(4 * n)}, self.conf.reps)
-        experts = distinct_experts(box[0][1]) if self.k_route is not None else None
+        experts = distinct_experts(box[0][1], tokens) if self.k_route is not None else None
         floor_ms = 1e3 * floor_bytes(experts) / self.report.copy_bw
         row = dict(ms=ms, ms_whole_call=ms_call, floor_ms=floor_ms, ratio_to_floor=ms / floor_ms,
                    compile_s=compile_s)
         if experts is not None:
             row.update(distinct_experts_mean=float(np.mean(experts)), distinct_experts=experts)
+            padded = distinct_experts(box[0][1])
+            if padded != experts:  # the padding rows' routing reads experts too: say how many
+                row.update(routed_rows=int(np.size(box[0][1][0]) // self.k_route),
+                           distinct_experts_with_padding_mean=float(np.mean(padded)))
         return row
 
     def guarded(self, what: str, deadline: "Deadline", fn: Callable[[], Any]):
@@ -475,15 +486,14 @@ class ModelBench:
 
         def step_row(what):
             b, k = (int(what.split("=")[1]), 1) if what.startswith("decode") else (1, int(what.split("=")[1]))
-            row = self.time_step(what, params, floor_of(target_dense_bytes(c), b, n_attn, n_lin, k))
+            row = self.time_step(what, params, floor_of(target_dense_bytes(c), b, n_attn, n_lin, k), b * k)
             if k > 1 and "decode b=1" in rows:
                 row["ratio_to_decode"] = row["ms"] / rows["decode b=1"]["ms"]
             self.add(what, batch=b, **({"K": k} if k > 1 else {}), **row)
             rows[what] = row
 
-        order = [f"decode b={b}" for b in conf.batches]
-        if self.suite == "full":
-            order += [f"verify K={k}" for k in conf.verify_widths]
+        order = [f"verify K={k}" for k in conf.verify_widths] if self.suite == "full" else []
+        order += [f"decode b={b}" for b in conf.batches]
         goals = [w for w in ("decode b=1", f"verify K={conf.spec_k}") if w in order]
         for what in goals:
             self.guarded(what, deadline, lambda what=what: step_row(what))
@@ -496,7 +506,7 @@ class ModelBench:
         if self.suite == "full":
             def propose():
                 head = quantize_head(params, "bf16")
-                row = self.time_step("propose", head, floor_of(head_dense_bytes(c), 1, 1, 0))
+                row = self.time_step("propose", head, floor_of(head_dense_bytes(c), 1, 1, 0), 1)
                 if "decode b=1" in rows:
                     row["ratio_to_decode"] = row["ms"] / rows["decode b=1"]["ms"]
                 self.add("propose (1 draft)", batch=1, **row)
@@ -680,6 +690,8 @@ def markdown(data) -> str:
             if "ratio_to_decode" in r:
                 ratio += f"; {r['ratio_to_decode']:.2f}x decode"
         experts = _fmt(r.get("distinct_experts_mean"), ".1f")
+        if "distinct_experts_with_padding_mean" in r:
+            experts += f" ({r['distinct_experts_with_padding_mean']:.1f} with the padding rows)"
         busy = " (while compiling)" if r.get("compiles_in_flight") else ""
         lines.append(f"| {r['model']} | {r['layers']} | {r['what']}{busy} | {time_s} | {floor} | {ratio} | {experts} | "
                      f"{_fmt(r.get('compile_s'), '.1f')} |")
@@ -763,6 +775,11 @@ def run(conf) -> dict:
         peer = ModelBench(f"{peer_name} (peer shape)", pcfg, "loop", pconf, programs, report, deadline)
     first = benches[0]
     try:
+        # 0. The peer first, while this process's JAX memory pool is small: JAX keeps what it has
+        # grown to, and beside a large model's pool torch's copy of the weights finds no room.
+        if peer:
+            peer.declare_loop()
+            run_peer(peer, conf, report, deadline)
         # 1. The plain loop's compile alone (the compile-time goal); the first model's weights meanwhile.
         first.declare_loop()
         params = device_params(first.cfg, conf.seed)
@@ -770,20 +787,16 @@ def run(conf) -> dict:
             first.loop_compile = programs.get(f"{first.name}/greedy_loop", deadline)
         except Exception as e:  # noqa: BLE001 - the loop's rows say it failed; the steps still run
             report.error(f"{first.name} greedy loop compile", e)
-        # 2. The first model's programs (and the peer's small loop), compiled together; then the
-        # first model is timed with no compile in flight.
+        # 2. The first model's programs, compiled together; then its goals' rows are timed with no
+        # compile in flight.
         first.declare()
-        if peer:
-            peer.declare_loop()
         # Waiting stops early enough to leave the first model's timings their share of the budget.
         programs.wait_all(timeout=max(0.0, deadline.remaining() - conf.first_model_timing_s))
-        # 3. The goals' rows with no compile in flight, then the other models' programs compile while
-        # the first model's other rows and the peer run; each model is timed once its own are done.
+        # 3. After the goals' rows the other models' programs compile while the first model's other
+        # rows run; each model is timed once its own are done.
         first.measure(params, deadline, after_goals=lambda: [bench.declare() for bench in benches[1:]])
         del params
         gc.collect()
-        if peer:
-            run_peer(peer, conf, report, deadline)
         for bench in benches[1:]:
             if deadline.passed(f"{bench.name} (all)", report):
                 continue
