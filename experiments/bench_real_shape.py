@@ -1,7 +1,12 @@
 r"""The model family at its real shapes on one GPU, random weights, every figure a ratio of one run.
 
-    PYTHONPATH=. python3 -m experiments.bench_real_shape --config.out_dir=$OUT
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 \
+        PYTHONPATH=. python3 -m experiments.bench_real_shape --config.out_dir=$OUT
     python -m experiments.bench_real_shape --config.model=tiny      # the same on a CPU, small configs
+
+JAX's memory pool grows on demand (the peer's torch and the 80B's weights need the room a
+preallocated pool would hold); ``ml_collections`` and, for the peer's fast path, ``fla-core`` and
+``flash-linear-attention`` must be importable (on the lent H200, carried as wheels).
 
 Models (`configs/models/`, each the published ``config.json``; `configs/models/real_shapes.md` says
 where each value comes from): Qwen3.5-35B-A3B (40 layers, 256 experts, top-8 + a shared expert),
@@ -679,7 +684,8 @@ def markdown(data) -> str:
                 ratio = (f"{r['speedup_vs_plain']:.2f}x plain; acceptance length {r['mean_acceptance_length']:.2f} "
                          f"(expected {r['expected_acceptance_length']:.2f}, synthetic)")
             else:
-                ratio = f"{_fmt(r.get('ratio_to_decode_step'), '.2f')}x the decode step"
+                step = r.get("ratio_to_decode_step")
+                ratio = "" if step is None else f"{step:.2f}x the decode step"
             floor = ""
         elif "tokens_per_s" in r:
             time_s = f"{r['ms']:.2f} ms ({r['tokens_per_s']:.0f} tok/s)"
