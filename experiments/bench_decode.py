@@ -295,7 +295,7 @@ def random_cache(cfg, batch, context, page, dtype, key):
     blocks = math.ceil((context + 16) / page)
     cache = TargetCache.create(cfg, batch, batch * blocks + 1, page, blocks, dtype)
     tables = (1 + np.arange(batch * blocks, dtype=np.int32)).reshape(batch, blocks)
-    ks = iter(jax.random.split(key, 64))
+    ks = iter(jax.random.split(key, len(jax.tree.leaves((cache.kv, cache.linear)))))  # one key a layer's array
     rand = lambda a: (0.5 * jax.random.normal(next(ks), a.shape, jnp.float32)).astype(a.dtype)
     return cache.replace(kv=jax.tree.map(rand, cache.kv), linear=jax.tree.map(rand, cache.linear),
                          block_tables=jnp.asarray(tables), lengths=jnp.full((batch,), context, jnp.int32))
@@ -316,6 +316,29 @@ def chained_verify_step(cfg: ModelConfig, impl: str):
         c, out = target.verify(cfg, p, c, toks, impl=impl)
         c = target.commit(c, out, jnp.ones((toks.shape[0],), jnp.int32))
         return c.replace(lengths=c.lengths - 1), jnp.argmax(out.logits, -1).astype(jnp.int32)
+
+    return step
+
+
+def random_drafter_cache(cfg: ModelConfig, batch: int, context: int, page: int, dtype, key) -> DrafterCache:
+    """A drafter cache holding ``context`` rows of random KV per sequence, the newest at key ``context``."""
+    rand = random_cache(cfg, batch, context, page, dtype, key)
+    return DrafterCache.create(cfg, batch, rand.kv.num_pages, page, rand.block_tables.shape[1], dtype).replace(
+        kv=rand.kv.replace(k=rand.kv.k[:1], v=rand.kv.v[:1]), block_tables=rand.block_tables,
+        rows=jnp.full((batch,), context, jnp.int32), last_pair_key=jnp.full((batch,), context, jnp.int32))
+
+
+def chained_propose_step(cfg: ModelConfig, impl: str):
+    """One MTP draft step: ``(dcache, token [B], hidden [B, H]), params -> the same, one draft on``.
+
+    The last draft's token and hidden feed the next, as in a chain of drafts; the row written is
+    dropped again (``rows - 1``), so every step attends over the same rows.
+    """
+    def step(state, p):
+        d, tok, h = state
+        active = jnp.ones(tok.shape, bool)
+        d, logits, h2 = draft_step(cfg, p, d, tok, h, d.last_pair_key, active, impl)
+        return d.replace(rows=d.rows - 1), jnp.argmax(logits, -1).astype(jnp.int32), h2.astype(h.dtype)
 
     return step
 
@@ -397,20 +420,12 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
             report.add(part="A", what=f"verify K={k}", batch=batch, ms=ms, ms_whole_call=call_ms,
                        ratio_to_decode=ms / decode_ms, **prof)
         del state
-        dcache = random_cache(cfg, batch, context, 16, dtype, jax.random.key(3))
-        dc = DrafterCache.create(cfg, batch, dcache.kv.num_pages, 16, dcache.block_tables.shape[1], dtype).replace(
-            kv=dcache.kv.replace(k=dcache.kv.k[:1], v=dcache.kv.v[:1]), block_tables=dcache.block_tables,
-            rows=jnp.full((batch,), context, jnp.int32), last_pair_key=jnp.full((batch,), context, jnp.int32))
+        dc = random_drafter_cache(cfg, batch, context, 16, dtype, jax.random.key(3))
         if mesh:
             dc = sharding.shard_cache(dc, cfg, mesh)
         hidden = jax.random.normal(jax.random.key(4), (batch, cfg.hidden_size), dtype)
-
-        def propose(state, p):  # a chained draft: the last draft's token and hidden feed the next
-            d, tok, h = state
-            d, logits, h = draft_step(cfg, p, d, tok, h, d.last_pair_key, jnp.ones((batch,), bool), impl)
-            return d.replace(rows=d.rows - 1), jnp.argmax(logits, -1).astype(jnp.int32), h.astype(dtype)
-
-        ms, call_ms, pstate, prof = _per_step_ms(propose, (dc, one, hidden), reps, params, n, profile=True)
+        ms, call_ms, pstate, prof = _per_step_ms(chained_propose_step(cfg, impl), (dc, one, hidden), reps, params, n,
+                                                 profile=True)
         report.add(part="A", what="propose (1 draft)", batch=batch, ms=ms, ms_whole_call=call_ms,
                    ratio_to_decode=ms / decode_ms, **prof)
         del pstate, dc

@@ -209,6 +209,23 @@ def _accept_greedy(target_logits, drafts, num_drafted):
     return accepted, bonus
 
 
+def _accept_synthetic(target_tokens, num_drafted, rate, key):
+    """Forced acceptance, a benchmark option: each draft is accepted with probability ``rate``.
+
+    The drafts' values are ignored: draft ``i`` passes an independent Bernoulli(``rate``) draw
+    from the loop's PRNG, and the accepted run stops at the first failure (or at
+    ``num_drafted``). Every other cost of a step stays real. The tokens emitted are the
+    verify's own (``target_tokens``), the bonus included, so the turn still decodes the
+    target, though not the target's greedy continuation once an accepted draft differs
+    from it. Returns ``(accepted, bonus)`` as the real acceptance rules do.
+    """
+    b, d = target_tokens.shape[0], target_tokens.shape[1] - 1
+    ok = (jax.random.uniform(key, (b, d)) < rate) & (jnp.arange(d)[None, :] < num_drafted[:, None])
+    accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+    bonus = jnp.take_along_axis(target_tokens, accepted[:, None], axis=1)[:, 0]
+    return accepted, bonus
+
+
 def _full_vocab(q, draft_vocab, vocab_size):
     if draft_vocab is None:
         return q
@@ -248,13 +265,20 @@ def _accept_sampled(target_logits, drafts, num_drafted, q, temperature, key, dra
 def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcache: DrafterCache,
                      first_token: jax.Array, first_hidden: jax.Array, budget: jax.Array,
                      spec: SpecConfig, rng: jax.Array | None = None,
-                     draft_vocab: jax.Array | None = None):
+                     draft_vocab: jax.Array | None = None,
+                     synthetic_acceptance: jax.Array | float | None = None):
     """MTP speculative decoding of one turn for every slot of the batch.
 
     ``first_token [B]``/``first_hidden [B, H]``: the prefill's output token and the
     target hidden that produced it (per ``cfg.mtp_hidden_source``). The drafter
     cache must already hold whatever context the policy gave it (prefill, carry,
     or nothing). Returns ``(cache, dcache, out, num_out, metrics)``.
+
+    ``synthetic_acceptance`` (benchmarks and tests only; None in real decoding): accept
+    each draft with this probability whatever its value (`_accept_synthetic`), emitting
+    the verify's own tokens, so the loop's speed can be measured at a chosen acceptance
+    rate on a model whose drafter agrees with nothing (random weights). Propose, verify,
+    commit and trim cost what they always do. A traced value: one compile serves every rate.
     """
     b = first_token.shape[0]
     d = spec.num_drafts
@@ -270,14 +294,19 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
         dcache, drafts, num_drafted, q = _propose(cfg, params, spec, s, active, draft_vocab, kp)
         verify_tokens = jnp.concatenate([s.last_token[:, None], drafts], axis=1)
         cache, vout = target.verify(cfg, params, s.cache, verify_tokens, active, impl=spec.impl)
-        if spec.temperature == 0:
+        if synthetic_acceptance is not None:
+            ka, kt = jax.random.split(ka)
+            emitted = pick_token(vout.logits, spec.temperature, kt)  # [B, K]: the verify's own tokens
+            accepted, bonus = _accept_synthetic(emitted, num_drafted, synthetic_acceptance, ka)
+        elif spec.temperature == 0:
             accepted, bonus = _accept_greedy(vout.logits, drafts, num_drafted)
         else:
             accepted, bonus = _accept_sampled(vout.logits, drafts, num_drafted, q, spec.temperature, ka,
                                               draft_vocab)
         accepted = jnp.where(active, accepted, 0)
-        emitted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
-        emitted = emitted.at[jnp.arange(b), accepted].set(bonus)
+        if synthetic_acceptance is None:
+            emitted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+            emitted = emitted.at[jnp.arange(b), accepted].set(bonus)
         out, num_out, done, taken = _emit(s, emitted, accepted + 1, spec.eos_id)
         # The cache keeps exactly the verified tokens that were emitted (the last one
         # excepted, as always): a turn cut short by its budget or EOS leaves no

@@ -1,0 +1,138 @@
+"""The real-shape benchmark's measuring code, end to end on tiny models of the same kinds (CPU)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs.bench_real_shape import get_config
+from experiments import bench_real_shape as brs
+from mtp.model import layers
+from mtp.model import params as P
+from mtp.model.params import flatten
+
+
+def _tiny_conf(tmp_path, **changes):
+    conf = get_config()
+    conf.update(dict(model="tiny", models="tiny_qwen35_moe,tiny_qwen35", peer_model="", batches=(1,),
+                     verify_widths=(2,), spec_k=2, alphas=(0.0, 0.8, 1.0), loop_tokens=128, context=32, prefill_chunk=32,
+                     reps=5, steps_per_call=256, compile_workers=2, deadline_s=3600.0, out_dir=str(tmp_path)))
+    conf.update(changes)
+    return conf
+
+
+def test_tiny_run_measures_every_row_against_its_floor(tmp_path):
+    data = brs.run(_tiny_conf(tmp_path))
+    assert data["errors"] == [] and data["skipped"] == []
+    rows = {(r.get("model"), r["what"]): r for r in data["rows"]}
+    moe, dense = "tiny_qwen35_moe", "tiny_qwen35"
+    cfg = brs.load_model_config(moe)
+    k = cfg.num_experts_per_tok
+    # One token selects k distinct experts in each of the 4 MoE layers: the routing read from the timed step.
+    assert rows[(moe, "decode b=1")]["distinct_experts"] == [k] * cfg.num_hidden_layers
+    verify = rows[(moe, "verify K=2")]
+    assert len(verify["distinct_experts"]) == cfg.num_hidden_layers
+    assert all(k <= e <= min(2 * k, cfg.num_experts) for e in verify["distinct_experts"])
+    assert rows[(moe, "propose (1 draft)")]["distinct_experts"] == [k]  # the MTP layer's own routing
+    assert "distinct_experts" not in rows[(dense, "decode b=1")]
+    for key in [(moe, "decode b=1"), (moe, "verify K=2"), (moe, "propose (1 draft)"), (dense, "decode b=1"),
+                (moe, "prefill chunk"), (dense, "prefill chunk")]:
+        r = rows[key]
+        assert r["ms"] > 0 and r["floor_ms"] > 0 and math.isclose(r["ratio_to_floor"], r["ms"] / r["floor_ms"])
+    assert math.isclose(verify["ratio_to_decode"], verify["ms"] / rows[(moe, "decode b=1")]["ms"])
+    plain = rows[(moe, "plain greedy loop")]
+    assert plain["ms_per_token"] > 0 and plain["compile_s"] > 0
+    # The forced acceptance at its ends: nothing accepted, or every draft (K = 2: one a step).
+    assert rows[(moe, "speculative loop K=2 alpha=0.0")]["mean_acceptance_length"] == 1.0
+    assert rows[(moe, "speculative loop K=2 alpha=1.0")]["mean_acceptance_length"] == 2.0
+    assert [v["verdict"] in ("met", "missed") for v in data["verdicts"]] == [True] * 4
+    md = (tmp_path / "results.md").read_text()
+    assert "## Goals" in md and "verify K=2" in md and "speculative loop K=2 alpha=1.0" in md
+
+
+def test_routing_of_returns_each_top_k_a_step_selects():
+    cfg = brs.load_model_config("tiny_qwen35_moe")
+    p = brs.device_params(cfg, 1, jnp.float32)["model"]["layers"]["0"]["mlp"]
+    x = jax.random.normal(jax.random.key(2), (3, cfg.hidden_size))
+    out, routing = jax.jit(brs.routing_of(lambda h: layers.moe(p, h, cfg), cfg.num_experts_per_tok))(x)
+    np.testing.assert_allclose(out, layers.moe(p, x, cfg), rtol=1e-6)
+    probs = jax.nn.softmax(x @ p["gate"]["weight"].T, axis=-1)
+    np.testing.assert_array_equal(routing[0], jax.lax.top_k(probs, cfg.num_experts_per_tok)[1])
+
+
+def test_device_params_make_the_model_tree_with_stacked_experts():
+    cfg = brs.load_model_config("tiny_qwen35_moe")
+    flat = flatten(brs.device_params(cfg, 0))
+    assert {n: tuple(w.shape) for n, w in flat.items()} == P.param_shapes(cfg)
+    assert flat["model.layers.0.mlp.experts.gate_proj.weight"].shape[0] == cfg.num_experts
+    again = flatten(brs.device_params(cfg, 0))
+    other = flatten(brs.device_params(cfg, 1))
+    name = "model.layers.1.linear_attn.out_proj.weight"
+    assert jnp.array_equal(flat[name], again[name]) and not jnp.array_equal(flat[name], other[name])
+    assert float(jnp.std(flat[name].astype(jnp.float32))) > 0
+
+
+def test_floors_split_the_weights_exactly():
+    cfg = brs.load_model_config("qwen3_5_35b_a3b")
+    shapes = P.param_shapes(cfg)
+    stack = sum(2 * math.prod(s) for n, s in shapes.items() if n.startswith("model.layers.") or n == "model.norm.weight")
+    routed = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) * cfg.num_experts * brs.expert_bytes(cfg)
+    assert brs.target_dense_bytes(cfg) + routed == stack + brs.lm_head_bytes(cfg)
+    # Qwen3.5-35B-A3B: about 3B parameters active a token (its name's A3B), the LM head included.
+    assert 2.7e9 < brs.active_flops_per_token(cfg) / 2 + brs.lm_head_bytes(cfg) / 2 < 3.3e9
+
+
+def test_the_80b_runs_at_the_depth_that_fits():
+    cfg = brs.load_model_config("qwen3_next_80b_a3b")
+    depth = brs.fitting_depth(cfg, 116.0)
+    assert depth % 4 == 0 and 24 <= depth < cfg.num_hidden_layers
+    assert brs.fitting_depth(brs.load_model_config("qwen3_5_35b_a3b"), 116.0) == 40
+    with pytest.raises(ValueError, match="fit_memory_gib"):
+        brs.fitting_depth(cfg, 1.0)
+
+
+@pytest.mark.parametrize("changes, message", [(dict(alphas=(0.8, 1.5)), "alphas"),
+                                              (dict(model="huge"), "config.model"),
+                                              (dict(verify_widths=(2, 9)), "verify_widths"),
+                                              (dict(models="tiny_qwen35_moe,nope"), "config.models")])
+def test_bad_config_stops_before_anything_runs(tmp_path, changes, message):
+    with pytest.raises(SystemExit, match=message):
+        brs.run(_tiny_conf(tmp_path, **changes))
+
+
+def test_the_report_renders_a_peer_row_and_unmeasured_goals():
+    conf = get_config()
+    data = {"device": "H200", "backend": "gpu", "date": "2026-12-02 05:00 UTC", "skipped": ["x prefill"],
+            "errors": [], "rows": [
+                dict(what="ceilings", copy_bandwidth_TBps=4.2, gemm_TFLOPps=700.0, gemm_n=8192),
+                dict(what="peer", model="qwen3_next_80b_a3b (peer shape)", layers=4, prompt=512, ms_per_token=30.0,
+                     ours_ms_per_token=1.5, transformers="5.17.0", flash_linear_attention="0.5.2",
+                     gated_delta_rule={"chunk_gated_delta_rule": "fla.ops.gated_delta_rule.chunk_gated_delta_rule"})]}
+    data["verdicts"] = brs.verdicts(data, "qwen3_5_35b_a3b", conf)
+    assert [v["verdict"] for v in data["verdicts"]] == ["n/a (not measured)"] * 4
+    md = brs.markdown(data)
+    assert "30.00 ms/token" in md and "20.0x" in md and "fla.ops.gated_delta_rule" in md
+    assert "Skipped (deadline): x prefill" in md
+
+
+def test_a_padded_one_row_step_counts_its_real_row_only(monkeypatch):
+    """A GPU pads a one-row step's stream (`layers.stream_rows`), and the MoE layer routes the
+    padding rows too; the floor counts the experts of the step's real tokens."""
+    from experiments.bench_decode import chained_verify_step, random_cache
+
+    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "1")
+    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
+    monkeypatch.setattr(layers, "PAD_ROWS", 8)
+    jax.clear_caches()
+    cfg = brs.load_model_config("tiny_qwen35_moe")
+    k = cfg.num_experts_per_tok
+    params = brs.device_params(cfg, 0, jnp.float32)
+    state = (random_cache(cfg, 1, 16, 16, jnp.float32, jax.random.key(1)), jnp.ones((1, 1), jnp.int32))
+    _, routing = jax.jit(brs.routing_of(chained_verify_step(cfg, "reference"), k))(state, params)
+    jax.clear_caches()
+    assert len(routing) == cfg.num_hidden_layers and np.shape(routing[0]) == (8, k)  # 1 real row + 7 padding
+    real, padded = brs.distinct_experts(routing, 1), brs.distinct_experts(routing)
+    assert real == [k] * cfg.num_hidden_layers
+    assert all(p >= r for p, r in zip(padded, real))
