@@ -19,6 +19,13 @@ or the ``qwen3_5`` image-text model around it) hold the same model with two diff
 A `Layout` maps between the two: the checkpoint's tensor names and shapes, the tree's
 tensors built from the checkpoint's on load, and split back on save. Rows are only
 regrouped, never recomputed, so a round trip is exact.
+
+An FP8 checkpoint's ``in_proj_qkv`` and ``in_proj_z`` are regrouped with their block scales
+(`mtp.ops.fp8.regroup`): in whole 128-row blocks where the groups' rows come in whole blocks
+(Qwen3.5's own head dims, 128 and 2 x 128 rows a key-head group), so ``in_proj_qkvz`` keeps
+the checkpoint's blocks; otherwise with one scale row per weight row, still 8-bit and exact.
+The model then computes on one FP8 ``in_proj_qkvz``, as it does on a Qwen3-Next checkpoint,
+rather than on two projections kept apart, and a save cuts the blocks back exactly.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from typing import Callable, Iterator, Mapping
 import numpy as np
 
 from mtp.config import ModelConfig
+from mtp.ops.fp8 import BlockFp8Weight
+from mtp.ops.fp8 import regroup as fp8_regroup
 
 VL_PREFIX = "model.language_model."
 VISION_PREFIX = "model.visual."
@@ -64,7 +73,7 @@ class Layout:
         """``(checkpoint name, array)`` of each tensor that holds the tree's ``flat``, as saved."""
         for name, array in flat.items():
             for part, value in self.split(name, array).items():
-                yield part, np.ascontiguousarray(value)
+                yield part, value if isinstance(value, BlockFp8Weight) else np.ascontiguousarray(value)
 
 
 class Qwen35Layout(Layout):
@@ -123,15 +132,18 @@ class Qwen35Layout(Layout):
         expert = self._fused_expert(name)
         return expert[0] if expert else (base,)
 
+    def _qkvz_rows(self) -> np.ndarray:
+        """For each row of ``in_proj_qkvz``, its row in ``concat([in_proj_qkv, in_proj_z])``."""
+        nk, r, dk, dv = self.nk, self.r, self.dk, self.dv
+        kd, vd = nk * dk, nk * r * dv
+        q, k = np.arange(kd).reshape(nk, dk), kd + np.arange(kd).reshape(nk, dk)
+        v, z = 2 * kd + np.arange(vd).reshape(nk, r * dv), 2 * kd + vd + np.arange(vd).reshape(nk, r * dv)
+        return np.concatenate([q, k, v, z], axis=1).reshape(-1)
+
     def build(self, name, arrays):
         nk, r, dk, dv = self.nk, self.r, self.dk, self.dv
         if name.endswith(".in_proj_qkvz.weight"):
-            qkv, z = arrays
-            cols = qkv.shape[1]
-            q, k, v = np.split(qkv, [nk * dk, 2 * nk * dk])
-            groups = (q.reshape(nk, dk, cols), k.reshape(nk, dk, cols), v.reshape(nk, r * dv, cols),
-                      z.reshape(nk, r * dv, cols))
-            return np.concatenate(groups, axis=1).reshape(-1, cols)
+            return _take_rows(arrays, self._qkvz_rows(), name)
         if name.endswith(".in_proj_ba.weight"):
             b, a = arrays
             cols = b.shape[1]
@@ -150,14 +162,24 @@ class Qwen35Layout(Layout):
         parts = self.sources(name)
         cols = array.shape[-1]
         if name.endswith(".in_proj_qkvz.weight"):
-            q, k, v, z = np.split(array.reshape(nk, 2 * dk + 2 * r * dv, cols),
-                                  [dk, 2 * dk, 2 * dk + r * dv], axis=1)
-            flat = lambda x: x.reshape(-1, cols)
-            return {parts[0]: np.concatenate([flat(q), flat(k), flat(v)]), parts[1]: flat(z)}
+            source_rows = np.argsort(self._qkvz_rows())  # each checkpoint row's row in the tree's tensor
+            qkv_rows = 2 * nk * dk + nk * r * dv
+            return {parts[0]: _take_rows((array,), source_rows[:qkv_rows], name),
+                    parts[1]: _take_rows((array,), source_rows[qkv_rows:], name)}
         if name.endswith(".in_proj_ba.weight"):
             b, a = np.split(array.reshape(nk, 2 * r, cols), [r], axis=1)
             return {parts[0]: b.reshape(-1, cols), parts[1]: a.reshape(-1, cols)}
         return {parts[0]: array}
+
+
+def _take_rows(arrays, rows: np.ndarray, name: str):
+    """Rows ``rows`` of the arrays stacked along their rows: plain arrays, or FP8 weights with their scales."""
+    if all(isinstance(a, BlockFp8Weight) for a in arrays):
+        return fp8_regroup.take_rows(fp8_regroup.concat_rows(list(arrays)), rows)
+    if any(isinstance(a, BlockFp8Weight) for a in arrays):
+        raise ValueError(f"{name}: its checkpoint tensors must be all FP8 or all not, got "
+                         f"{[type(a).__name__ for a in arrays]}")
+    return np.concatenate(arrays)[rows]
 
 
 def layout_of(cfg: ModelConfig, checkpoint_names: Iterator[str] | None = None) -> Layout:

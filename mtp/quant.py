@@ -29,6 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp.ops.fp8 import BlockFp8Weight
+from mtp.ops.fp8 import dequantize as dequantize_block_fp8
+
 QUANT_CHOICES = ("bf16", "fp8", "nvfp4")
 _ALIASES = {"fp4": "nvfp4"}
 
@@ -202,11 +205,15 @@ def _quantize_nvfp4(w: jax.Array) -> Nvfp4Weight:
 def quantize(w: jax.Array, quant: str, name: str = "weight"):
     """Quantizes a ``[out, in]`` weight; ``name`` only labels errors.
 
-    bf16 returns the array unchanged: it is the reference precision, and rounding an
-    f32 training weight here would silently change what "bf16" measures.
+    bf16 returns the weight unchanged: it is the reference precision, and rounding an
+    f32 training weight here would silently change what "bf16" measures. A block-scaled
+    FP8 weight (an FP8 checkpoint's, `mtp.ops.fp8`) is likewise the checkpoint as is at
+    bf16, and is requantized from the weight it stands for at fp8 / nvfp4.
     """
     quant = parse_quant(quant)
-    w = jnp.asarray(w)
+    if quant == "bf16" and isinstance(w, BlockFp8Weight):
+        return w
+    w = dequantize_block_fp8(w) if isinstance(w, BlockFp8Weight) else jnp.asarray(w)
     _check_2d(w, name)
     if quant == "bf16":
         return w
