@@ -1,5 +1,7 @@
 """Block-scaled FP8 weights: the op, the model on FP8 weights, and Qwen's FP8 checkpoint layout."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -112,3 +114,208 @@ def test_block_fp8_weight_is_a_pytree_that_jits_once():
     assert len(traces) == 1
     with pytest.raises(ValueError, match=r"2-D weight \[out, 70\].*\(3, 40, 70\)"):
         fp8.matmul(x, w)
+
+
+# ====================================================================== Qwen's FP8 checkpoint layout
+import json  # noqa: E402
+import pathlib  # noqa: E402
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+from mtp.checkpoint import (SCALE_SUFFIX, CheckpointError, load_pretrained, may_be_fp8,  # noqa: E402
+                            save_pretrained)
+from mtp.config import ModelConfig  # noqa: E402
+from mtp.model import forward  # noqa: E402
+from mtp.model.params import flatten  # noqa: E402
+from tests.conftest import random_params, tiny_config  # noqa: E402
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs" / "models"
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+
+
+def _model(kind: str) -> ModelConfig:
+    """Tiny models whose hidden size (136) spans two 128-column blocks, the second partial.
+
+    ``qwen35``'s Gated DeltaNet groups (8 + 8 + 16 rows) do not fill whole blocks, so its
+    ``in_proj_qkvz`` regroups row by row; ``qwen35_aligned`` has Qwen3.5's own head dim (128),
+    so the groups move in whole blocks.
+    """
+    if kind == "qwen35_aligned":
+        return ModelConfig.from_hf(CONFIGS / "tiny_qwen35.json").replace(
+            hidden_size=136, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
+            linear_value_head_dim=128)
+    name = {"dense": "tiny_dense", "moe": "tiny_moe", "qwen35": "tiny_qwen35", "qwen35_moe": "tiny_qwen35_moe"}[kind]
+    return ModelConfig.from_hf(CONFIGS / f"{name}.json").replace(hidden_size=136)
+
+
+def _numpy_quantize(w, scale_dtype):
+    """The checkpoints' recipe in numpy: amax / 448 per 128 x 128 block, E4M3 values of w / scale."""
+    w = np.asarray(w, np.float32)
+    rows, cols = w.shape[-2:]
+    nr, nc = -(-rows // 128), -(-cols // 128)
+    padded = np.zeros((*w.shape[:-2], nr * 128, nc * 128), np.float32)
+    padded[..., :rows, :cols] = w
+    amax = np.abs(padded.reshape(*w.shape[:-2], nr, 128, nc, 128)).max(axis=(-3, -1))
+    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(scale_dtype)
+    s = np.repeat(np.repeat(scale.astype(np.float32), 128, -2)[..., :rows, :], 128, -1)[..., :cols]
+    return np.clip(w / s, -448, 448).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def _read(path: pathlib.Path) -> dict:
+    """Every tensor of a checkpoint written by these tests (one file), as numpy; FP8 ones from their bytes."""
+    file = path / "model.safetensors"
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        data = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "BF16": ml_dtypes.bfloat16, "F32": np.float32}[info["dtype"]]
+        begin, end = info["data_offsets"]
+        out[name] = (info["dtype"], np.frombuffer(data[begin:end], dtype).reshape(info["shape"]))
+    return out
+
+
+def _official(tmp_path, kind: str, scale_dtype=np.float32, seed: int = 0, name: str = "fp8"):
+    """``(dir, twin_dir, tensors)``: a tiny model as Qwen publishes FP8 checkpoints, written here with
+    safetensors, and its dequantized twin (the FP8 tensors as the f32 weights they stand for)."""
+    cfg = _model(kind)
+    bf16 = save_pretrained(tmp_path / f"{name}_bf16", cfg,
+                           jax.tree.map(lambda a: a.astype(jnp.bfloat16), random_params(cfg, seed)))
+    raw = json.loads((bf16 / "config.json").read_text())
+    tensors, twin = {}, {}
+    for tensor, (_, value) in _read(bf16).items():
+        if may_be_fp8(tensor):
+            q, s = _numpy_quantize(value, scale_dtype)
+            tensors[tensor], tensors[tensor + SCALE_SUFFIX] = q, s
+            twin[tensor] = _numpy_dequantize(q, s, (128, 128))
+        else:
+            tensors[tensor] = twin[tensor] = value
+    # What Qwen's lists hold: the Linear modules kept in bf16.
+    kept = sorted(t.removesuffix(".weight") for t, v in tensors.items()
+                  if v.ndim == 2 and v.dtype != ml_dtypes.float8_e4m3fn and not t.endswith(SCALE_SUFFIX))
+    dirs = []
+    for sub, content, config in ((name, tensors, raw | {"quantization_config": FP8_CONFIG | {
+            "modules_to_not_convert": kept}}), (f"{name}_twin", twin, raw)):
+        d = tmp_path / sub
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+        save_file(content, str(d / "model.safetensors"))
+        dirs.append(d)
+    return dirs[0], dirs[1], tensors
+
+
+def _is_fp8(a) -> bool:
+    return isinstance(a, fp8.BlockFp8Weight)
+
+
+def _dequantized(params):
+    return jax.tree.map(lambda a: fp8.dequantize(a) if _is_fp8(a) else a, params, is_leaf=_is_fp8)
+
+
+def _tokens(cfg, seed=0, shape=(2, 11)):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, shape), jnp.int32)
+
+
+@pytest.mark.parametrize("kind, scale_dtype", [("dense", np.float32), ("moe", ml_dtypes.bfloat16),
+                                               ("qwen35", np.float32), ("qwen35_aligned", ml_dtypes.bfloat16)])
+def test_an_official_fp8_checkpoint_stays_8_bit_and_computes_its_dequantized_model(tmp_path, kind, scale_dtype):
+    path, twin_path, tensors = _official(tmp_path, kind, scale_dtype)
+    cfg, params = load_pretrained(path)
+    twin_cfg, twin = load_pretrained(twin_path)
+    assert cfg.quantization_config is not None and cfg.quantization_config.weight_block_size == (128, 128)
+    assert cfg.replace(quantization_config=None) == twin_cfg
+    flat, twin_flat = flatten(params), flatten(twin)
+    fp8_names = [n for n, a in flat.items() if _is_fp8(a)]
+    # Every projection is FP8 on the device (the MTP head's fc and layer included), the rest is not.
+    assert "mtp.fc.weight" in fp8_names and any("in_proj_qkvz" in n for n in fp8_names)
+    assert {n for n in flat if not _is_fp8(flat[n])} == {n for n in flat if not may_be_fp8(n)}
+    for name in fp8_names:
+        w = flat[name]
+        assert isinstance(w.values, jax.Array) and w.values.dtype == jnp.float8_e4m3fn, name
+        assert w.scale_inv.dtype == jnp.float32, name
+        np.testing.assert_array_equal(np.asarray(fp8.dequantize(w)), np.asarray(twin_flat[name]), err_msg=name)
+    qkvz = flat["model.layers.0.linear_attn.in_proj_qkvz.weight"]
+    assert qkvz.block == ((1, 128) if kind == "qwen35" else (128, 128))
+    assert flat["model.layers.0.mlp.gate_proj.weight" if kind != "moe" else
+                "model.layers.0.mlp.experts.0.gate_proj.weight"].scale_inv.shape[-1] == 2  # 136 columns: 2 blocks
+    # The model on FP8 weights computes exactly what its dequantized twin does.
+    tokens = _tokens(cfg)
+    logits = forward(cfg, params, tokens)
+    np.testing.assert_array_equal(np.asarray(logits, np.float32), np.asarray(forward(twin_cfg, twin, tokens), np.float32))
+    assert np.all(np.isfinite(np.asarray(logits, np.float32)))
+
+
+@pytest.mark.parametrize("kind, scale_dtype", [("moe", np.float32), ("qwen35", ml_dtypes.bfloat16),
+                                               ("qwen35_aligned", np.float32)])
+def test_a_save_round_trip_writes_the_checkpoint_back_exactly(tmp_path, kind, scale_dtype):
+    path, _, tensors = _official(tmp_path, kind, scale_dtype)
+    cfg, params = load_pretrained(path)
+    out = save_pretrained(tmp_path / "resaved", cfg, params)
+    written = _read(out)
+    assert sorted(written) == sorted(tensors)
+    for name, (tag, value) in written.items():
+        want = tensors[name]
+        assert value.dtype == want.dtype and value.shape == want.shape, name
+        assert value.tobytes() == want.tobytes(), name
+    assert written["mtp.fc.weight"][0] == "F8_E4M3"
+    saved = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert saved == json.loads((path / "config.json").read_text())["quantization_config"]
+
+
+def _rewrite(path: pathlib.Path, config=None, drop=(), put=None):
+    """``path``'s checkpoint with its config replaced, tensors dropped or replaced."""
+    tensors = {n: v for n, (_, v) in _read(path).items() if n not in drop}
+    tensors.update(put or {})
+    save_file(tensors, str(path / "model.safetensors"))
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_every_bad_fp8_file_is_a_named_error(tmp_path):
+    path, _, tensors = _official(tmp_path, "moe")
+    raw = json.loads((path / "config.json").read_text())
+    quant = raw["quantization_config"]
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+
+    def fails(pattern, **change):
+        d = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "config.json").write_text((path / "config.json").read_text())
+        (d / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+        _rewrite(d, **change)
+        with pytest.raises(CheckpointError, match=pattern.replace("FILE", re.escape(str(d / "model.safetensors")))
+                           .replace("CONFIG", re.escape(str(d / "config.json")))):
+            load_pretrained(d)
+
+    load_pretrained(path)  # the original loads; every change below breaks one thing
+    fails(r"CONFIG.*quantization_config.quant_method='awq'.*only 'fp8'",
+          config=raw | {"quantization_config": quant | {"quant_method": "awq"}})
+    fails(r"CONFIG.*quantization_config.weight_block_size=\(64, 64\).*only \[128, 128\]",
+          config=raw | {"quantization_config": quant | {"weight_block_size": [64, 64]}})
+    fails(r"CONFIG.*quantization_config.fmt='e5m2'", config=raw | {"quantization_config": quant | {"fmt": "e5m2"}})
+    fails(rf"FILE: FP8 tensor '{q_proj}' has no block scales '{q_proj}_scale_inv'", drop=[q_proj + SCALE_SUFFIX])
+    fails(rf"FILE: scale tensor '{q_proj}_scale_inv' has shape \(1, 1\), but its FP8 weight '{q_proj}' of shape "
+          rf"\(128, 136\) needs \(1, 2\)", put={q_proj + SCALE_SUFFIX: np.ones((1, 1), np.float32)})
+    fails(rf"FILE: scale tensor '{q_proj}_scale_inv' has dtype F16",
+          put={q_proj + SCALE_SUFFIX: tensors[q_proj + SCALE_SUFFIX].astype(np.float16)})
+    router = "model.layers.0.mlp.gate.weight"
+    q, s = _numpy_quantize(tensors[router], np.float32)
+    fails(rf"FILE: tensor '{router}' is F8_E4M3, but module 'model.layers.0.mlp.gate' must stay bf16",
+          put={router: q, router + SCALE_SUFFIX: s})
+    ba = "model.layers.0.linear_attn.in_proj_ba.weight"
+    q, s = _numpy_quantize(tensors[ba], np.float32)
+    fails(rf"FILE: tensor '{ba}' is F8_E4M3, but module .*in_proj_ba' must stay bf16",
+          put={ba: q, ba + SCALE_SUFFIX: s}, config=raw | {"quantization_config": quant | {"modules_to_not_convert": []}})
+    fails(rf"FILE: tensor '{q_proj}' is F8_E4M3, but CONFIG's quantization_config.modules_to_not_convert keeps "
+          rf"module 'model.layers.1.self_attn.q_proj' in bf16",
+          config=raw | {"quantization_config": quant | {"modules_to_not_convert": ["model.layers.1.self_attn.q_proj"]}})
+    fails(r"FILE: tensor '.*\.weight' is F8_E4M3, but CONFIG has no quantization_config",
+          config={k: v for k, v in raw.items() if k != "quantization_config"})
+    norm = "model.norm.weight"
+    fails(rf"FILE: tensor '{norm}_scale_inv' scales '{norm}', which is BF16, not F8_E4M3",
+          put={norm + SCALE_SUFFIX: np.ones((1, 2), np.float32)})
