@@ -179,9 +179,10 @@ def _read(path: pathlib.Path) -> dict:
     return out
 
 
-def _official(tmp_path, kind: str, scale_dtype=np.float32, seed: int = 0, name: str = "fp8"):
+def _official(tmp_path, kind: str, scale_dtype=np.float32, seed: int = 0, name: str = "fp8", quantize=_numpy_quantize):
     """``(dir, twin_dir, tensors)``: a tiny model as Qwen publishes FP8 checkpoints, written here with
-    safetensors, and its dequantized twin (the FP8 tensors as the f32 weights they stand for)."""
+    safetensors, and its dequantized twin (the FP8 tensors as the f32 weights they stand for).
+    ``quantize(w, scale_dtype) -> (values, scales)`` makes each FP8 tensor."""
     cfg = _model(kind)
     bf16 = save_pretrained(tmp_path / f"{name}_bf16", cfg,
                            jax.tree.map(lambda a: a.astype(jnp.bfloat16), random_params(cfg, seed)))
@@ -189,14 +190,14 @@ def _official(tmp_path, kind: str, scale_dtype=np.float32, seed: int = 0, name: 
     tensors, twin = {}, {}
     for tensor, (_, value) in _read(bf16).items():
         if may_be_fp8(tensor):
-            q, s = _numpy_quantize(value, scale_dtype)
+            q, s = quantize(value, scale_dtype)
             tensors[tensor], tensors[tensor + SCALE_SUFFIX] = q, s
             twin[tensor] = _numpy_dequantize(q, s, (128, 128))
         else:
             tensors[tensor] = twin[tensor] = value
-    # What Qwen's lists hold: the Linear modules kept in bf16.
+    # What Qwen's lists hold: the modules with weights of 2 dims and more kept in bf16 (conv1d too).
     kept = sorted(t.removesuffix(".weight") for t, v in tensors.items()
-                  if v.ndim == 2 and v.dtype != ml_dtypes.float8_e4m3fn and not t.endswith(SCALE_SUFFIX))
+                  if v.ndim >= 2 and v.dtype != ml_dtypes.float8_e4m3fn and not t.endswith(SCALE_SUFFIX))
     dirs = []
     for sub, content, config in ((name, tensors, raw | {"quantization_config": FP8_CONFIG | {
             "modules_to_not_convert": kept}}), (f"{name}_twin", twin, raw)):
@@ -319,3 +320,50 @@ def test_every_bad_fp8_file_is_a_named_error(tmp_path):
     norm = "model.norm.weight"
     fails(rf"FILE: tensor '{norm}_scale_inv' scales '{norm}', which is BF16, not F8_E4M3",
           put={norm + SCALE_SUFFIX: np.ones((1, 2), np.float32)})
+
+
+# ====================================================================== quantized at load, and decoding
+from mtp.generation import generate  # noqa: E402
+from mtp.speculative import SpecConfig  # noqa: E402
+from tests.conftest import agreeing_params  # noqa: E402
+
+
+def test_weight_quant_fp8_quantizes_a_bf16_checkpoint_as_the_official_ones_are(tmp_path):
+    cfg = _model("qwen35")
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), random_params(cfg, 3))
+    path = save_pretrained(tmp_path / "bf16", cfg, params)
+    qcfg, qparams = load_pretrained(path, weight_quant="fp8")
+    # The same as the checkpoint published in FP8: each checkpoint tensor quantized, then regrouped.
+    # (fp8.quantize is the numpy recipe up to an ulp of a scale: test_quantize_is_the_checkpoints_recipe.)
+    def quantize(w, scale_dtype):
+        q = fp8.quantize(w, scale_dtype=scale_dtype)
+        return np.asarray(q.values), np.asarray(q.scale_inv).astype(scale_dtype)
+
+    official, _, tensors = _official(tmp_path, "qwen35", seed=3, name="published", quantize=quantize)
+    ocfg, oparams = load_pretrained(official)
+    for (name, a), b in zip(flatten(qparams).items(), flatten(oparams).values()):
+        assert _is_fp8(a) == _is_fp8(b) == may_be_fp8(name), name
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), name
+    assert qcfg == ocfg  # quantization_config included: modules_to_not_convert lists the bf16 Linears
+    written = _read(save_pretrained(tmp_path / "saved", qcfg, qparams))
+    assert {n: v.tobytes() for n, (_, v) in written.items()} == {n: v.tobytes() for n, v in tensors.items()}
+    with pytest.raises(CheckpointError, match="weight_quant='int4'; choose one of none, fp8"):
+        load_pretrained(path, weight_quant="int4")
+
+
+@pytest.mark.parametrize("name, verify_width, mtp_quant", [("tiny_dense", 3, "bf16"), ("tiny_moe", 4, "nvfp4")])
+def test_greedy_speculative_decoding_with_fp8_weights_is_token_identical(tmp_path, name, verify_width, mtp_quant):
+    cfg = tiny_config(name).replace(tie_word_embeddings=False)
+    path = save_pretrained(tmp_path / name, cfg, agreeing_params(cfg, 11, 0.01))
+    cfg, params = load_pretrained(path, weight_quant="fp8")
+    fp8_leaves = [a for a in jax.tree.leaves(params, is_leaf=_is_fp8) if _is_fp8(a)]
+    assert len(fp8_leaves) > 20 and all(a.values.dtype == jnp.float8_e4m3fn for a in fp8_leaves)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (5, 17, 9)]
+    spec = SpecConfig(max_new_tokens=14, verify_width=verify_width)
+    plain = generate(cfg, params, prompts, spec, speculative=False).tokens
+    assert all(len(set(t)) >= 3 for t in plain), plain
+    res = generate(cfg, params, prompts, spec, mtp_quant=mtp_quant)
+    assert res.tokens == plain
+    assert 0 < res.stats.accepted < res.stats.draft_tokens, res.stats  # drafts both accepted and rejected
