@@ -367,3 +367,66 @@ def test_greedy_speculative_decoding_with_fp8_weights_is_token_identical(tmp_pat
     res = generate(cfg, params, prompts, spec, mtp_quant=mtp_quant)
     assert res.tokens == plain
     assert 0 < res.stats.accepted < res.stats.draft_tokens, res.stats  # drafts both accepted and rejected
+
+
+# ====================================================================== sharded
+_SHARDED_FP8 = r"""
+import json, sys, tempfile
+import jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, ".")
+from jax.sharding import PartitionSpec as P
+from mtp import sharding as S
+from mtp.checkpoint import load_pretrained, save_pretrained
+from mtp.model import forward
+from tests.conftest import random_params, tiny_config
+# gate/up [256, 136] split on rows and down [136, 256] on columns: 128 a device, whole blocks;
+# q_proj's 64 rows would cut a block in two: replicated.
+cfg = tiny_config("tiny_dense").replace(hidden_size=136, intermediate_size=256)
+with tempfile.TemporaryDirectory() as tmp:
+    save_pretrained(tmp, cfg, random_params(cfg, 5))
+    qcfg, one = load_pretrained(tmp, weight_quant="fp8")
+    mesh = S.make_mesh(tp=2)
+    _, split = S.load_sharded(tmp, mesh, weight_quant="fp8")
+layer = split["model"]["layers"]["0"]
+specs = {name: (w.values.sharding.spec, w.scale_inv.sharding.spec, str(w.values.dtype)) for name, w in
+         (("gate", layer["mlp"]["gate_proj"]["weight"]), ("down", layer["mlp"]["down_proj"]["weight"]),
+          ("q", split["model"]["layers"]["1"]["self_attn"]["q_proj"]["weight"]))}
+tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+with S.on_mesh(mesh):
+    got = np.asarray(jax.jit(forward, static_argnums=0)(qcfg, split, tokens))
+want = np.asarray(forward(qcfg, one, tokens))
+print(json.dumps({"specs": {k: [str(a), str(b), d] for k, (a, b, d) in specs.items()},
+                  "max_err": float(np.abs(got - want).max()), "scale": float(np.abs(want).max()),
+                  "argmax_equal": bool(np.array_equal(got.argmax(-1), want.argmax(-1)))}))
+"""
+
+
+def test_fp8_weights_shard_on_whole_blocks_and_compute_what_one_device_does():
+    import os
+    import subprocess
+    import sys
+
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=2"]))
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_FP8], env=env, cwd=pathlib.Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["specs"]["gate"] == ["P('tp', None)", "P('tp', None)", "float8_e4m3fn"]
+    assert out["specs"]["down"] == ["P(None, 'tp')", "P(None, 'tp')", "float8_e4m3fn"]
+    assert all("tp" not in spec for spec in out["specs"]["q"][:2])  # replicated
+    # f32 sums split over two devices add up in another order: within f32 rounding.
+    assert out["max_err"] <= 1e-5 * out["scale"] and out["argmax_equal"], out
+
+
+def test_block_aligned_spec_keeps_only_splits_of_whole_blocks():
+    from jax.sharding import PartitionSpec as P
+
+    from mtp.sharding import block_aligned_spec
+
+    sizes = {"tp": 2, "ep": 4}
+    assert block_aligned_spec(P("tp", None), (256, 136), (128, 128), sizes) == P("tp", None)
+    assert block_aligned_spec(P("tp", None), (192, 136), (128, 128), sizes) == P(None, None)
+    assert block_aligned_spec(P(None, "tp"), (136, 512), (1, 128), sizes) == P(None, "tp")
+    assert block_aligned_spec(P("ep", "tp", None), (8, 256, 136), (128, 128), sizes) == P("ep", "tp", None)
+    assert block_aligned_spec(P("tp", None), (64, 136), (1, 128), sizes) == P("tp", None)  # row scales split anywhere
