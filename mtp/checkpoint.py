@@ -2,8 +2,9 @@
 
 The checkpoint's tensor names are the parameter tree's dotted paths
 (`mtp.model.params`) in Qwen3-Next checkpoints, so loading is a validation against
-`param_shapes` rather than a renaming; a Qwen3.5 checkpoint splits a few of them
-differently, which `mtp.hf_layout` regroups. Every problem a checkpoint can have -- a tensor missing, misshapen, of
+`param_shapes` rather than a renaming, except that the tree stacks each layer's routed
+experts ``[E, ...]`` where a checkpoint stores them per expert or fused; a Qwen3.5
+checkpoint splits a few more tensors differently. `mtp.hf_layout` regroups both. Every problem a checkpoint can have -- a tensor missing, misshapen, of
 an unsupported dtype or unexpected, a shard missing or cut short -- is reported as a
 `CheckpointError` that names the tensor and the file, because the usual cause is a
 config.json that does not match its weights, and the name is what points at it.
@@ -339,8 +340,14 @@ def _check_against_config(cfg: ModelConfig, root: pathlib.Path, locations, expec
 # ====================================================================== saving
 def save_pretrained(path: str | os.PathLike, cfg: ModelConfig, params: Params,
                     max_shard_bytes: int | None = None, metadata: Mapping[str, str] | None = None,
-                    extra_files: Mapping[str, str | bytes | os.PathLike] | None = None) -> pathlib.Path:
+                    extra_files: Mapping[str, str | bytes | os.PathLike] | None = None,
+                    fused_experts: bool = False) -> pathlib.Path:
     """Write ``cfg`` and ``params`` as a Hugging Face checkpoint directory, atomically.
+
+    Routed experts are written per expert (``experts.{e}.gate_proj.weight``, as transformers
+    writes them), or with ``fused_experts`` fused per layer (``experts.gate_up_proj``,
+    ``experts.down_proj``); ``hf_layout.stores_fused_experts`` tells which form a checkpoint
+    holds, so a load and save writes back the file's own names.
 
     Tensors go to one ``model.safetensors``, or, when their total exceeds
     ``max_shard_bytes``, to ``model-0000i-of-0000n.safetensors`` shards with a
@@ -375,7 +382,7 @@ def save_pretrained(path: str | os.PathLike, cfg: ModelConfig, params: Params,
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         _write_json(tmp / CONFIG_NAME, cfg.to_hf())
-        tensors = _with_fp8_scales(layout_of(cfg).tree_to_checkpoint(
+        tensors = _with_fp8_scales(layout_of(cfg, fused_experts=fused_experts).tree_to_checkpoint(
             {name: _to_numpy(flat[name]) for name in param_shapes(cfg)}))
         shards = _plan_shards(tensors, max_shard_bytes)
         n = len(shards)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp.model.params import is_expert_stack
 from mtp.ops.fp8 import BlockFp8Weight
 from mtp.ops.fp8 import dequantize as dequantize_block_fp8
 
@@ -75,8 +76,12 @@ class Fp8Weight:
     the raw E4M3 values and scale the output once.
     """
 
-    values: jax.Array  # float8_e4m3fn [out, in]
-    row_scale: jax.Array  # f32 [out]
+    values: jax.Array  # float8_e4m3fn [..., out, in]
+    row_scale: jax.Array  # f32 [..., out]
+
+    def dequantize(self) -> jax.Array:
+        """The f32 weight it stands for (`dequantize`)."""
+        return dequantize(self)
 
 
 @flax.struct.dataclass
@@ -86,13 +91,18 @@ class Nvfp4Weight:
     ``packed[o, j]`` holds the codes of elements ``2j`` (low nibble) and ``2j + 1``
     (high nibble) of row ``o``; a code is ``sign << 3 | magnitude index`` into
     0, 0.5, 1, 1.5, 2, 3, 4, 6. ``block_scale[o, b]`` scales elements
-    ``16b .. 16b + 15`` of row ``o``.
+    ``16b .. 16b + 15`` of row ``o``. A stack of routed experts carries a leading expert
+    axis on every array (one tensor scale per expert); ``shape`` is one expert's.
     """
 
-    packed: jax.Array  # uint8 [out, in // 2]
-    block_scale: jax.Array  # float8_e4m3fn [out, in // 16]
-    tensor_scale: jax.Array  # f32 []
+    packed: jax.Array  # uint8 [..., out, in // 2]
+    block_scale: jax.Array  # float8_e4m3fn [..., out, in // 16]
+    tensor_scale: jax.Array  # f32 [...]
     shape: tuple[int, int] = flax.struct.field(pytree_node=False)
+
+    def dequantize(self) -> jax.Array:
+        """The f32 weight it stands for (`dequantize`)."""
+        return dequantize(self)
 
 
 def _round_to_float_grid(x: jax.Array, mantissa_bits: int, min_exponent: int, max_value: float) -> jax.Array:
@@ -203,7 +213,9 @@ def _quantize_nvfp4(w: jax.Array) -> Nvfp4Weight:
 
 
 def quantize(w: jax.Array, quant: str, name: str = "weight"):
-    """Quantizes a ``[out, in]`` weight; ``name`` only labels errors.
+    """Quantizes a ``[out, in]`` weight, or a stack of routed experts ``[E, out, in]`` (``name`` a
+    stacked expert tensor, `params.is_expert_stack`) expert by expert, each with the scales it
+    would have alone; ``name`` otherwise only labels errors.
 
     bf16 returns the weight unchanged: it is the reference precision, and rounding an
     f32 training weight here would silently change what "bf16" measures. A block-scaled
@@ -214,39 +226,38 @@ def quantize(w: jax.Array, quant: str, name: str = "weight"):
     if quant == "bf16" and isinstance(w, BlockFp8Weight):
         return w
     w = dequantize_block_fp8(w) if isinstance(w, BlockFp8Weight) else jnp.asarray(w)
-    _check_2d(w, name)
+    stacked = is_expert_stack(name) and w.ndim == 3
+    _check_2d(w[0] if stacked else w, name)
     if quant == "bf16":
         return w
-    if quant == "fp8":
-        return _quantize_fp8(w)
-    if w.shape[1] % NVFP4_BLOCK:
+    if quant == "nvfp4" and w.shape[-1] % NVFP4_BLOCK:
         raise ValueError(
             f"{name}: nvfp4 needs in_features to be a multiple of {NVFP4_BLOCK}, "
             f"got shape {tuple(w.shape)}"
         )
-    return _quantize_nvfp4(w)
+    one = _quantize_fp8 if quant == "fp8" else _quantize_nvfp4
+    return jax.vmap(one)(w) if stacked else one(w)
 
 
 def _nvfp4_block_scaled_values(weight: Nvfp4Weight) -> jax.Array:
-    """E2M1 values times their block scale, f32 ``[out, in]``, without the tensor scale.
+    """E2M1 values times their block scale, f32 ``[..., out, in]``, without the tensor scale.
 
     Each product has at most 2 + 4 significant bits, so it is exact in bf16 as well:
     the GEMM can run at the activation dtype with the tensor scale applied afterwards.
     """
-    out_features, in_features = weight.shape
     values = e2m1_decode(unpack_nibbles(weight.packed))
-    blocks = values.reshape(out_features, in_features // NVFP4_BLOCK, NVFP4_BLOCK)
+    blocks = values.reshape(*values.shape[:-1], values.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
     scaled = blocks * weight.block_scale.astype(jnp.float32)[..., None]
-    return scaled.reshape(out_features, in_features)
+    return scaled.reshape(values.shape)
 
 
 @jax.jit
 def dequantize(weight) -> jax.Array:
-    """f32 ``[out, in]`` array the quantized weight stands for."""
+    """f32 ``[..., out, in]`` array the quantized weight (one, or a stack of experts) stands for."""
     if isinstance(weight, Fp8Weight):
-        return weight.values.astype(jnp.float32) * weight.row_scale[:, None]
+        return weight.values.astype(jnp.float32) * weight.row_scale[..., None]
     if isinstance(weight, Nvfp4Weight):
-        return _nvfp4_block_scaled_values(weight) * weight.tensor_scale
+        return _nvfp4_block_scaled_values(weight) * weight.tensor_scale[..., None, None]
     return jnp.asarray(weight).astype(jnp.float32)
 
 
@@ -285,8 +296,8 @@ _PROJECTIONS = frozenset(
 def is_projection_weight(name: str) -> bool:
     """Predicate for ``quantize_params``: the ``.weight`` of an MTP projection.
 
-    Matches dense, shared-expert and routed-expert projections
-    (``...experts.3.up_proj.weight``); leaves the router (``mlp.gate``), the shared
+    Matches dense, shared-expert and routed-expert projections (the stacked
+    ``...experts.up_proj.weight``); leaves the router (``mlp.gate``), the shared
     expert gate, norms and embeddings alone, as the reference system does.
     """
     parts = name.split(".")
@@ -305,7 +316,8 @@ def quantize_params(
     Leaves are named by their dotted path (the checkpoint tensor name). Norm scales and
     1-D tensors are never touched, whatever the predicate says: they multiply
     elementwise rather than contract, so quantizing them saves nothing and costs
-    accuracy. A selected tensor of rank above 2 is an error, not a silent skip.
+    accuracy. A stack of routed experts is quantized expert by expert (`quantize`); any
+    other selected tensor of rank above 2 is an error, not a silent skip.
     """
     quant = parse_quant(quant)
     out = {}

@@ -19,14 +19,9 @@ name; `cache_sharding` is the one place for cache layouts. A dimension that does
 not divide evenly over ``tp`` (KV heads fewer than ``tp``, a vocabulary of 97) is
 replicated rather than padded, so a layout never changes the arithmetic.
 
-Expert parallelism needs the experts of a layer in one array: a per-expert
-``[I, H]`` leaf cannot live on one ``ep`` group only (a jitted computation takes
-all its inputs on one device set). With ``ep > 1`` the leaves
-``mlp.experts.E.{gate,up,down}_proj.weight`` are therefore stacked into
-``mlp.experts.{gate,up,down}_proj.weight`` of shape ``[E, ...]``, sharded on the
-expert axis (`mtp.model.layers.moe` evaluates that layout as one contraction over
-experts and inner columns, which the partitioner reduces with one all-reduce).
-With ``ep == 1`` the checkpoint's own per-expert leaves are kept.
+The params hold each layer's routed experts stacked, ``mlp.experts.{gate,up,down}_proj.weight``
+of shape ``[E, ...]`` (`mtp.model.params`), on every mesh: ``ep`` splits that leading
+expert axis, ``tp`` the experts' inner columns.
 """
 
 from __future__ import annotations
@@ -51,8 +46,6 @@ from mtp.pallas.backend import TENSOR_AXIS
 
 EP, TP = "ep", TENSOR_AXIS  # tp: the axis the Pallas kernels split on under a mesh too
 AXES = (EP, TP)
-
-_EXPERT_LEAF = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>(gate|up|down)_proj\.weight)$")
 
 
 # ====================================================================== mesh
@@ -79,16 +72,15 @@ def mesh_sizes(mesh: Mesh) -> tuple[int, int]:
     return mesh.shape[TP], mesh.shape[EP]
 
 
-def stacks_experts(cfg: ModelConfig, mesh: Mesh) -> bool:
-    """Whether the params on this mesh use the stacked expert layout (``ep > 1``)."""
-    tp, ep = mesh_sizes(mesh)
+def check_expert_split(cfg: ModelConfig, mesh: Mesh) -> None:
+    """Refuse an ``ep > 1`` mesh for a model without experts, or whose experts do not divide over ``ep``."""
+    _, ep = mesh_sizes(mesh)
     if ep == 1:
-        return False
+        return
     if cfg.num_experts == 0:
         raise ValueError(f"mesh has ep={ep} but the model has no experts (num_experts=0); use ep=1")
     if cfg.num_experts % ep:
         raise ValueError(f"num_experts={cfg.num_experts} does not split evenly over ep={ep}")
-    return True
 
 
 # ====================================================================== parameter layouts
@@ -158,8 +150,8 @@ _RULES: tuple[tuple[re.Pattern, Callable[[ModelConfig, tuple, int], P]], ...] = 
         (r"linear_attn\.(dt_bias|A_log)$", _heads_rows("linear_num_value_heads")),
         (r"linear_attn\.out_proj\.weight$", _heads_cols("linear_num_value_heads")),
         (r"linear_attn\.conv1d\.weight$", _replicated),
-        (r"mlp(\.shared_expert|\.experts(\.\d+)?)?\.(gate|up)_proj\.weight$", _ffn_in),
-        (r"mlp(\.shared_expert|\.experts(\.\d+)?)?\.down_proj\.weight$", _ffn_out),
+        (r"mlp(\.shared_expert|\.experts)?\.(gate|up)_proj\.weight$", _ffn_in),
+        (r"mlp(\.shared_expert|\.experts)?\.down_proj\.weight$", _ffn_out),
         (r"mlp\.(gate|shared_expert_gate)\.weight$", _replicated),
         (r"^mtp\.fc\.weight$", _replicated),
         (r"norm(_\w+)?\.weight$", _replicated),
@@ -176,29 +168,11 @@ def spec_for(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> P:
     return hits[0](cfg, shape, tp)
 
 
-def layout_shapes(cfg: ModelConfig, mesh: Mesh) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of the params as laid out on ``mesh`` (experts stacked if ep > 1)."""
-    shapes = param_shapes(cfg)
-    if not stacks_experts(cfg, mesh):
-        return shapes
-    out: dict[str, tuple[int, ...]] = {}
-    for name, shape in shapes.items():
-        m = _EXPERT_LEAF.match(name)
-        if m is None:
-            out[name] = shape
-        else:
-            out.setdefault(_stacked_name(m), (cfg.num_experts, *shape))
-    return out
-
-
-def _stacked_name(m: re.Match) -> str:
-    return f"{m['prefix']}.{m['proj']}"
-
-
 def param_specs(cfg: ModelConfig, mesh: Mesh) -> dict[str, P]:
     """Every tensor's PartitionSpec on ``mesh``, flat by tensor name."""
     tp, _ = mesh_sizes(mesh)
-    return {name: spec_for(name, shape, cfg, tp) for name, shape in layout_shapes(cfg, mesh).items()}
+    check_expert_split(cfg, mesh)
+    return {name: spec_for(name, shape, cfg, tp) for name, shape in param_shapes(cfg).items()}
 
 
 def param_sharding(cfg: ModelConfig, mesh: Mesh) -> Params:
@@ -245,19 +219,7 @@ def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
     if missing or extra:
         raise ValueError(f"params do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
     specs = param_specs(cfg, mesh)
-    out: dict[str, Any] = {}
-    groups: dict[str, dict[int, Any]] = {}
-    stack = stacks_experts(cfg, mesh)
-    for name, value in flat.items():
-        m = _EXPERT_LEAF.match(name) if stack else None
-        if m is None:
-            out[name] = _place(value, specs[name], mesh)
-        else:
-            groups.setdefault(_stacked_name(m), {})[int(m["index"])] = value
-    for name, group in groups.items():
-        host = np.stack([np.asarray(jax.device_get(group[e])) for e in range(cfg.num_experts)])
-        out[name] = _put(host, NamedSharding(mesh, specs[name]))
-    return unflatten({name: out[name] for name in specs})
+    return unflatten({name: _place(flat[name], specs[name], mesh) for name in specs})
 
 
 def load_sharded(path: str | os.PathLike, mesh: Mesh, dtype=None, weight_quant: str = "none"
@@ -265,34 +227,14 @@ def load_sharded(path: str | os.PathLike, mesh: Mesh, dtype=None, weight_quant: 
     """Read a Hugging Face checkpoint straight into its shards on ``mesh``.
 
     Each tensor goes from the file to its devices slice by slice, so no device ever
-    holds more than its own shard. An FP8 weight (an FP8 checkpoint's, or ``weight_quant="fp8"``
-    as in `checkpoint.load_pretrained`) is split where each device's part is whole scale
-    blocks, and replicated otherwise (`block_aligned_spec`). With stacked experts, one layer's experts of one
-    projection are gathered on the host until the last has been read, then placed.
+    holds more than its own shard (a layer's stacked experts are gathered on the host
+    one projection at a time, `hf_layout.Layout.build`, then placed). An FP8 weight (an FP8
+    checkpoint's, or ``weight_quant="fp8"`` as in `checkpoint.load_pretrained`) is split where
+    each device's part is whole scale blocks, and replicated otherwise (`block_aligned_spec`).
     """
-    cfg = checkpoint.load_config(path)
-    specs = param_specs(cfg, mesh)
-    stack = stacks_experts(cfg, mesh)
-    pending: dict[str, dict[int, np.ndarray]] = {}
-    stacked: dict[str, jax.Array] = {}
-
-    def place(name: str, array: np.ndarray):
-        m = _EXPERT_LEAF.match(name) if stack else None
-        if m is None:
-            return _place(array, specs[name], mesh)
-        key = _stacked_name(m)
-        group = pending.setdefault(key, {})
-        group[int(m["index"])] = array
-        if len(group) == cfg.num_experts:
-            stacked[key] = _put(np.stack([group[e] for e in range(cfg.num_experts)]),
-                                NamedSharding(mesh, specs[key]))
-            del pending[key]
-        return None  # the stacked array replaces the per-expert leaves below
-
-    loaded_cfg, params = checkpoint.load_pretrained(path, dtype=dtype, place=place, weight_quant=weight_quant)
-    flat = {n: v for n, v in flatten(params).items() if v is not None}
-    flat.update(stacked)
-    return loaded_cfg, unflatten({name: flat[name] for name in specs})
+    specs = param_specs(checkpoint.load_config(path), mesh)
+    return checkpoint.load_pretrained(path, dtype=dtype, place=lambda name, array: _place(array, specs[name], mesh),
+                                      weight_quant=weight_quant)
 
 
 # ====================================================================== cache layouts
@@ -382,6 +324,6 @@ def on_mesh(mesh: Mesh | None):
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
-__all__ = ["AXES", "EP", "TP", "cache_sharding", "create_cache", "layout_shapes", "load_sharded", "make_mesh",
-           "mesh_sizes", "on_mesh", "param_sharding", "param_specs", "replicated", "shard_cache", "shard_params",
-           "spec_for", "stacks_experts"]
+__all__ = ["AXES", "EP", "TP", "cache_sharding", "check_expert_split", "create_cache", "load_sharded",
+           "make_mesh", "mesh_sizes", "on_mesh", "param_sharding", "param_specs", "replicated", "shard_cache",
+           "shard_params", "spec_for"]

@@ -49,6 +49,25 @@ def agreeing_params(cfg, seed: int, mixing: float):
     return unflatten(flat)
 
 
+def per_expert_tensors(params) -> dict:
+    """The params' tensors (host arrays) named as a per-expert checkpoint names them, as transformers
+    writes a MoE model: each stacked ``...mlp.experts.gate_proj.weight`` [E, I, H] becomes
+    ``...mlp.experts.{e}.gate_proj.weight`` [I, H]. Spelled out here, apart from `mtp.hf_layout`,
+    so that tests can write a checkpoint the way a third party does."""
+    import numpy as np
+
+    from mtp.model.params import EXPERT_STACK, flatten
+
+    out = {}
+    for name, value in flatten(params).items():
+        m = EXPERT_STACK.match(name)
+        if m is None:
+            out[name] = np.asarray(value)
+        else:
+            out.update({f"{m['stem']}{e}.{m['proj']}.weight": np.asarray(w) for e, w in enumerate(value)})
+    return out
+
+
 class IdPrompts:
     """Sessions whose user chunks are token ids (``Turn.user`` holds them space-separated),
     for `mtp.engine.run_sessions` without a tokenizer.

@@ -32,7 +32,6 @@ from mtp import engine as E  # noqa: E402
 from mtp import sharding as S  # noqa: E402
 from mtp.cache.state import TargetCache  # noqa: E402
 from mtp.engine import Engine, EngineConfig, run_sessions  # noqa: E402
-from mtp.model.params import flatten, unflatten  # noqa: E402
 from mtp.speculative import SpecConfig  # noqa: E402
 
 DEVICES = 4
@@ -88,19 +87,6 @@ def host_copy(tree) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): np.asarray(jax.device_get(v)) for p, v in flat}
 
 
-def stacked_host(cfg, params, mesh) -> dict[str, np.ndarray]:
-    """The params as the mesh lays them out (experts stacked when ep > 1), on the host."""
-    flat = {n: np.asarray(v) for n, v in flatten(params).items()}
-    out = {}
-    for name in S.layout_shapes(cfg, mesh):
-        if name in flat:
-            out[name] = flat[name]
-        else:  # prefix.experts.proj.weight <- prefix.experts.E.proj.weight
-            prefix, proj = name.split(".experts.")
-            out[name] = np.stack([flat[f"{prefix}.experts.{e}.{proj}"] for e in range(cfg.num_experts)])
-    return host_copy(unflatten(out))
-
-
 @contextlib.contextmanager
 def recording_loops(seen: dict):
     """Record the caches `generation.generate`'s decode loops hand back, so that their
@@ -133,7 +119,7 @@ def decode_case(name: str, tp: int, ep: int, seed: int, mixing: float = 0.01) ->
     params = agreeing_params(cfg, seed, mixing)
     mesh = S.make_mesh(tp, ep)
     sharded = S.shard_params(params, cfg, mesh)
-    split = check_layout(sharded, S.param_sharding(cfg, mesh), stacked_host(cfg, params, mesh), f"{name} params")
+    split = check_layout(sharded, S.param_sharding(cfg, mesh), host_copy(params), f"{name} params")
     check(split > 0, f"{name}: no parameter is split over the mesh")
     prompts = prompts_for(cfg, seed)
     made = S.create_cache(TargetCache, cfg, mesh, 2, 9, 16, 4, jnp.float32)
@@ -228,7 +214,7 @@ def load_case(name: str, tp: int, ep: int, seed: int) -> dict:
         check(files > 1, "the checkpoint was meant to be sharded over several files")
         loaded_cfg, loaded = S.load_sharded(pathlib.Path(tmp) / "ckpt", mesh)
     check(loaded_cfg == cfg, "load_sharded returned a different config")
-    split = check_layout(loaded, S.param_sharding(cfg, mesh), stacked_host(cfg, params, mesh), f"{name} loaded")
+    split = check_layout(loaded, S.param_sharding(cfg, mesh), host_copy(params), f"{name} loaded")
     check(split > 0, f"{name}: load_sharded split nothing")
     return {"config": name, "tp": tp, "ep": ep, "files": files, "params_split": split}
 

@@ -17,6 +17,7 @@ from mtp.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from mtp.config import ModelConfig
 from mtp.model import forward
 from mtp.model.params import flatten, param_shapes, unflatten
+from tests.conftest import per_expert_tensors
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs" / "models"
 
@@ -55,7 +56,7 @@ def _third_party(tmp_path, cfg, params, raw_config=None, tensors=None):
     raw = raw_config if raw_config is not None else cfg.to_hf()
     (d / "config.json").write_text(json.dumps(raw))
     if tensors is None:
-        tensors = {k: np.asarray(v) for k, v in flatten(params).items()}
+        tensors = per_expert_tensors(params)
     save_file(tensors, str(d / "model.safetensors"))
     return d
 
@@ -74,7 +75,7 @@ def test_round_trip_is_bit_exact(tmp_path, name, dtype, shard):
         shards = [f for f in files if f.endswith(".safetensors")]
         assert len(shards) > 1 and "model.safetensors.index.json" in files
         index = json.loads((out / "model.safetensors.index.json").read_text())
-        assert set(index["weight_map"]) == set(param_shapes(cfg))
+        assert set(index["weight_map"]) == set(per_expert_tensors(params))
         assert set(index["weight_map"].values()) == set(shards)
         for s in shards:  # each shard respects the limit unless it is a single big tensor
             assert os.path.getsize(out / s) <= shard + 8192 or len(
@@ -125,7 +126,7 @@ def test_third_party_checkpoint_gives_same_logits(tmp_path, name):
 def test_mtp_tensors_optional_only_without_mtp_layers(tmp_path):
     cfg = _cfg("tiny_dense")
     params = _params(cfg, 7)
-    no_mtp = {k: np.asarray(v) for k, v in flatten(params).items() if not k.startswith("mtp.")}
+    no_mtp = {k: v for k, v in per_expert_tensors(params).items() if not k.startswith("mtp.")}
     raw = cfg.to_hf() | {"num_nextn_predict_layers": 0}
     cfg0, loaded = load_pretrained(_third_party(tmp_path, cfg, params, raw_config=raw, tensors=no_mtp))
     assert not cfg0.has_mtp and "mtp" not in loaded
@@ -145,7 +146,7 @@ def test_mtp_depth_comes_from_the_tensors_where_the_config_names_none(tmp_path):
     got, loaded = load_pretrained(_third_party(tmp_path, cfg, params, raw_config=raw))
     assert got == cfg and got.has_mtp
     _assert_bit_exact(loaded, params)
-    no_mtp = {k: np.asarray(v) for k, v in flatten(params).items() if not k.startswith("mtp.")}
+    no_mtp = {k: v for k, v in per_expert_tensors(params).items() if not k.startswith("mtp.")}
     got, loaded = load_pretrained(_third_party(tmp_path, cfg, params, raw_config=raw, tensors=no_mtp))
     assert not got.has_mtp and "mtp" not in loaded  # silent config, no MTP weights: none
     assert checkpoint.load_config(tmp_path / "third_party") == got  # what sharded loads build from

@@ -241,8 +241,10 @@ def test_an_official_fp8_checkpoint_stays_8_bit_and_computes_its_dequantized_mod
         np.testing.assert_array_equal(np.asarray(fp8.dequantize(w)), np.asarray(twin_flat[name]), err_msg=name)
     qkvz = flat["model.layers.0.linear_attn.in_proj_qkvz.weight"]
     assert qkvz.block == ((1, 128) if kind == "qwen35" else (128, 128))
-    assert flat["model.layers.0.mlp.gate_proj.weight" if kind != "moe" else
-                "model.layers.0.mlp.experts.0.gate_proj.weight"].scale_inv.shape[-1] == 2  # 136 columns: 2 blocks
+    if kind == "moe":  # the routed experts stacked [E, I, H], each expert with its own blocks' scales
+        assert flat["model.layers.0.mlp.experts.gate_proj.weight"].scale_inv.shape == (cfg.num_experts, 1, 2)
+    else:
+        assert flat["model.layers.0.mlp.gate_proj.weight"].scale_inv.shape[-1] == 2  # 136 columns: 2 blocks
     # The model on FP8 weights computes exactly what its dequantized twin does.
     tokens = _tokens(cfg)
     logits = forward(cfg, params, tokens)

@@ -1,9 +1,13 @@
-"""Qwen3.5 checkpoints (`mtp.hf_layout`): their Gated DeltaNet projections regrouped into the
-model's Qwen3-Next layout on load and split back on save; the image-text model's language model."""
+"""Checkpoint layouts (`mtp.hf_layout`): Qwen3.5's Gated DeltaNet projections regrouped into the
+model's Qwen3-Next layout on load and split back on save; the image-text model's language model;
+routed experts per expert or fused in the file, stacked in the tree."""
 
 import json
+import re
 
 import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors import safe_open
@@ -11,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 from mtp.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from mtp.config import ARCHITECTURES
-from mtp.hf_layout import Qwen35Layout
+from mtp.hf_layout import Qwen35Layout, stores_fused_experts
 from mtp.model.params import flatten
 from tests.conftest import ROOT, random_params, tiny_config
 
@@ -130,23 +134,66 @@ def test_a_model_loaded_from_qwen35_computes_what_it_was_saved_from(qwen35, tmp_
     np.testing.assert_array_equal(np.asarray(forward(cfg, loaded, tokens)), np.asarray(forward(cfg, params, tokens)))
 
 
-def test_fused_experts_load_as_the_per_expert_ones(tmp_path):
-    """Experts stored fused per layer (gate_up_proj [E, 2I, H] with gate first, down_proj [E, H, I])."""
-    cfg = tiny_config("tiny_qwen35_moe")
-    params = random_params(cfg, seed=5)
-    tensors = _saved(cfg, params, tmp_path / "per_expert")
+def _fused(tensors, cfg):
+    """A per-expert checkpoint's tensors with each layer's experts fused, as vLLM's Qwen3.5 loaders
+    read them: gate_up_proj [E, 2I, H] (gate first) and down_proj [E, H, I]."""
+    tensors = dict(tensors)
     stems = sorted({n.split("experts.")[0] + "experts." for n in tensors if ".experts." in n})
-    assert len(stems) == cfg.num_hidden_layers + 1  # every layer's experts and the MTP layer's
+    assert len(stems) == sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers))) + 1  # and the MTP layer's
     for stem in stems:
         take = lambda kind: [tensors.pop(f"{stem}{e}.{kind}_proj.weight") for e in range(cfg.num_experts)]
         gate, up, down = take("gate"), take("up"), take("down")
         tensors[stem + "gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(gate, up)])
         tensors[stem + "down_proj"] = np.stack(down)
-    (tmp_path / "fused").mkdir()
-    save_file(tensors, str(tmp_path / "fused" / "model.safetensors"))
-    (tmp_path / "fused" / "config.json").write_text((tmp_path / "per_expert" / "config.json").read_text())
+    return tensors
+
+
+def _write(where, tensors, config_text):
+    where.mkdir()
+    save_file(tensors, str(where / "model.safetensors"))
+    (where / "config.json").write_text(config_text)
+    return where
+
+
+@pytest.mark.parametrize("name", ["tiny_moe", "tiny_qwen35_moe"])
+def test_fused_experts_load_as_the_per_expert_ones(tmp_path, name):
+    """Experts stored fused per layer load as the same stacked experts, in either family."""
+    cfg = tiny_config(name)
+    params = random_params(cfg, seed=5)
+    tensors = _saved(cfg, params, tmp_path / "per_expert")
+    fused = _fused(tensors, cfg)
+    _write(tmp_path / "fused", fused, (tmp_path / "per_expert" / "config.json").read_text())
     _loads_as(tmp_path / "fused", cfg, params)
-    del tensors[stems[0] + "down_proj"]
-    save_file(tensors, str(tmp_path / "fused" / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.experts\.down_proj' \(shape \(4, 32, 16\)\)"):
+    stem = "model.layers.0.mlp.experts."
+    del fused[stem + "down_proj"]
+    save_file(fused, str(tmp_path / "fused" / "model.safetensors"))
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    with pytest.raises(CheckpointError, match=rf"'{re.escape(stem)}down_proj' \(shape \({e}, {h}, {i}\)\)"):
         load_pretrained(tmp_path / "fused")
+
+
+@pytest.mark.parametrize("name", ["tiny_moe", "tiny_qwen35_moe"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_load_and_save_writes_the_files_own_tensors(tmp_path, name, fused):
+    """A checkpoint written by hand (per expert, as transformers writes one, or fused; the experts
+    in bf16 beside f32 tensors) loads into stacked experts and saves back to the same names,
+    dtypes and values: per expert by default, fused where the file was."""
+    cfg = tiny_config(name)
+    params = random_params(cfg, seed=9)
+    tensors = {n: (v.astype(ml_dtypes.bfloat16) if ".experts." in n else v)
+               for n, v in _saved(cfg, params, tmp_path / "ours").items()}
+    if fused:
+        tensors = _fused(tensors, cfg)
+    src = _write(tmp_path / "src", tensors, (tmp_path / "ours" / "config.json").read_text())
+    loaded_cfg, loaded = load_pretrained(src)
+    stack = flatten(loaded)["model.layers.0.mlp.experts.gate_proj.weight"]
+    assert stack.shape == (cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size)
+    assert stack.dtype == jnp.bfloat16
+    with safe_open(str(src / "model.safetensors"), "np") as f:
+        assert stores_fused_experts(f.keys()) == fused
+    save_pretrained(tmp_path / "back", loaded_cfg, loaded, fused_experts=fused)
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert back.keys() == tensors.keys()
+    for n in tensors:
+        assert back[n].dtype == tensors[n].dtype, n
+        np.testing.assert_array_equal(back[n], tensors[n], err_msg=n)

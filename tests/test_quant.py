@@ -312,11 +312,9 @@ def _mtp_params():
                         "gate": {"weight": n(4, 32)},
                         "shared_expert_gate": {"weight": n(1, 32)},
                         "experts": {
-                            "0": {
-                                "gate_proj": {"weight": n(16, 32)},
-                                "up_proj": {"weight": n(16, 32)},
-                                "down_proj": {"weight": n(32, 16)},
-                            }
+                            "gate_proj": {"weight": n(2, 16, 32)},
+                            "up_proj": {"weight": n(2, 16, 32)},
+                            "down_proj": {"weight": n(2, 32, 16)},
                         },
                     },
                 }
@@ -327,7 +325,7 @@ def _mtp_params():
 
 def test_is_projection_weight():
     assert q.is_projection_weight("mtp.fc.weight")
-    assert q.is_projection_weight("mtp.layers.0.mlp.experts.7.down_proj.weight")
+    assert q.is_projection_weight("mtp.layers.0.mlp.experts.down_proj.weight")
     assert q.is_projection_weight("mtp.layers.0.mlp.shared_expert.up_proj.weight")
     assert not q.is_projection_weight("mtp.layers.0.mlp.gate.weight")
     assert not q.is_projection_weight("mtp.layers.0.mlp.shared_expert_gate.weight")
@@ -345,7 +343,14 @@ def test_quantize_params_selects_projections_only(quant, kind):
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         assert isinstance(layer_out["self_attn"][proj]["weight"], kind)
     for proj in ("gate_proj", "up_proj", "down_proj"):
-        assert isinstance(layer_out["mlp"]["experts"]["0"][proj]["weight"], kind)
+        stack = layer_out["mlp"]["experts"][proj]["weight"]
+        assert isinstance(stack, kind)
+        # Expert by expert: each expert of the stack is what quantizing it alone gives.
+        for e in range(2):
+            alone = q.quantize(layer_in["mlp"]["experts"][proj]["weight"][e], quant)
+            for got, want in zip(jax.tree.leaves(stack), jax.tree.leaves(alone)):
+                np.testing.assert_array_equal(np.asarray(got[e], np.float32), np.asarray(want, np.float32))
+            np.testing.assert_array_equal(np.asarray(q.dequantize(stack)[e]), np.asarray(q.dequantize(alone)))
     assert isinstance(out["mtp"]["fc"]["weight"], kind)
     # Router, expert gate and every norm are the very same arrays.
     assert layer_out["mlp"]["gate"]["weight"] is layer_in["mlp"]["gate"]["weight"]

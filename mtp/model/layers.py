@@ -387,18 +387,18 @@ def moe(p, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     routing = routing.astype(x.dtype).astype(jnp.float32)  # HF casts the weights to the activation dtype
     experts = p["experts"]
     f32 = jnp.float32
-    if "gate_proj" in experts:
-        # Stacked [E, ...] experts, the expert-parallel layout of mtp.sharding: batched
-        # contractions over the experts, whose weighted sum below a mesh reduces once.
-        w = lambda name: experts[name]["weight"].astype(x.dtype)
-        g = jnp.einsum("...h,eih->...ei", x, w("gate_proj"), preferred_element_type=f32).astype(x.dtype)
-        u = jnp.einsum("...h,eih->...ei", x, w("up_proj"), preferred_element_type=f32).astype(x.dtype)
-        y = jnp.einsum("...ei,ehi->...eh", jax.nn.silu(g) * u, w("down_proj"),
-                       preferred_element_type=f32).astype(x.dtype)
-    else:
-        y = jnp.stack([mlp(experts[str(e)], x) for e in range(cfg.num_experts)], axis=-2)
-    # Both layouts round each expert's output to the activation dtype (as an expert module
-    # returns it) and weight and sum in f32, so a sharded run computes what one device does.
+
+    # Stacked [E, ...] experts (mtp.model.params): batched contractions over the experts, each
+    # expert's output rounded to the activation dtype (as an expert module returns it), then
+    # weighted and summed in f32.
+    def w(name):  # a quantized MTP head's experts (mtp.quant) as the weights they stand for
+        weight = experts[name]["weight"]
+        return (weight if isinstance(weight, jax.Array) else weight.dequantize()).astype(x.dtype)
+
+    g = jnp.einsum("...h,eih->...ei", x, w("gate_proj"), preferred_element_type=f32).astype(x.dtype)
+    u = jnp.einsum("...h,eih->...ei", x, w("up_proj"), preferred_element_type=f32).astype(x.dtype)
+    y = jnp.einsum("...ei,ehi->...eh", jax.nn.silu(g) * u, w("down_proj"),
+                   preferred_element_type=f32).astype(x.dtype)
     out = jnp.einsum("...e,...eh->...h", routing, y.astype(f32))
     if "shared_expert" in p:
         shared = mlp(p["shared_expert"], x).astype(jnp.float32)

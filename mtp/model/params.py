@@ -5,11 +5,20 @@ names of a Qwen3-Next checkpoint (``model.layers.3.self_attn.q_proj.weight``), s
 checkpoint maps onto the tree with no renaming table. `param_shapes` is the single
 source of truth for that mapping: checkpoint loading validates against it and
 `init_params` builds from it.
+
+One declared exception: a MoE layer's routed experts are stacked, on every device
+layout, into ``mlp.experts.{gate,up,down}_proj.weight`` of shape ``[E, I, H]``,
+``[E, I, H]`` and ``[E, H, I]`` (each expert in the Hugging Face ``[out, in]``
+orientation), so the routed-expert op (`mtp.ops.moe`) can gather the selected
+experts' weights and an expert-parallel mesh can split them. A checkpoint stores
+them per expert (``mlp.experts.{e}.gate_proj.weight``) or fused per layer;
+`mtp.hf_layout` stacks and splits them.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Mapping
 
 import jax
@@ -19,6 +28,15 @@ import numpy as np
 from mtp.config import ModelConfig
 
 Params = dict[str, Any]
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# A stacked routed-expert tensor of the tree: ``<stem>experts.<proj>.weight`` [E, out, in].
+EXPERT_STACK = re.compile(r"^(?P<stem>.*\.mlp\.experts\.)(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def is_expert_stack(name: str) -> bool:
+    """Whether the tree's tensor ``name`` is a stack of routed experts ``[E, out, in]``."""
+    return EXPERT_STACK.match(name) is not None
 
 
 def _mlp_shapes(prefix: str, hidden: int, inner: int) -> dict[str, tuple[int, ...]]:
@@ -34,8 +52,8 @@ def ffn_shapes(cfg: ModelConfig, prefix: str, moe: bool) -> dict[str, tuple[int,
     if not moe:
         return _mlp_shapes(prefix, h, cfg.intermediate_size)
     shapes = {f"{prefix}.gate.weight": (cfg.num_experts, h)}
-    for e in range(cfg.num_experts):
-        shapes.update(_mlp_shapes(f"{prefix}.experts.{e}", h, cfg.moe_intermediate_size))
+    shapes.update({name: (cfg.num_experts, *shape)
+                   for name, shape in _mlp_shapes(f"{prefix}.experts", h, cfg.moe_intermediate_size).items()})
     if cfg.shared_expert_intermediate_size:
         shapes.update(_mlp_shapes(f"{prefix}.shared_expert", h, cfg.shared_expert_intermediate_size))
         shapes[f"{prefix}.shared_expert_gate.weight"] = (1, h)
@@ -148,9 +166,30 @@ def _init_one(name: str, shape: tuple[int, ...], key, dtype) -> jax.Array:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, include_mtp: bool = True) -> Params:
+    """Random weights of every tensor of `param_shapes`.
+
+    One key per checkpoint tensor, in checkpoint order: a layer's experts take the keys
+    of ``experts.0.gate_proj``, ``experts.0.up_proj``, ``experts.0.down_proj``,
+    ``experts.1.gate_proj``, ... as a per-expert checkpoint lists them, and each expert is
+    drawn as that tensor alone would be. The weights of a seed are then the same whether
+    the tree stacks its experts or not.
+    """
     shapes = param_shapes(cfg, include_mtp)
-    keys = jax.random.split(key, len(shapes))
-    flat = {n: _init_one(n, s, k, dtype) for (n, s), k in zip(shapes.items(), keys)}
+    experts = cfg.num_experts
+    count = sum(experts if is_expert_stack(n) else 1 for n in shapes)
+    keys = jax.random.split(key, count)
+    flat, at = {}, 0
+    for name, shape in shapes.items():
+        m = EXPERT_STACK.match(name)
+        if m is None:
+            flat[name] = _init_one(name, shape, keys[at], dtype)
+            at += 1
+            continue
+        proj = EXPERT_PROJECTIONS.index(m["proj"])
+        if proj == 0:  # a layer's three stacks come in EXPERT_PROJECTIONS order and share its experts' keys
+            group = keys[at:at + experts * len(EXPERT_PROJECTIONS)].reshape(experts, len(EXPERT_PROJECTIONS))
+            at += group.size
+        flat[name] = jax.vmap(lambda k: _init_one(name, shape[1:], k, dtype))(group[:, proj])
     return unflatten(flat)
 
 

@@ -63,6 +63,10 @@ class BlockFp8Weight:
     def size(self) -> int:
         return math.prod(self.values.shape)
 
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """`dequantize` of this weight (the interface `mtp.quant`'s weights share)."""
+        return dequantize(self, dtype)
+
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> tuple[int, ...]:
     """The block-scale shape of a weight of ``shape``: the last two dims rounded up to whole blocks."""

@@ -71,3 +71,17 @@ def to_block_rows(w: BlockFp8Weight, block_rows: int, name: str = "weight") -> B
         raise ValueError(f"{name}: its FP8 scales differ inside a {block_rows}-row block, so it cannot be "
                          f"written with {block_rows} x {w.block[1]} blocks")
     return BlockFp8Weight(np.asarray(w.values), blocks, (block_rows, w.block[1]), w.scale_dtype)
+
+
+def stack(ws: list[BlockFp8Weight]) -> BlockFp8Weight:
+    """Weights of one shape and block (per-expert tensors) as one ``[E, ...]`` weight: each keeps its own scales."""
+    if len({(w.shape, w.block, w.scale_dtype) for w in ws}) != 1:
+        raise ValueError(f"cannot stack FP8 weights of shapes / blocks {[(w.shape, w.block) for w in ws]}")
+    return BlockFp8Weight(np.stack([np.asarray(w.values) for w in ws]), np.stack([np.asarray(w.scale_inv) for w in ws]),
+                          ws[0].block, ws[0].scale_dtype)
+
+
+def unstack(w: BlockFp8Weight) -> list[BlockFp8Weight]:
+    """The inverse of `stack`: each of the leading axis' weights."""
+    values, scales = np.asarray(w.values), np.asarray(w.scale_inv)
+    return [BlockFp8Weight(values[e], scales[e], w.block, w.scale_dtype) for e in range(values.shape[0])]
