@@ -12,6 +12,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.prompt_mode = "append"  # or "rerender"
     c.verify_width = 3  # K: two drafts per verify step
     c.mtp_quant = "bf16"
+    # "fp8": the target's and the head's Linear weights quantized to 128 x 128 FP8 blocks at
+    # load, as Qwen's FP8 checkpoints are (mtp.checkpoint.load_pretrained); "none": as stored.
+    c.weight_quant = "none"
     c.dtype = "float32"  # compute dtype on the host CPU (fp32 keeps greedy ties stable)
     # None: MTP_MARCONI_MIN_TOKENS, else the shipped 256. A value is set process-wide
     # through carry.set_marconi_min_tokens (first writer wins) and recorded in the results.

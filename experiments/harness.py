@@ -13,7 +13,7 @@ from absl import app
 from tqdm import tqdm
 
 from mtp import sharding
-from mtp.checkpoint import load_config, load_pretrained
+from mtp.checkpoint import WEIGHT_QUANT_CHOICES, load_config, load_pretrained
 from mtp.data.sessions import load_preamble, load_sessions
 from mtp.data.tokenizer import Tokenizer
 from mtp.engine import Engine, EngineConfig, TextPrompts, run_sessions, session_waves
@@ -34,6 +34,8 @@ def load_experiment(c):
     devices or the checkpoint cannot take is refused by those flags' names before any
     tensor is read.
     """
+    if c.weight_quant not in WEIGHT_QUANT_CHOICES:
+        raise app.UsageError(f"--config.weight_quant={c.weight_quant!r}: give one of {', '.join(WEIGHT_QUANT_CHOICES)}")
     for flag in ("tp", "ep"):
         if c[flag] < 1:
             raise app.UsageError(f"--config.{flag}={c[flag]}: give a positive number of devices (1: no split)")
@@ -48,9 +50,9 @@ def load_experiment(c):
         if not any(axis is not None for spec in specs.values() for axis in spec):
             raise app.UsageError(f"--config.tp={c.tp} --config.ep={c.ep}: divides none of {c.checkpoint}'s heads, "
                                  f"FFN columns, vocabulary or experts, so every device would hold the whole model")
-        cfg, params = sharding.load_sharded(c.checkpoint, mesh, dtype=jnp.dtype(c.dtype))
+        cfg, params = sharding.load_sharded(c.checkpoint, mesh, dtype=jnp.dtype(c.dtype), weight_quant=c.weight_quant)
     else:
-        cfg, params = load_pretrained(c.checkpoint, dtype=jnp.dtype(c.dtype))
+        cfg, params = load_pretrained(c.checkpoint, dtype=jnp.dtype(c.dtype), weight_quant=c.weight_quant)
     tok = Tokenizer.load(pathlib.Path(c.checkpoint) / "tokenizer.json")
     sessions = session_subset(load_sessions(c.sessions), c.num_sessions, "num_sessions")
     return cfg, params, mesh, sessions, TextPrompts(tok, load_preamble(c.preamble), c.prompt_mode)

@@ -107,7 +107,7 @@ from absl import app
 from experiments import generate
 from mtp.config import ModelConfig
 cfg = ModelConfig.from_hf("configs/models/tiny_dense.json")
-generate.load_pretrained = lambda path: (cfg, None)
+generate.load_pretrained = lambda path, **kw: (cfg, None)
 batches = []
 def fake_generate(cfg, params, batch, spec, **kw):
     batches.append(batch)
@@ -190,5 +190,12 @@ def test_carry_ablation_names_a_mesh_it_cannot_build(tmp_path):
 def test_carry_ablation_names_a_bad_stint(tmp_path):
     proc = _carry_ablation_on_devices(tmp_path, 1, "--config.stint=turn")
     assert proc.returncode != 0 and "--config.stint='turn': give 'wave' or 'session'" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_carry_ablation_names_a_bad_weight_quant(tmp_path):
+    proc = _carry_ablation_on_devices(tmp_path, 1, "--config.weight_quant=int4")
+    assert proc.returncode != 0 and "--config.weight_quant='int4': give one of none, fp8" in proc.stderr, \
         proc.stderr[-3000:]
     assert not (tmp_path / "out").exists()
