@@ -145,7 +145,7 @@ def _model(kind: str) -> ModelConfig:
         return ModelConfig.from_hf(CONFIGS / "tiny_qwen35.json").replace(
             hidden_size=136, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
             linear_value_head_dim=128)
-    name = {"dense": "tiny_dense", "moe": "tiny_moe", "qwen35": "tiny_qwen35", "qwen35_moe": "tiny_qwen35_moe"}[kind]
+    name = {"dense": "tiny_dense", "moe": "tiny_moe", "qwen35": "tiny_qwen35", "qwen35_moe_fused": "tiny_qwen35_moe"}[kind]
     return ModelConfig.from_hf(CONFIGS / f"{name}.json").replace(hidden_size=136)
 
 
@@ -185,7 +185,8 @@ def _official(tmp_path, kind: str, scale_dtype=np.float32, seed: int = 0, name: 
     ``quantize(w, scale_dtype) -> (values, scales)`` makes each FP8 tensor."""
     cfg = _model(kind)
     bf16 = save_pretrained(tmp_path / f"{name}_bf16", cfg,
-                           jax.tree.map(lambda a: a.astype(jnp.bfloat16), random_params(cfg, seed)))
+                           jax.tree.map(lambda a: a.astype(jnp.bfloat16), random_params(cfg, seed)),
+                           fused_experts=kind.endswith("_fused"))  # experts.gate_up_proj [E, 2 I, H], one FP8 tensor
     raw = json.loads((bf16 / "config.json").read_text())
     tensors, twin = {}, {}
     for tensor, (_, value) in _read(bf16).items():
@@ -222,7 +223,8 @@ def _tokens(cfg, seed=0, shape=(2, 11)):
 
 
 @pytest.mark.parametrize("kind, scale_dtype", [("dense", np.float32), ("moe", ml_dtypes.bfloat16),
-                                               ("qwen35", np.float32), ("qwen35_aligned", ml_dtypes.bfloat16)])
+                                               ("qwen35", np.float32), ("qwen35_aligned", ml_dtypes.bfloat16),
+                                               ("qwen35_moe_fused", np.float32)])
 def test_an_official_fp8_checkpoint_stays_8_bit_and_computes_its_dequantized_model(tmp_path, kind, scale_dtype):
     path, twin_path, tensors = _official(tmp_path, kind, scale_dtype)
     cfg, params = load_pretrained(path)
@@ -240,9 +242,13 @@ def test_an_official_fp8_checkpoint_stays_8_bit_and_computes_its_dequantized_mod
         assert w.scale_inv.dtype == jnp.float32, name
         np.testing.assert_array_equal(np.asarray(fp8.dequantize(w)), np.asarray(twin_flat[name]), err_msg=name)
     qkvz = flat["model.layers.0.linear_attn.in_proj_qkvz.weight"]
-    assert qkvz.block == ((1, 128) if kind == "qwen35" else (128, 128))
-    if kind == "moe":  # the routed experts stacked [E, I, H], each expert with its own blocks' scales
-        assert flat["model.layers.0.mlp.experts.gate_proj.weight"].scale_inv.shape == (cfg.num_experts, 1, 2)
+    assert qkvz.block == ((1, 128) if kind in ("qwen35", "qwen35_moe_fused") else (128, 128))
+    if kind in ("moe", "qwen35_moe_fused"):  # the routed experts stacked [E, I, H], with their own scales
+        gate = flat["model.layers.0.mlp.experts.gate_proj.weight"]
+        # Per-expert tensors keep their blocks; the gate's rows of a fused gate_up_proj (2 x 16 rows
+        # in one block) keep theirs row by row.
+        assert gate.block == ((128, 128) if kind == "moe" else (1, 128))
+        assert gate.scale_inv.shape == (cfg.num_experts, 1 if kind == "moe" else 16, 2)
     else:
         assert flat["model.layers.0.mlp.gate_proj.weight"].scale_inv.shape[-1] == 2  # 136 columns: 2 blocks
     # The model on FP8 weights computes exactly what its dequantized twin does.
@@ -253,11 +259,11 @@ def test_an_official_fp8_checkpoint_stays_8_bit_and_computes_its_dequantized_mod
 
 
 @pytest.mark.parametrize("kind, scale_dtype", [("moe", np.float32), ("qwen35", ml_dtypes.bfloat16),
-                                               ("qwen35_aligned", np.float32)])
+                                               ("qwen35_aligned", np.float32), ("qwen35_moe_fused", ml_dtypes.bfloat16)])
 def test_a_save_round_trip_writes_the_checkpoint_back_exactly(tmp_path, kind, scale_dtype):
     path, _, tensors = _official(tmp_path, kind, scale_dtype)
     cfg, params = load_pretrained(path)
-    out = save_pretrained(tmp_path / "resaved", cfg, params)
+    out = save_pretrained(tmp_path / "resaved", cfg, params, fused_experts=kind.endswith("_fused"))
     written = _read(out)
     assert sorted(written) == sorted(tensors)
     for name, (tag, value) in written.items():
@@ -265,6 +271,8 @@ def test_a_save_round_trip_writes_the_checkpoint_back_exactly(tmp_path, kind, sc
         assert value.dtype == want.dtype and value.shape == want.shape, name
         assert value.tobytes() == want.tobytes(), name
     assert written["mtp.fc.weight"][0] == "F8_E4M3"
+    if kind.endswith("_fused"):
+        assert written["model.layers.0.mlp.experts.gate_up_proj"][0] == "F8_E4M3"
     saved = json.loads((out / "config.json").read_text())["quantization_config"]
     assert saved == json.loads((path / "config.json").read_text())["quantization_config"]
 
