@@ -440,3 +440,26 @@ def test_block_aligned_spec_keeps_only_splits_of_whole_blocks():
     assert block_aligned_spec(P(None, "tp"), (136, 512), (1, 128), sizes) == P(None, "tp")
     assert block_aligned_spec(P("ep", "tp", None), (8, 256, 136), (128, 128), sizes) == P("ep", "tp", None)
     assert block_aligned_spec(P("tp", None), (64, 136), (1, 128), sizes) == P("tp", None)  # row scales split anywhere
+
+
+# ====================================================================== routed experts
+@pytest.mark.parametrize("form", ["gather", "segments"])
+def test_routed_experts_on_stacked_fp8_experts_dequantize_only_the_selected_ones(form):
+    from mtp.ops.moe import reference as moe_ref
+
+    rng = np.random.default_rng(6)
+    experts, hidden, inner, n, k = 16, 136, 40, 9, 3
+    gate, up = (fp8.quantize(rng.normal(size=(experts, inner, hidden)).astype(np.float32), scale_dtype="bfloat16")
+                for _ in range(2))
+    down = fp8.quantize(rng.normal(size=(experts, hidden, inner)).astype(np.float32))
+    x = jnp.asarray(rng.normal(size=(n, hidden)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.choice(experts, k, replace=False) for _ in range(n)]), jnp.int32)
+    weights = jnp.asarray(rng.dirichlet(np.ones(k), n), jnp.float32)
+    op = {"gather": moe_ref.routed_experts_gather, "segments": moe_ref.routed_experts_segments}[form]
+    got = op(x, ids, weights, gate, up, down)
+    want = op(x, ids, weights, *(fp8.dequantize(w) for w in (gate, up, down)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Only the selected experts' values and scales are read: the traced program gathers them
+    # before any dequantize, so no f32 array of all E experts exists in it.
+    jaxpr = str(jax.make_jaxpr(op)(x, ids, weights, gate, up, down))
+    assert f"f32[{experts},{inner},{hidden}]" not in jaxpr and f"f32[{experts},{hidden},{inner}]" not in jaxpr

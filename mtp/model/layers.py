@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from mtp.config import ModelConfig
 from mtp.ops import fp8
+from mtp.ops.moe import routed_experts
 from mtp.pallas.backend import (merge_projections, pad_small_gemms, small_gemms_as_reduce,
                                 tensor_parallel_mesh)
 
@@ -371,35 +372,33 @@ def mlp(p, x: jax.Array) -> jax.Array:
                  p["down_proj"]["weight"])
 
 
-def moe(p, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Softmax top-k routing over all experts, plus the sigmoid-gated shared expert.
+def route(p, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Each row's experts and their weights: int32 ``[N, k]`` and f32 ``[N, k]``, ``N`` = x's rows.
 
-    Every expert is evaluated densely and weighted by its (mostly zero) routing
-    weight: exact, shape-static and cheap at the expert counts of the models run
-    here; a grouped-GEMM dispatch is the place to change for large expert counts.
+    As Hugging Face's Qwen3-Next routes: an f32 softmax over the router logits, the top
+    ``k``, renormalised when ``norm_topk_prob``, rounded to the activation dtype.
     """
     logits = dense(x, p["gate"]["weight"]).astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    routing = jnp.sum(jax.nn.one_hot(top_i, cfg.num_experts, dtype=jnp.float32) * top_w[..., None], axis=-2)
-    routing = routing.astype(x.dtype).astype(jnp.float32)  # HF casts the weights to the activation dtype
+    top_w = top_w.astype(x.dtype).astype(jnp.float32)  # HF casts the weights to the activation dtype
+    k = cfg.num_experts_per_tok
+    return top_i.reshape(-1, k).astype(jnp.int32), top_w.reshape(-1, k)
+
+
+def moe(p, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Top-k routed experts (`route`) plus the sigmoid-gated shared expert.
+
+    The selected experts run as one sparse op (`mtp.ops.moe.routed_experts`, which reads
+    only their weights, so the layer costs what its active experts cost) on the stacked
+    ``[E, ...]`` expert weights, plain or quantized (an MTP head's, `mtp.quant`).
+    """
+    expert_ids, expert_weights = route(p, x, cfg)
     experts = p["experts"]
-    f32 = jnp.float32
-
-    # Stacked [E, ...] experts (mtp.model.params): batched contractions over the experts, each
-    # expert's output rounded to the activation dtype (as an expert module returns it), then
-    # weighted and summed in f32.
-    def w(name):  # a quantized MTP head's experts (mtp.quant) as the weights they stand for
-        weight = experts[name]["weight"]
-        return (weight if isinstance(weight, jax.Array) else weight.dequantize()).astype(x.dtype)
-
-    g = jnp.einsum("...h,eih->...ei", x, w("gate_proj"), preferred_element_type=f32).astype(x.dtype)
-    u = jnp.einsum("...h,eih->...ei", x, w("up_proj"), preferred_element_type=f32).astype(x.dtype)
-    y = jnp.einsum("...ei,ehi->...eh", jax.nn.silu(g) * u, w("down_proj"),
-                   preferred_element_type=f32).astype(x.dtype)
-    out = jnp.einsum("...e,...eh->...h", routing, y.astype(f32))
+    out = routed_experts(x.reshape(-1, x.shape[-1]), expert_ids, expert_weights, experts["gate_proj"]["weight"],
+                         experts["up_proj"]["weight"], experts["down_proj"]["weight"]).reshape(x.shape)
     if "shared_expert" in p:
         shared = mlp(p["shared_expert"], x).astype(jnp.float32)
         out = out + jax.nn.sigmoid(dense(x, p["shared_expert_gate"]["weight"]).astype(jnp.float32)) * shared
