@@ -8,6 +8,7 @@ import ml_collections
 
 from experiments import cli
 from experiments.harness import STINTS
+from mtp.checkpoint import WEIGHT_QUANT_CHOICES
 from mtp.config import MTP_HIDDEN_SOURCES
 from mtp.engine import DRAFTER_POLICIES, TextPrompts
 from mtp.quant import QUANT_CHOICES, parse_quant
@@ -23,6 +24,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.prompt_mode = "append"  # or "rerender"
     c.verify_width = 3  # K: two drafts per verify step
     c.mtp_quant = "bf16"
+    # "fp8": the target's and the head's Linear weights quantized to 128 x 128 FP8 blocks at
+    # load, as Qwen's FP8 checkpoints are (mtp.checkpoint.load_pretrained); "none": as stored.
+    c.weight_quant = "none"
     c.dtype = "float32"  # compute dtype on the host CPU (fp32 keeps greedy ties stable)
     # None: MTP_MARCONI_MIN_TOKENS, else the shipped 256. A value is set process-wide
     # through carry.set_marconi_min_tokens (first writer wins) and recorded in the results.
@@ -82,6 +86,9 @@ MODEL_FIELDS = {
                              "tokens may differ, which the carry truncates).", cli.one_of(*TextPrompts.MODES)),
     "verify_width": cli.Field("K, the verify width: K - 1 drafts per verify step.", VERIFY_WIDTH),
     "mtp_quant": cli.Field("The MTP head's weight precision.", MTP_QUANT),
+    "weight_quant": cli.Field("Quantize the target's (and head's) bf16 checkpoint at load: 'fp8' is Qwen's "
+                              "block-scaled E4M3 layout (a checkpoint published in FP8 loads as it is).",
+                              cli.one_of(*WEIGHT_QUANT_CHOICES)),
     "dtype": cli.Field("The compute dtype the checkpoint is loaded at (float32 keeps greedy near-ties stable "
                        "on a CPU).", cli.one_of("float32", "bfloat16")),
     "marconi_min_tokens": cli.Field(

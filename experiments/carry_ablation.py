@@ -207,6 +207,7 @@ def main(argv):
     few = len(sessions) < MIN_BOOTSTRAP_SESSIONS
     report = {
         "header": (f"{len(sessions)} sessions, {total} turns, K={c.verify_width}, mtp_quant={c.mtp_quant}, "
+                   f"weight_quant={c.weight_quant}, "
                    f"prompt_mode={c.prompt_mode}, marconi_min_tokens={marconi}, dtype={c.dtype}, "
                    f"policies interleaved by {c.stint}; "
                    f"{platform.processor() or platform.machine()} on {jax.default_backend()}"

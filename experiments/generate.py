@@ -22,7 +22,7 @@ from absl import app, flags, logging
 
 from experiments.harness import eos_id
 from mtp import quant
-from mtp.checkpoint import TOKEN_COUNTS_NAME, load_pretrained
+from mtp.checkpoint import TOKEN_COUNTS_NAME, WEIGHT_QUANT_CHOICES, load_pretrained
 from mtp.data.tokenizer import Tokenizer
 from mtp.generation import generate
 from mtp.mtp_head import draft_vocabulary
@@ -37,6 +37,9 @@ flags.DEFINE_string("out", None, "Output JSONL path.")
 flags.DEFINE_integer("num_speculative_tokens", 2, "Drafts per step D (verify width K = D + 1); 0 = plain decoding.",
                      lower_bound=0, upper_bound=7)
 flags.DEFINE_string("mtp_quant", "bf16", f"MTP head precision: one of {', '.join(quant.QUANT_CHOICES)}.")
+flags.DEFINE_enum("weight_quant", "none", list(WEIGHT_QUANT_CHOICES),
+                  "none: the checkpoint's weights as stored (an FP8 checkpoint's stay FP8); fp8: every Linear "
+                  "weight quantized to 128 x 128 FP8 blocks at load, as Qwen's FP8 checkpoints are.")
 flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples (rejection sampling keeps the target's law).",
                    lower_bound=0.0)
 flags.DEFINE_integer("seed", 0, "PRNG seed for sampling.")
@@ -83,7 +86,7 @@ def main(argv):
     if not FLAGS.prompts or not FLAGS.out:
         raise app.UsageError("--prompts and --out are required")
     mtp_quant = quant.parse_quant(FLAGS.mtp_quant)
-    cfg, params = load_pretrained(FLAGS.checkpoint)
+    cfg, params = load_pretrained(FLAGS.checkpoint, weight_quant=FLAGS.weight_quant)
     if FLAGS.mtp_hidden_source:
         cfg = cfg.replace(mtp_hidden_source=FLAGS.mtp_hidden_source)
     tok_path = os.path.join(FLAGS.checkpoint, "tokenizer.json")

@@ -44,9 +44,9 @@ def load_experiment(c):
         if not any(axis is not None for spec in specs.values() for axis in spec):
             raise app.UsageError(f"--config.tp={c.tp} --config.ep={c.ep}: divides none of {c.checkpoint}'s heads, "
                                  f"FFN columns, vocabulary or experts, so every device would hold the whole model")
-        cfg, params = sharding.load_sharded(c.checkpoint, mesh, dtype=jnp.dtype(c.dtype))
+        cfg, params = sharding.load_sharded(c.checkpoint, mesh, dtype=jnp.dtype(c.dtype), weight_quant=c.weight_quant)
     else:
-        cfg, params = load_pretrained(c.checkpoint, dtype=jnp.dtype(c.dtype))
+        cfg, params = load_pretrained(c.checkpoint, dtype=jnp.dtype(c.dtype), weight_quant=c.weight_quant)
     tok = Tokenizer.load(pathlib.Path(c.checkpoint) / "tokenizer.json")
     sessions = session_subset(load_sessions(c.sessions), c.num_sessions, "num_sessions")
     return cfg, params, mesh, sessions, TextPrompts(tok, load_preamble(c.preamble), c.prompt_mode)

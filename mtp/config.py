@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any, Mapping
 
 ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
@@ -24,6 +25,71 @@ MTP_HIDDEN_SOURCES = ("post_norm", "pre_norm")
 
 class ConfigError(ValueError):
     """A config that this codebase cannot run, with the offending field named."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Quantization:
+    """``config.json``'s ``quantization_config`` of a block-scaled FP8 checkpoint (``quant_method: fp8``).
+
+    Qwen's FP8 checkpoints store their Linear weights as E4M3 values with one
+    ``weight_scale_inv`` per 128 x 128 block (`mtp.ops.fp8`), and scale activations per token
+    at run time (``activation_scheme: dynamic``). ``modules_to_not_convert`` lists the modules
+    kept in bf16, with transformers' matching rule (`converts`). ``extra``: the object's other
+    keys, ``(key, JSON text)`` sorted, which mean nothing here and are written back as read.
+    """
+
+    fmt: str = "e4m3"
+    weight_block_size: tuple[int, ...] = (128, 128)
+    activation_scheme: str = "dynamic"
+    modules_to_not_convert: tuple[str, ...] | None = None
+    extra: tuple[tuple[str, str], ...] = ()
+
+    QUANT_METHOD = "fp8"
+
+    def __post_init__(self):
+        def bad(field: str, why: str):
+            raise _field_error(f"quantization_config.{field}", getattr(self, field), why)
+
+        if self.fmt != "e4m3":
+            bad("fmt", "only e4m3 (float8_e4m3fn) weights are supported")
+        if tuple(self.weight_block_size) != (128, 128):
+            bad("weight_block_size", "only [128, 128] blocks are supported (Qwen's FP8 checkpoints)")
+        if self.activation_scheme != "dynamic":
+            bad("activation_scheme", "only dynamic activation scales are supported (a static scheme "
+                                     "needs per-layer input scales)")
+
+    def converts(self, module: str) -> bool:
+        """Whether the checkpoint may hold ``module``'s (a tensor name without ``.weight``) weight in FP8.
+
+        transformers' rule (``should_convert_module``): an entry excludes a module it matches as
+        a regular expression from the start of the name (so ``model.layers.0`` excludes
+        that layer's modules) or that ends with it (``mlp.gate``).
+        """
+        return not any(re.match(key, module) or module.endswith(key) for key in self.modules_to_not_convert or ())
+
+    @classmethod
+    def from_hf(cls, raw: Any) -> "Fp8Quantization":
+        if not isinstance(raw, Mapping):
+            raise _field_error("quantization_config", raw, "expected an object")
+        raw = dict(raw)
+        method = raw.pop("quant_method", None)
+        if method != cls.QUANT_METHOD:
+            raise _field_error("quantization_config.quant_method", method,
+                               f"only {cls.QUANT_METHOD!r} (block-scaled FP8) checkpoints are supported")
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name in raw and f.name != "extra":
+                kwargs[f.name] = _coerce(f"quantization_config.{f.name}", f.type, raw.pop(f.name))
+        kwargs["extra"] = tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in raw.items()))
+        return cls(**kwargs)
+
+    def to_hf(self) -> dict[str, Any]:
+        out = {k: json.loads(v) for k, v in self.extra}
+        out.update(quant_method=self.QUANT_METHOD, fmt=self.fmt, weight_block_size=list(self.weight_block_size),
+                   activation_scheme=self.activation_scheme)
+        if self.modules_to_not_convert is not None:
+            out["modules_to_not_convert"] = list(self.modules_to_not_convert)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +125,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     model_type: str = "qwen3_next"
+    # A block-scaled FP8 checkpoint's `Fp8Quantization`; None for a bf16 / f32 one.
+    quantization_config: Fp8Quantization | None = None
     # Not part of the HF schema: an ablation switch of this codebase (DESIGN §2).
     mtp_hidden_source: str = "post_norm"
 
@@ -173,8 +241,11 @@ class ModelConfig:
                 raw.pop(derived, None)
         # Absent where every FFN is MoE (Qwen3.5-MoE); `_validate` asks for it otherwise.
         raw.setdefault("intermediate_size", 0)
+        quantization = raw.pop("quantization_config", None)
         fields = dataclasses.fields(cls)
         kwargs = {f.name: _coerce(f.name, f.type, raw[f.name]) for f in fields if f.name in raw}
+        if quantization is not None:
+            kwargs["quantization_config"] = Fp8Quantization.from_hf(quantization)
 
         def required(name: str) -> Any:
             if name not in kwargs:
@@ -198,6 +269,9 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        del out["quantization_config"]
+        if self.quantization_config is not None:
+            out["quantization_config"] = self.quantization_config.to_hf()
         out["layer_types"] = list(self.layer_types)
         out["mlp_only_layers"] = list(self.mlp_only_layers)
         interval = self.full_attention_interval
@@ -227,7 +301,7 @@ def _text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     if out.get("model_type") != TEXT_CONFIG_OF[raw["model_type"]]:
         raise ConfigError(f"text_config.model_type {out.get('model_type')!r} is not "
                           f"{TEXT_CONFIG_OF[raw['model_type']]!r}")
-    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "quantization_config"):
         if key not in out and key in raw:
             out[key] = raw[key]
     return out

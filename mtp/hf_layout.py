@@ -24,6 +24,13 @@ around it) hold the same model with two more differences:
 A `Layout` maps between the two: the checkpoint's tensor names and shapes, the tree's
 tensors built from the checkpoint's on load, and split back on save. Rows are only
 regrouped, never recomputed, so a round trip is exact.
+
+An FP8 checkpoint's ``in_proj_qkv`` and ``in_proj_z`` are regrouped with their block scales
+(`mtp.ops.fp8.regroup`): in whole 128-row blocks where the groups' rows come in whole blocks
+(Qwen3.5's own head dims, 128 and 2 x 128 rows a key-head group), so ``in_proj_qkvz`` keeps
+the checkpoint's blocks; otherwise with one scale row per weight row, still 8-bit and exact.
+The model then computes on one FP8 ``in_proj_qkvz``, as it does on a Qwen3-Next checkpoint,
+rather than on two projections kept apart, and a save cuts the blocks back exactly.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ import numpy as np
 
 from mtp.config import ModelConfig
 from mtp.model.params import EXPERT_STACK
+from mtp.ops.fp8 import BlockFp8Weight
+from mtp.ops.fp8 import regroup as fp8_regroup
 
 VL_PREFIX = "model.language_model."
 VISION_PREFIX = "model.visual."
@@ -98,10 +107,10 @@ class Layout:
         if m is None:
             return arrays[0]
         if not self.fused_experts:
-            return np.stack(arrays)
+            return _stack(arrays)
         rows = self.cfg.moe_intermediate_size
-        return {"gate_proj": lambda a: a[:, :rows], "up_proj": lambda a: a[:, rows:],
-                "down_proj": lambda a: a}[m["proj"]](arrays[0])
+        gate_up = {"gate_proj": np.arange(rows), "up_proj": np.arange(rows, 2 * rows)}.get(m["proj"])
+        return arrays[0] if gate_up is None else _take_rows(arrays, gate_up, name)
 
     def split(self, name: str, array: np.ndarray) -> dict[str, np.ndarray]:
         """The checkpoint tensors that hold the tree's tensor ``name`` alone (the inverse of `build`);
@@ -111,7 +120,7 @@ class Layout:
             return {self._name(name): array}
         parts = self.sources(name)
         if not self.fused_experts:
-            return dict(zip(parts, array))
+            return dict(zip(parts, _unstack(array)))
         if m["proj"] != "down_proj":
             raise ValueError(f"{name}: a fused gate_up_proj holds the gate and the up stack; "
                              f"tree_to_checkpoint joins them")
@@ -127,11 +136,12 @@ class Layout:
                 halves[m["proj"]] = array
                 if len(halves) == 2:  # gate first, as the fused tensor holds them
                     del pending[m["stem"]]
-                    fused = np.concatenate([halves["gate_proj"], halves["up_proj"]], axis=1)
-                    yield self.sources(name)[0], np.ascontiguousarray(fused)
+                    gate, up = halves["gate_proj"], halves["up_proj"]
+                    fused = _take_rows((gate, up), np.arange(gate.shape[-2] + up.shape[-2]), name)
+                    yield self.sources(name)[0], _contiguous(fused)
                 continue
             for part, value in self.split(name, array).items():
-                yield part, np.ascontiguousarray(value)
+                yield part, _contiguous(value)
 
 
 class Qwen35Layout(Layout):
@@ -169,15 +179,18 @@ class Qwen35Layout(Layout):
             return (stem + "in_proj_b.weight", stem + "in_proj_a.weight")
         return super().sources(name)
 
+    def _qkvz_rows(self) -> np.ndarray:
+        """For each row of ``in_proj_qkvz``, its row in ``concat([in_proj_qkv, in_proj_z])``."""
+        nk, r, dk, dv = self.nk, self.r, self.dk, self.dv
+        kd, vd = nk * dk, nk * r * dv
+        q, k = np.arange(kd).reshape(nk, dk), kd + np.arange(kd).reshape(nk, dk)
+        v, z = 2 * kd + np.arange(vd).reshape(nk, r * dv), 2 * kd + vd + np.arange(vd).reshape(nk, r * dv)
+        return np.concatenate([q, k, v, z], axis=1).reshape(-1)
+
     def build(self, name, arrays):
         nk, r, dk, dv = self.nk, self.r, self.dk, self.dv
         if name.endswith(".in_proj_qkvz.weight"):
-            qkv, z = arrays
-            cols = qkv.shape[1]
-            q, k, v = np.split(qkv, [nk * dk, 2 * nk * dk])
-            groups = (q.reshape(nk, dk, cols), k.reshape(nk, dk, cols), v.reshape(nk, r * dv, cols),
-                      z.reshape(nk, r * dv, cols))
-            return np.concatenate(groups, axis=1).reshape(-1, cols)
+            return _take_rows(arrays, self._qkvz_rows(), name)
         if name.endswith(".in_proj_ba.weight"):
             b, a = arrays
             cols = b.shape[1]
@@ -189,15 +202,40 @@ class Qwen35Layout(Layout):
         cols = array.shape[-1]
         if name.endswith(".in_proj_qkvz.weight"):
             parts = self.sources(name)
-            q, k, v, z = np.split(array.reshape(nk, 2 * dk + 2 * r * dv, cols),
-                                  [dk, 2 * dk, 2 * dk + r * dv], axis=1)
-            flat = lambda x: x.reshape(-1, cols)
-            return {parts[0]: np.concatenate([flat(q), flat(k), flat(v)]), parts[1]: flat(z)}
+            source_rows = np.argsort(self._qkvz_rows())  # each checkpoint row's row in the tree's tensor
+            qkv_rows = 2 * nk * dk + nk * r * dv
+            return {parts[0]: _take_rows((array,), source_rows[:qkv_rows], name),
+                    parts[1]: _take_rows((array,), source_rows[qkv_rows:], name)}
         if name.endswith(".in_proj_ba.weight"):
             parts = self.sources(name)
             b, a = np.split(array.reshape(nk, 2 * r, cols), [r], axis=1)
             return {parts[0]: b.reshape(-1, cols), parts[1]: a.reshape(-1, cols)}
         return super().split(name, array)
+
+
+# Plain arrays and FP8 weights (`mtp.ops.fp8.regroup`, which moves each row's scale with it) alike:
+def _take_rows(arrays, rows: np.ndarray, name: str):
+    """Rows ``rows`` (second-to-last axis) of the arrays joined along their rows."""
+    if all(isinstance(a, BlockFp8Weight) for a in arrays):
+        return fp8_regroup.take_rows(fp8_regroup.concat_rows(list(arrays)), rows)
+    if any(isinstance(a, BlockFp8Weight) for a in arrays):
+        raise ValueError(f"{name}: its checkpoint tensors must be all FP8 or all not, got "
+                         f"{[type(a).__name__ for a in arrays]}")
+    return np.concatenate(arrays, axis=-2)[..., rows, :]
+
+
+def _stack(arrays):
+    """Per-expert tensors as one ``[E, ...]`` stack."""
+    return fp8_regroup.stack(arrays) if isinstance(arrays[0], BlockFp8Weight) else np.stack(arrays)
+
+
+def _unstack(array):
+    """A ``[E, ...]`` stack's experts, one by one."""
+    return fp8_regroup.unstack(array) if isinstance(array, BlockFp8Weight) else list(array)
+
+
+def _contiguous(value):
+    return value if isinstance(value, BlockFp8Weight) else np.ascontiguousarray(value)
 
 
 def layout_of(cfg: ModelConfig, checkpoint_names: Iterator[str] | None = None,

@@ -73,9 +73,9 @@ def quantize_head(params: Params, mtp_quant: str, *, fold_fc: bool | None = None
     if mtp_quant == "bf16":
         if fold_fc is None:
             fold_fc = resolve_impl("auto", op="fc_gemm") != "reference"
-        if not fold_fc:
-            return params
         m = params["mtp"]
+        if not fold_fc or not isinstance(m["fc"]["weight"], jax.Array):  # an FP8 checkpoint's fc: `dense`
+            return params
         folded = fold_fc_weight(m["pre_fc_norm_embedding"]["weight"], m["pre_fc_norm_hidden"]["weight"],
                                 m["fc"]["weight"])
         ms = row_mean_squares(params["model"]["embed_tokens"]["weight"])

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp.model.params import is_expert_stack
+from mtp.ops.fp8 import BlockFp8Weight
+from mtp.ops.fp8 import dequantize as dequantize_block_fp8
 
 QUANT_CHOICES = ("bf16", "fp8", "nvfp4")
 _ALIASES = {"fp4": "nvfp4"}
@@ -215,11 +217,15 @@ def quantize(w: jax.Array, quant: str, name: str = "weight"):
     stacked expert tensor, `params.is_expert_stack`) expert by expert, each with the scales it
     would have alone; ``name`` otherwise only labels errors.
 
-    bf16 returns the array unchanged: it is the reference precision, and rounding an
-    f32 training weight here would silently change what "bf16" measures.
+    bf16 returns the weight unchanged: it is the reference precision, and rounding an
+    f32 training weight here would silently change what "bf16" measures. A block-scaled
+    FP8 weight (an FP8 checkpoint's, `mtp.ops.fp8`) is likewise the checkpoint as is at
+    bf16, and is requantized from the weight it stands for at fp8 / nvfp4.
     """
     quant = parse_quant(quant)
-    w = jnp.asarray(w)
+    if quant == "bf16" and isinstance(w, BlockFp8Weight):
+        return w
+    w = dequantize_block_fp8(w) if isinstance(w, BlockFp8Weight) else jnp.asarray(w)
     stacked = is_expert_stack(name) and w.ndim == 3
     _check_2d(w[0] if stacked else w, name)
     if quant == "bf16":

@@ -41,6 +41,7 @@ from mtp.cache.state import LinearState, PagedKV, TargetCache
 from mtp.config import ModelConfig
 from mtp.model.params import Params, flatten, param_shapes, unflatten
 from mtp.mtp_head import DrafterCache
+from mtp.ops.fp8 import BlockFp8Weight
 from mtp.pallas.backend import TENSOR_AXIS
 
 EP, TP = "ep", TENSOR_AXIS  # tp: the axis the Pallas kernels split on under a mesh too
@@ -184,6 +185,31 @@ def _put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
+def block_aligned_spec(spec: P, shape: tuple[int, ...], block: tuple[int, int], axis_sizes) -> P:
+    """``spec`` for an FP8 weight of ``shape``: a split of its rows or columns kept where each
+    device's part is whole ``block`` s, replicated where it would cut a block.
+
+    A device's part of the values then comes with exactly its blocks' scales, which take the
+    same spec (a dim of ``n`` blocks split ``k`` ways: ``n / k`` blocks each). ``axis_sizes``:
+    the mesh's ``{axis: size}``.
+    """
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    blocks = {len(shape) - 2: block[0], len(shape) - 1: block[1]}
+    aligned = [None if axis is not None and dim in blocks and (shape[dim] // axis_sizes[axis]) % blocks[dim]
+               else axis for dim, axis in enumerate(parts)]
+    return P(*aligned)
+
+
+def _place(value, spec: P, mesh: Mesh):
+    """``value`` (host or device array, or an FP8 weight of two) laid out on ``mesh`` by ``spec``."""
+    if isinstance(value, BlockFp8Weight):
+        sharding = NamedSharding(mesh, block_aligned_spec(spec, value.shape, value.block, dict(mesh.shape)))
+        return jax.tree.map(lambda a: _put(np.asarray(jax.device_get(a)), sharding), value)
+    if isinstance(value, np.ndarray):
+        return _put(value, NamedSharding(mesh, spec))
+    return jax.device_put(value, NamedSharding(mesh, spec))
+
+
 def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
     """Lay ``params`` (a checkpoint-named tree, on any devices) out on ``mesh``."""
     flat = flatten(params)
@@ -193,19 +219,22 @@ def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
     if missing or extra:
         raise ValueError(f"params do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
     specs = param_specs(cfg, mesh)
-    return unflatten({name: jax.device_put(flat[name], NamedSharding(mesh, specs[name])) for name in specs})
+    return unflatten({name: _place(flat[name], specs[name], mesh) for name in specs})
 
 
-def load_sharded(path: str | os.PathLike, mesh: Mesh, dtype=None) -> tuple[ModelConfig, Params]:
+def load_sharded(path: str | os.PathLike, mesh: Mesh, dtype=None, weight_quant: str = "none"
+                 ) -> tuple[ModelConfig, Params]:
     """Read a Hugging Face checkpoint straight into its shards on ``mesh``.
 
     Each tensor goes from the file to its devices slice by slice, so no device ever
     holds more than its own shard (a layer's stacked experts are gathered on the host
-    one projection at a time, `hf_layout.Layout.build`, then placed).
+    one projection at a time, `hf_layout.Layout.build`, then placed). An FP8 weight (an FP8
+    checkpoint's, or ``weight_quant="fp8"`` as in `checkpoint.load_pretrained`) is split where
+    each device's part is whole scale blocks, and replicated otherwise (`block_aligned_spec`).
     """
     specs = param_specs(checkpoint.load_config(path), mesh)
-    return checkpoint.load_pretrained(
-        path, dtype=dtype, place=lambda name, array: _put(array, NamedSharding(mesh, specs[name])))
+    return checkpoint.load_pretrained(path, dtype=dtype, place=lambda name, array: _place(array, specs[name], mesh),
+                                      weight_quant=weight_quant)
 
 
 # ====================================================================== cache layouts

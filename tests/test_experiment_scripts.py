@@ -125,7 +125,7 @@ from absl import app
 from experiments import generate
 from mtp.config import ModelConfig
 cfg = ModelConfig.from_hf("configs/models/tiny_dense.json")
-generate.load_pretrained = lambda path: (cfg, None)
+generate.load_pretrained = lambda path, **kw: (cfg, None)
 batches = []
 def fake_generate(cfg, params, batch, spec, **kw):
     batches.append(batch)
@@ -264,3 +264,10 @@ assert sorted(q.name for q in pathlib.Path(sys.argv[1]).iterdir()) == sorted(car
 print("checked")
 """
     _python(code, str(tmp_path))
+
+
+def test_carry_ablation_names_a_bad_weight_quant(tmp_path):
+    proc = _carry_ablation_on_devices(tmp_path, 1, "--config.weight_quant=int4")
+    assert proc.returncode != 0 and "--config.weight_quant='int4': give one of 'none', 'fp8'" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()

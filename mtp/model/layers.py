@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from mtp.config import ModelConfig
+from mtp.ops import fp8
 from mtp.ops.moe import routed_experts
 from mtp.pallas.backend import (merge_projections, pad_small_gemms, small_gemms_as_reduce,
                                 tensor_parallel_mesh)
@@ -47,8 +48,12 @@ REDUCE_MAX_ROWS = 4
 REDUCE_MAX_WEIGHT = 1 << 20
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w.T`` for a plain HF ``[out, in]`` weight: f32 accumulation, x's dtype out.
+def linear(x: jax.Array, w) -> jax.Array:
+    """``x @ w.T`` for a HF ``[out, in]`` weight, plain or block-scaled FP8: f32 accumulation, x's dtype out.
+
+    An FP8 weight (`mtp.ops.fp8.BlockFp8Weight`, as Qwen's FP8 checkpoints load) goes to the
+    FP8 GEMM (`fp8.matmul`), which dequantizes it inside the GEMM: the weight stays 8-bit in
+    device memory.
 
     A product of 2..``REDUCE_MAX_ROWS`` rows with a weight of at most ``REDUCE_MAX_WEIGHT``
     elements (a small model's verify) is written as multiply + sum where
@@ -58,6 +63,8 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     into it. The default model's speculative loop at batch 1 ran 1.11x faster at K = 2
     (results/decode/decode_h200.md, 2026-11-30, few-row products as reductions).
     """
+    if isinstance(w, fp8.BlockFp8Weight):
+        return fp8.matmul(x, w).astype(x.dtype)
     rows = math.prod(x.shape[:-1])
     if (1 < rows <= REDUCE_MAX_ROWS and w.size <= REDUCE_MAX_WEIGHT and small_gemms_as_reduce()
             and tensor_parallel_mesh() is None):
@@ -90,19 +97,21 @@ def dense_rows(x: jax.Array, w, lead: tuple[int, ...] | None = None) -> jax.Arra
     """
     rows = math.prod(x.shape[:-1] if lead is None else lead)
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] > rows and (not isinstance(w, jax.Array) or not pads_weight(w.size)):
+    target_weight = isinstance(w, (jax.Array, fp8.BlockFp8Weight))  # plain or a checkpoint's FP8
+    if x2.shape[0] > rows and (not target_weight or not pads_weight(w.size)):
         x2 = x2[:rows]
-    if isinstance(w, jax.Array):
+    if target_weight:
         if x2.shape[0] < PAD_ROWS and pads_weight(w.size) and pad_small_gemms():
             return _padded_rows(x2, w, PAD_ROWS)
         return linear(x2, w)
-    from mtp import quant  # quantized MTP projections only; the target is never quantized
+    from mtp import quant  # the MTP head's load-time quantization (`--mtp_quant`)
 
     return quant.linear(x2, w)
 
 
 def dense(x: jax.Array, w, lead: tuple[int, ...] | None = None) -> jax.Array:
-    """``x @ w.T`` for a HF ``[out, in]`` weight, plain or quantized (`mtp.quant`) -> ``[*lead, out]``.
+    """``x @ w.T`` for a HF ``[out, in]`` weight, plain, block-scaled FP8 (`mtp.ops.fp8`) or
+    quantized for the MTP head (`mtp.quant`) -> ``[*lead, out]``.
 
     ``lead``: ``x`` is the padded stream's rows (see ``dense_rows``); default ``x.shape[:-1]``.
     """

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 CHOICES = ("auto", "reference", "pallas", "interpret")
 OPS = ("paged_attention", "fc_gemm", "gdn_step", "add_rms_norm", "conv_step", "attn_prologue",
-       "paged_attention_triton", "moe")  # MTP_KERNELS' per-op names (moe: mtp.ops.moe)
+       "paged_attention_triton", "moe", "fp8_gemm")  # MTP_KERNELS' per-op names (moe: mtp.ops.moe,
+       # fp8_gemm: mtp.ops.fp8)
 ENV_VAR = "MTP_KERNELS"
 # Kernels "auto" leaves on their references (``MTP_KERNELS=<op>=pallas`` takes them): not yet
 # measured faster inside the model on a GPU, or measured faster only in some programs. Each
