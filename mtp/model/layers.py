@@ -388,22 +388,31 @@ def route(p, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     return top_i.reshape(-1, k).astype(jnp.int32), top_w.reshape(-1, k)
 
 
-def moe(p, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+def moe(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None) -> jax.Array:
     """Top-k routed experts (`route`) plus the sigmoid-gated shared expert.
 
     The selected experts run as one sparse op (`mtp.ops.moe.routed_experts`, which reads
     only their weights, so the layer costs what its active experts cost) on the stacked
     ``[E, ...]`` expert weights, plain or quantized (an MTP head's, `mtp.quant`).
+    ``real_rows``: where ``x`` is the padded residual stream (`stream_rows`), its first rows are
+    the tokens and the rest zeros. Only the tokens are routed: a zero row's router logits tie, so
+    it would select (and read) k experts of its own, doubling the experts a batch-1 decode step
+    streams; the padding rows' routed output is zero, as an expert of zeros gives.
     """
-    expert_ids, expert_weights = route(p, x, cfg)
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0] if real_rows is None else real_rows
+    tokens = x2[:rows]
+    expert_ids, expert_weights = route(p, tokens, cfg)
     experts = p["experts"]
-    out = routed_experts(x.reshape(-1, x.shape[-1]), expert_ids, expert_weights, experts["gate_proj"]["weight"],
-                         experts["up_proj"]["weight"], experts["down_proj"]["weight"]).reshape(x.shape)
+    out = routed_experts(tokens, expert_ids, expert_weights, experts["gate_proj"]["weight"],
+                         experts["up_proj"]["weight"], experts["down_proj"]["weight"])
+    out = jnp.pad(out, ((0, x2.shape[0] - rows), (0, 0))).reshape(x.shape)
     if "shared_expert" in p:
         shared = mlp(p["shared_expert"], x).astype(jnp.float32)
         out = out + jax.nn.sigmoid(dense(x, p["shared_expert_gate"]["weight"]).astype(jnp.float32)) * shared
     return out.astype(x.dtype)
 
 
-def ffn(p, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    return moe(p, x, cfg) if "gate" in p else mlp(p, x)
+def ffn(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None) -> jax.Array:
+    """The layer's FFN; ``real_rows`` as in `moe` (a dense MLP is row-wise and needs no telling)."""
+    return moe(p, x, cfg, real_rows) if "gate" in p else mlp(p, x)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -65,9 +67,9 @@ def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer, impl: str = "referen
     residual add and the FFN's norm are one op (`mtp.pallas.add_rms_norm`, a kernel
     where ``impl`` picks it).
     """
-    x, h = add_rms_norm(x, mixer(rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps)),
-                        p["post_attention_layernorm"]["weight"], eps=cfg.rms_norm_eps, impl=impl)
-    return x + ffn(p["mlp"], h, cfg)
+    y = mixer(rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps))
+    x, h = add_rms_norm(x, y, p["post_attention_layernorm"]["weight"], eps=cfg.rms_norm_eps, impl=impl)
+    return x + ffn(p["mlp"], h, cfg, real_rows=math.prod(y.shape[:-1]))
 
 
 def paged_attention_mixer(cfg, p, rope_positions, slots, k_pages, v_pages, block_tables, write,
