@@ -8,7 +8,8 @@ is resolved by `mtp.pallas.backend.resolve_impl` under the op name ``"moe"`` (so
 grouped-GEMM kernels of `mosaic` (Mosaic GPU; ``"interpret"`` runs them in Pallas' GPU
 interpreter), except where `mosaic.unsupported` names why they cannot take the inputs (f32,
 quantized experts, sizes their tiles do not divide) or the trace runs under a mesh (the kernels
-see whole arrays; XLA partitions the reference): those go to the reference.
+see whole arrays; XLA partitions the reference): those go to the reference. Under ``"auto"`` a
+call of few pairs (`pays`) runs the reference's gather form, which measured faster there.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from mtp.ops.moe import mosaic, reference
-from mtp.pallas.backend import resolve_impl
+from mtp.pallas.backend import auto_decides, resolve_impl
 
 
 def _shape(weight) -> tuple[int, ...]:
@@ -46,6 +47,21 @@ def check_inputs(x, expert_ids, expert_weights, gate, up, down) -> None:
         raise ValueError(f"routed_experts: down must be [E={e}, H={h}, I={i}], got {d}")
 
 
+# Under ``"auto"`` a call of at most this many (token, expert) pairs runs the reference's gather
+# form even on a GPU: XLA's gather + batched GEMM of the selected experts streamed them closer to
+# the active-bytes floor than the grouped-GEMM kernels at 1-16 tokens (Qwen3.5-35B-A3B's shape,
+# one H200, 2026-12-02: 1.63x / 1.22x / 1.22x / 1.36x the floor at 1 / 4 / 8 / 16 tokens of
+# top-8 against the kernel's 4.71x / 2.18x / 1.86x / 1.71x), while the kernel wins from 32 tokens
+# (Qwen3-Next's 1.12x at 32) and in prefill chunks (results/kernels/moe_kernels_h200.md). Decode,
+# verify and the MTP head's propose at batch 1 therefore stay on the gather form.
+KERNEL_MIN_PAIRS = 129
+
+
+def pays(expert_ids) -> bool:
+    """Whether `auto` hands a call of these pairs to the kernels (``KERNEL_MIN_PAIRS``)."""
+    return expert_ids.size >= KERNEL_MIN_PAIRS
+
+
 def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, impl: str = "auto") -> jax.Array:
     """f32 ``[N, H]``: ``sum_j expert_weights[n, j] * expert_{expert_ids[n, j]}(x[n])`` (`reference`).
 
@@ -57,7 +73,9 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, impl: str =
     mode = resolve_impl(impl, "moe")
     if (mode != "reference" and not _under_mesh()
             and mosaic.unsupported(x, ids, expert_weights, gate, up, down) is None):
-        return mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
+        if not auto_decides(impl, "moe") or pays(ids):
+            return mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
+        return reference.routed_experts_gather(x, ids, expert_weights, gate, up, down)
     return reference.routed_experts(x, ids, expert_weights, gate, up, down)
 
 
