@@ -80,16 +80,18 @@ def test_sparse_forms_equal_the_dense_oracle(form, experts, rows, k):
 
 
 def test_the_op_switches_form_on_the_static_pair_count(monkeypatch):
+    """Gather up to GATHER_MAX_PAIRS pairs, and never past the expert count; segments above."""
     used = []
     for name in ("routed_experts_gather", "routed_experts_segments"):
         orig = getattr(reference, name)
         monkeypatch.setattr(reference, name, lambda *a, _orig=orig, _name=name: used.append(_name) or _orig(*a))
-    gate, up, down = _experts(0, 16, 8, 4)
-    limit = reference.GATHER_MAX_PAIRS
-    for rows in (limit // 2, limit // 2 + 1):
-        ids, w = _routing(rows, rows, 2, 16)
-        routed_experts(jnp.ones((rows, 8)), ids, w, gate, up, down)
-    assert used == ["routed_experts_gather", "routed_experts_segments"]
+    cap = reference.GATHER_MAX_PAIRS
+    for experts, limit in ((4 * cap, cap), (cap // 4, cap // 4)):  # the limit is capped at the expert count
+        gate, up, down = _experts(0, experts, 8, 4)
+        for rows in (limit // 2, limit // 2 + 1):
+            ids, w = _routing(rows, rows, 2, experts)
+            routed_experts(jnp.ones((rows, 8)), ids, w, gate, up, down)
+    assert used == ["routed_experts_gather", "routed_experts_segments"] * 2
 
 
 @pytest.mark.parametrize("form", ["gather", "segments", "segments_5_row_tiles"])

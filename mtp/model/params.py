@@ -187,8 +187,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, include_mtp
             continue
         proj = EXPERT_PROJECTIONS.index(m["proj"])
         if proj == 0:  # a layer's three stacks come in EXPERT_PROJECTIONS order and share its experts' keys
-            group = keys[at:at + experts * len(EXPERT_PROJECTIONS)].reshape(experts, len(EXPERT_PROJECTIONS))
-            at += group.size
+            n = experts * len(EXPERT_PROJECTIONS)  # keys[at:at + n], typed or raw uint32 keys alike
+            group = keys[at:at + n].reshape(experts, len(EXPERT_PROJECTIONS), *keys.shape[1:])
+            at += n
         flat[name] = jax.vmap(lambda k: _init_one(name, shape[1:], k, dtype))(group[:, proj])
     return unflatten(flat)
 

@@ -23,7 +23,7 @@ Two forms, both of which read only the selected experts' weights:
   ``(P + (T - 1) G) / T`` tiles, and `segment_rows`' ``T = ceil(P / G)`` keeps the rows computed
   under ``2 P`` and the expert weights read under ``2 G`` whatever the routing.
 
-`routed_experts` picks the form by the static pair count (``GATHER_MAX_PAIRS``).
+`routed_experts` picks the form by the static pair count (``GATHER_MAX_PAIRS``, capped at ``E``).
 ``jax.lax.ragged_dot`` is not used: XLA's CPU lowering (jax 0.11.2) evaluates every group over
 all rows, a cost that follows the expert count (measured 2026-12-02 for 512 rows, K = 256,
 N = 128, four groups holding rows: 25, 80 and 235 ms with 8, 64 and 256 groups).
@@ -42,11 +42,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-# The most (token, expert) pairs the gather form takes; more go to the segments form. Chosen
-# on the CPU (2026-12-02, experiments/expert_scaling.py's shapes): the gather form reads one
-# expert per pair, so past a few dozen pairs, where pairs start to share experts, sorting them
-# into segments reads fewer weights. A decode step or a small verify (batch x K x k up to 64)
-# stays on the gather form, which needs no sort.
+# The most (token, expert) pairs the gather form takes, and never more than the experts there are;
+# more go to the segments form. The gather form reads one expert per pair, the segments form at
+# most two per expert touched, so the segments form pays once pairs share experts. Measured on
+# this project's 2-core CPU under load from other jobs, so to within tens of percent (2026-12-02,
+# `experiments/expert_scaling.py --form_pairs 8,16,32,64,128,256,512 --form_shape 512,256`, top-2,
+# results/expert_scaling): with 8 experts the gather form wins only at 8 pairs (5.4 vs 12.0 ms)
+# and loses 192 vs 18 ms at 32; with 256 experts the two stay within 1.6x of each other from 16
+# to 512 pairs (gather 368 vs 596 ms at 64, 1328 vs 1012 ms at 256). Up to 64 a decode step or a
+# small verify stays on the gather form, which needs no sort.
 GATHER_MAX_PAIRS = 64
 
 
@@ -130,6 +134,6 @@ def routed_experts_segments(x, expert_ids, expert_weights, gate, up, down,
 
 def routed_experts(x, expert_ids, expert_weights, gate, up, down) -> jax.Array:
     """The routed-expert FFN (module docstring), in the form that suits the static pair count."""
-    if expert_ids.size <= GATHER_MAX_PAIRS:
+    if expert_ids.size <= min(GATHER_MAX_PAIRS, num_experts(gate)):
         return routed_experts_gather(x, expert_ids, expert_weights, gate, up, down)
     return routed_experts_segments(x, expert_ids, expert_weights, gate, up, down)
