@@ -26,9 +26,10 @@ from absl import app, logging
 from ml_collections import config_flags
 
 from experiments.harness import (STINTS, environment, eos_id, greedy_reference, index_turns, load_experiment,
-                                 lossless, run_policies_interleaved)
+                                 lossless, lossless_reference, run_policies_interleaved)
 from experiments.results_io import write_atomic, write_json
 from mtp import carry as carry_lib
+from mtp import runtime
 from mtp.analysis import paired_bootstrap, summarize
 from mtp.metrics import AcceptanceStats
 from mtp.engine import EngineConfig
@@ -120,6 +121,8 @@ def _compare(ta, tb, keys, c) -> dict:
 def main(argv):
     del argv
     c = _CONFIG.value
+    settings = runtime.configure_process(c.dtype)  # before anything starts JAX's backend
+    logging.info("process settings: %s", settings.describe())
     start = time.time()
     if c.marconi_min_tokens is not None and not carry_lib.set_marconi_min_tokens(c.marconi_min_tokens):
         logging.warning("the Marconi threshold was fixed before --config.marconi_min_tokens could set it")
@@ -131,8 +134,10 @@ def main(argv):
     spec = SpecConfig(verify_width=c.verify_width, max_new_tokens=max_new, refeed_accepted=c.refeed_accepted,
                       eos_id=eos_id(cfg))
     total = sum(len(s.turns) for s in sessions)
-    logging.info("plain greedy reference over %d sessions, %d turns", len(sessions), total)
-    ref = greedy_reference(cfg, params, sessions, prompts, c, max_new, "greedy reference", total, mesh)
+    reference = lossless_reference(c.verify_width)
+    logging.info("lossless reference over %d sessions, %d turns: %s", len(sessions), total, reference.description)
+    ref = greedy_reference(cfg, params, sessions, prompts, c, max_new, "greedy reference", total, mesh,
+                           reference.plain_width)
     ecfgs = {name: EngineConfig(policy=policy, batch_slots=slots, carry_slots=carry_slots,
                                 max_context=c.max_context, num_pages=c.num_pages, drafter_pages=c.num_pages,
                                 mtp_quant=c.mtp_quant)
@@ -162,11 +167,14 @@ def main(argv):
                    f"policies interleaved by {c.stint}; "
                    f"{platform.processor() or platform.machine()} on {jax.default_backend()}"
                    f"{f' (mesh tp={c.tp} x ep={c.ep})' if mesh is not None else ''}, "
-                   f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s"),
+                   f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s; "
+                   f"{settings.describe()}"),
         "config": c.to_dict(),
         "environment": environment(),
-        "lossless": "every policy's tokens equal the plain greedy loop's" if ok else
-                    f"MISMATCH: {[n for n, v in same.items() if not v]}",
+        "process_settings": settings.as_dict(),
+        "lossless_reference": reference.description,
+        "lossless": (f"every policy's tokens equal those of {reference.description}" if ok else
+                     f"MISMATCH: {[n for n, v in same.items() if not v]} (against {reference.description})"),
         "lossless_by_variant": same,
         "variants": variants,
         "comparisons": comparisons,

@@ -19,8 +19,9 @@ from absl import app, logging
 from ml_collections import config_flags
 
 from experiments.harness import (environment, eos_id, greedy_reference, index_turns, load_experiment, lossless,
-                                 run_policy, session_subset)
+                                 lossless_reference, run_policy, session_subset)
 from experiments.results_io import write_atomic, write_json
+from mtp import runtime
 from mtp.analysis import summarize
 from mtp.data.sessions import load_sessions
 from mtp.engine import EngineConfig
@@ -90,9 +91,10 @@ def plan(c, cfg0, sessions, preamble_only) -> dict:
     return out
 
 
-def _write(out: pathlib.Path, header: str, c, tables: dict) -> str:
+def _write(out: pathlib.Path, header: str, c, tables: dict, settings: runtime.ProcessSettings) -> str:
     """results.json and results.md of the axes run so far; returns the markdown."""
-    report = {"header": header, "config": c.to_dict(), "environment": environment(), "tables": tables}
+    report = {"header": header, "config": c.to_dict(), "environment": environment(),
+              "process_settings": settings.as_dict(), "tables": tables}
     write_json(out / "results.json", report)
     lines = [f"# Acceptance sweeps\n\n{header}\n"]
     for axis, rows in tables.items():
@@ -113,33 +115,37 @@ def _write(out: pathlib.Path, header: str, c, tables: dict) -> str:
 def main(argv):
     del argv
     c = _CONFIG.value
+    settings = runtime.configure_process(c.dtype)  # before anything starts JAX's backend
+    logging.info("process settings: %s", settings.describe())
     start = time.time()
     cfg0, params, mesh, sessions, prompts = load_experiment(c)
     preamble_only = session_subset(load_sessions(c.preamble_only_sessions), c.num_preamble_only, "num_preamble_only")
     axes = plan(c, cfg0, sessions, preamble_only)
     out = pathlib.Path(c.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tables, refs = {}, {}  # one plain greedy reference per session set, shared by its axes
+    tables, refs = {}, {}  # one plain greedy reference per session set and width, shared by its axes
     for axis, (work, max_new, runs) in axes.items():
         total = sum(len(s.turns) for s in work)
-        if id(work) not in refs:
-            refs[id(work)] = greedy_reference(cfg0, params, work, prompts, c, max_new, "greedy reference", total,
-                                              mesh)
-        ref = refs[id(work)]
         rows = []
         for value, cfg, spec, ecfg in runs:
+            reference = lossless_reference(spec.verify_width)
+            if (id(work), reference.plain_width) not in refs:
+                refs[id(work), reference.plain_width] = greedy_reference(
+                    cfg0, params, work, prompts, c, max_new, "greedy reference", total, mesh, reference.plain_width)
+            ref = refs[id(work), reference.plain_width]
             turns = index_turns(run_policy(cfg, params, work, prompts, spec, ecfg, f"{axis}={value}", total, mesh))
             same = lossless(turns, ref)
             stats = [r.stats for r in turns.values()]
-            rows.append({"value": value, "lossless": same, "all": summarize(stats),
+            rows.append({"value": value, "lossless": same, "lossless_reference": reference.description,
+                         "all": summarize(stats),
                          "warm": summarize([s for (sid, i), s in zip(turns, stats) if i > 0])})
             logging.info("%s=%s lossless=%s", axis, value, same)
         tables[axis] = rows
         header = (f"{len(sessions)} sessions (+{len(preamble_only)} preamble-only for the Marconi axis), "
                   f"policy={c.policy}, baseline K={c.verify_width} {c.mtp_quant}, "
                   f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s, "
-                  f"{len(tables)} of {len(axes)} axes")
-        md = _write(out, header, c, tables)
+                  f"{len(tables)} of {len(axes)} axes; {settings.describe()}")
+        md = _write(out, header, c, tables, settings)
     print(md)
     if not all(r["lossless"] for rows in tables.values() for r in rows):
         raise SystemExit("a sweep setting's output differs from plain greedy decoding")
