@@ -17,6 +17,9 @@ def get_config() -> ml_collections.ConfigDict:
     # through carry.set_marconi_min_tokens (first writer wins) and recorded in the results.
     c.marconi_min_tokens = ml_collections.config_dict.placeholder(int)
     c.refeed_accepted = False
+    # The carry's turns rewrite their output's drafter rows from the target's hiddens at the
+    # turn's end (EngineConfig.rebuild_output_rows), so the entry holds a rebuild's rows.
+    c.rebuild_output_rows = True
     # name -> (policy, batch_slots, carry_slots). B > 1 disarms the single-slot carry.
     c.variants = ml_collections.ConfigDict({
         "cold": ("cold", 1, 1),

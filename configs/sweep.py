@@ -21,6 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
         "mtp_quant": ("bf16", "fp8", "nvfp4"),
         "mtp_hidden_source": ("post_norm", "pre_norm"),
         "refeed_accepted": (False, True),
+        "rebuild_output_rows": (False, True),
         "draft_conf_tau": (0.0, 0.3, 0.6),
         "marconi_min_tokens": (0, 64, 128, 256, 512),
     })

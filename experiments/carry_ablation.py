@@ -140,7 +140,7 @@ def main(argv):
                            reference.plain_width)
     ecfgs = {name: EngineConfig(policy=policy, batch_slots=slots, carry_slots=carry_slots,
                                 max_context=c.max_context, num_pages=c.num_pages, drafter_pages=c.num_pages,
-                                mtp_quant=c.mtp_quant)
+                                mtp_quant=c.mtp_quant, rebuild_output_rows=c.rebuild_output_rows)
              for name, (policy, slots, carry_slots) in c.variants.items()}
     per_turn, same = {}, {}
     for name, res in run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs, total, mesh,

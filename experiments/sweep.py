@@ -1,4 +1,4 @@
-r"""Acceptance sweeps: K, MTP precision, hidden source, refeed, D-Cut, Marconi threshold.
+r"""Acceptance sweeps: K, MTP precision, hidden source, refeed, output rows rebuilt, D-Cut, Marconi threshold.
 
     python -m experiments.sweep [--config configs/sweep.py] [--config.axes.verify_width=(2,4)]
 
@@ -34,7 +34,8 @@ def _baseline(c, cfg) -> dict:
     """Every knob an axis may vary (the axis names): the type of its values, and the value it
     holds while the other axes vary."""
     return dict(verify_width=(int, c.verify_width), mtp_quant=(str, c.mtp_quant),
-                refeed_accepted=(bool, c.refeed_accepted), draft_conf_tau=(float, 0.0),
+                refeed_accepted=(bool, c.refeed_accepted), rebuild_output_rows=(bool, c.rebuild_output_rows),
+                draft_conf_tau=(float, 0.0),
                 marconi_min_tokens=(int, c.marconi_min_tokens), mtp_hidden_source=(str, cfg.mtp_hidden_source))
 
 
@@ -67,7 +68,8 @@ def _setting(c, cfg0, axis, value, max_new):
                           eos_id=eos_id(cfg0))
         ecfg = EngineConfig(policy=c.policy, max_context=c.max_context, num_pages=c.num_pages,
                             drafter_pages=c.num_pages, mtp_quant=knobs["mtp_quant"],
-                            marconi_min_tokens=knobs["marconi_min_tokens"])
+                            marconi_min_tokens=knobs["marconi_min_tokens"],
+                            rebuild_output_rows=knobs["rebuild_output_rows"])
     except ValueError as e:
         raise app.UsageError(f"--config.axes.{axis}: value {value!r}: {e}") from e
     return cfg, spec, ecfg
@@ -99,13 +101,15 @@ def _write(out: pathlib.Path, header: str, c, tables: dict, settings: runtime.Pr
     lines = [f"# Acceptance sweeps\n\n{header}\n"]
     for axis, rows in tables.items():
         lines += [f"\n## {axis}\n", "| value | lossless | TTFT p50 ms, all / warm turns | decode tok/s | "
+                  "decode ms per verify step / per turn | "
                   "mean acc. len | per-position acceptance | draft acceptance rate | paths |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             a, warm = r["all"], r["warm"].get("ttft_ms_p50", float("nan"))
             pos = " / ".join(f"{p:.3f}" for p in a["acceptance_per_position"])
             lines.append(f"| {r['value']} | {r['lossless']} | {a['ttft_ms_p50']:.1f} / {warm:.1f} "
                          f"| {a['decode_tokens_per_s']:.1f} "
+                         f"| {a['decode_ms_per_verify_step']:.2f} / {a['decode_ms_per_turn']:.1f} "
                          f"| {a['mean_acceptance_length']:.3f} | {pos} | {a['draft_acceptance_rate']:.3f} | {a['paths']} |")
     md = "\n".join(lines) + "\n"
     write_atomic(out / "results.md", md)
