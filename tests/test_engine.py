@@ -632,18 +632,27 @@ def test_a_turn_whose_end_fails_leaks_nothing(model, monkeypatch):
     _held_pages_are_owned(eng)
 
 
-def test_a_turn_that_leaves_no_drafter_row_deposits_nothing_and_replaces_the_slot(model):
+@pytest.mark.parametrize("rebuild", [False, True])
+def test_a_turn_that_leaves_no_drafter_row_deposits_nothing_and_replaces_the_slot(model, rebuild):
     """A fresh session that restores the shared preamble's snapshot gets no drafter prefill, so
-    a turn of it that ends at its first token leaves no row: nothing is carried (its pages go
-    back), and the single slot's previous entry, another session's, is replaced all the same
-    (the deposit replaces it, as in the reference)."""
+    a turn of it that ends at its first token leaves no row of its own drafting: nothing is
+    carried (its pages go back), and the single slot's previous entry, another session's, is
+    replaced all the same (the deposit replaces it, as in the reference). With the output's rows
+    rebuilt at the turn's end, that turn leaves the one key its output made known (its prompt's
+    last position paired with its first token), and that entry replaces the previous one."""
     preamble = np.random.default_rng(3).integers(1, 97, 100).tolist()
-    eng = _engine(model, policy="carry")
+    eng = _engine(model, policy="carry", rebuild_output_rows=rebuild)
     eng.run_wave([TurnRequest("a", tuple(preamble + [5, 6, 7]), MAX_NEW)])
     (entry,) = eng.carried.values()
     assert entry.rows > 0
-    (empty,) = eng.run_wave([TurnRequest("b", tuple(preamble + [8, 9]), 1)])
-    assert empty.stats.path == "restore" and empty.stats.drafter_prefilled == 0 and len(empty.output) == 1
-    assert eng.carried == {}
-    assert eng.dpages.num_free == eng.dpages.num_pages - 1
+    prompt = tuple(preamble + [8, 9])
+    (short,) = eng.run_wave([TurnRequest("b", prompt, 1)])
+    assert short.stats.path == "restore" and short.stats.drafter_prefilled == 0 and len(short.output) == 1
+    if rebuild:
+        (entry,) = eng.carried.values()
+        assert entry.session_hash == session_hash("b") and entry.rows == 1 and entry.last_pair_key == len(prompt) - 1
+        assert eng.dpages.num_free == eng.dpages.num_pages - 1 - len(entry.block_table)
+    else:
+        assert eng.carried == {}
+        assert eng.dpages.num_free == eng.dpages.num_pages - 1
     _held_pages_are_owned(eng)
