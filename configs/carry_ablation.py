@@ -32,6 +32,9 @@ def get_config() -> ml_collections.ConfigDict:
     # through carry.set_marconi_min_tokens (first writer wins) and recorded in the results.
     c.marconi_min_tokens = ml_collections.config_dict.placeholder(int)
     c.refeed_accepted = False
+    # The carry's turns rewrite their output's drafter rows from the target's hiddens at the
+    # turn's end (EngineConfig.rebuild_output_rows), so the entry holds a rebuild's rows.
+    c.rebuild_output_rows = True
     # name -> (policy, batch_slots, carry_slots). B > 1 disarms the single-slot carry.
     c.variants = ml_collections.ConfigDict({
         "cold": ("cold", 1, 1),
@@ -95,6 +98,9 @@ MODEL_FIELDS = {
         "The shortest matched prefix for which an SSM snapshot is restored rather than recomputed with a "
         "full drafter prefill (set process-wide, first writer wins).",
         cli.optional(MARCONI_MIN_TOKENS, "MTP_MARCONI_MIN_TOKENS, else 256")),
+    "rebuild_output_rows": cli.Field("At a turn's end, rewrite the drafter rows of its output from the target's "
+                                     "hiddens of the committed positions (inside the decode call), so the carried "
+                                     "entry holds what a full rebuild writes.", cli.BOOLEAN),
     "refeed_accepted": cli.Field("Rebuild the accepted rows written from drafter hiddens from the target's "
                                  "hidden after each verify.", cli.BOOLEAN),
     "tp": cli.Field("Tensor-parallel devices the checkpoint is split over (1: none).", cli.integer(1)),

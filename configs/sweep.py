@@ -10,7 +10,8 @@ from configs import carry_ablation
 from experiments import cli
 from mtp.engine import DRAFTER_POLICIES
 
-AXES = ("verify_width", "mtp_quant", "mtp_hidden_source", "refeed_accepted", "draft_conf_tau", "marconi_min_tokens")
+AXES = ("verify_width", "mtp_quant", "mtp_hidden_source", "refeed_accepted", "rebuild_output_rows", "draft_conf_tau",
+        "marconi_min_tokens")
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -29,6 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
         "mtp_quant": ("bf16", "fp8", "nvfp4"),
         "mtp_hidden_source": ("post_norm", "pre_norm"),
         "refeed_accepted": (False, True),
+        "rebuild_output_rows": (False, True),
         "draft_conf_tau": (0.0, 0.3, 0.6),
         "marconi_min_tokens": (0, 64, 128, 256, 512),
     })
@@ -63,6 +65,8 @@ FIELDS = {
     "axes.mtp_hidden_source": cli.Field("Which target hidden feeds the MTP head.",
                                         cli.tuple_of(carry_ablation.MTP_HIDDEN_SOURCE, _NOT_SWEPT), required=False),
     "axes.refeed_accepted": cli.Field("Refeed on and off.", cli.tuple_of(cli.BOOLEAN, _NOT_SWEPT), required=False),
+    "axes.rebuild_output_rows": cli.Field("The output's drafter rows rebuilt at the turn's end, off and on.",
+                                          cli.tuple_of(cli.BOOLEAN, _NOT_SWEPT), required=False),
     "axes.draft_conf_tau": cli.Field("D-Cut thresholds: a draft chain stops once its least top-1 probability is "
                                      "below tau (0: never).",
                                      cli.tuple_of(cli.number(0.0, 1.0, hi_open=True), _NOT_SWEPT), required=False),

@@ -8,9 +8,9 @@ the policies' warm TTFT p50. Absolute TTFTs move ~20% between processes of one t
 (results/engine/engine_h200.md section 4), so the paired differences are what two variants are compared
 by. On the GPU machine, from the repository root:
 
-    # XLA's graph-update flags off and on (results/engine/engine_h200.md section 5)
-    PYTHONPATH=.:runs/pylib python3 experiments/ab_ablation.py --rounds 2 \
-        --new_env "XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_temp_buffer_use_separate_color=true"
+    # XLA's defaults (an empty XLA_FLAGS) against the graph-update flags the program sets on a GPU
+    # by itself (mtp/runtime.py; results/engine/engine_h200.md section 5)
+    PYTHONPATH=.:runs/pylib python3 experiments/ab_ablation.py --rounds 2 --old_env XLA_FLAGS=
     # this tree against an older revision (unpacked first: git archive REV mtp experiments configs)
     PYTHONPATH=.:runs/pylib python3 experiments/ab_ablation.py --old_tree runs/old
 

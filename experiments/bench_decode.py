@@ -40,7 +40,7 @@ from experiments import cupti
 from experiments.cli import require_ints
 from experiments.model_shapes import BIG, SMALL
 from experiments.results_io import write_atomic, write_json
-from mtp import analysis, sharding
+from mtp import analysis, runtime, sharding
 from mtp.cache.state import TargetCache
 from mtp.config import ModelConfig
 from mtp.model import target
@@ -73,9 +73,10 @@ flags.DEFINE_integer("tp", 1, "Part A: tensor-parallel devices (mtp.sharding). W
 flags.DEFINE_bool("decode_only", False, "Part A: time the plain decode step only (e.g. to compare XLA_FLAGS).")
 
 class Report:
-    def __init__(self, out: pathlib.Path):
+    def __init__(self, out: pathlib.Path, settings: runtime.ProcessSettings):
         self.out, self.data = out, {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                     "device": str(jax.devices()[0].device_kind),
+                                    "process_settings": settings.describe(),
                                     "xla_flags": os.environ.get("XLA_FLAGS", ""),
                                     "mtp_env": {k: v for k, v in os.environ.items() if k.startswith("MTP_")},
                                     "rows": []}
@@ -516,7 +517,9 @@ def _markdown(data) -> str:
 
 def main(argv):
     del argv
-    report = Report(pathlib.Path(FLAGS.out_dir))
+    settings = runtime.configure_process()  # before anything starts JAX's backend
+    logging.info("process settings: %s", settings.describe())
+    report = Report(pathlib.Path(FLAGS.out_dir), settings)
     failed = []
     if "A" in FLAGS.parts:  # the part that profiles
         if jax.default_backend() == "gpu":

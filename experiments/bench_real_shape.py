@@ -6,7 +6,7 @@ r"""The model family at its real shapes on one GPU, random weights, every figure
 
 JAX's memory pool grows on demand (the peer's torch and the 80B's weights need the room a
 preallocated pool would hold); ``ml_collections`` and, for the peer's fast path, ``fla-core`` and
-``flash-linear-attention`` must be importable (on the lent H200, carried as wheels).
+``flash-linear-attention`` must be importable (pure-Python wheels: `pip install flash-linear-attention`).
 
 Models (`configs/models/`, each the published ``config.json``; `configs/models/real_shapes.md` says
 where each value comes from): Qwen3.5-35B-A3B (40 layers, 256 experts, top-8 + a shared expert),

@@ -29,9 +29,10 @@ from absl import app, logging
 from configs import carry_ablation as config_module
 from experiments import cli
 from experiments.harness import (eos_id, greedy_reference, index_turns, load_experiment, lossless,
-                                 run_policies_interleaved)
+                                 lossless_reference, run_policies_interleaved)
 from experiments.results_io import provenance, write_atomic, write_json
 from mtp import carry as carry_lib
+from mtp import runtime
 from mtp.analysis import MIN_BOOTSTRAP_SESSIONS, interval_caveat, paired_bootstrap, summarize
 from mtp.metrics import AcceptanceStats
 from mtp.engine import EngineConfig
@@ -168,6 +169,8 @@ def _compare(ta, tb, keys, c) -> dict:
 def main(argv):
     del argv
     c = _CONFIG.value
+    settings = runtime.configure_process(c.dtype)  # before anything starts JAX's backend
+    logging.info("process settings: %s", settings.describe())
     start, origin = time.time(), provenance(c)  # the code and command as the run starts
     if not c.variants:
         raise app.UsageError("--config.variants: empty; give at least one (policy, batch_slots, carry_slots)")
@@ -178,13 +181,15 @@ def main(argv):
     max_new = max(t.max_new_tokens for s in sessions for t in s.turns)
     spec = SpecConfig(verify_width=c.verify_width, max_new_tokens=max_new, refeed_accepted=c.refeed_accepted,
                       eos_id=eos_id(cfg))
+    total = sum(len(s.turns) for s in sessions)
+    reference = lossless_reference(c.verify_width)
+    logging.info("lossless reference over %d sessions, %d turns: %s", len(sessions), total, reference.description)
+    ref = greedy_reference(cfg, params, sessions, prompts, c, max_new, "greedy reference", total, mesh,
+                           reference.plain_width)
     ecfgs = {name: EngineConfig(policy=policy, batch_slots=slots, carry_slots=carry_slots,
                                 max_context=c.max_context, num_pages=c.num_pages, drafter_pages=c.num_pages,
-                                mtp_quant=c.mtp_quant)
+                                mtp_quant=c.mtp_quant, rebuild_output_rows=c.rebuild_output_rows)
              for name, (policy, slots, carry_slots) in c.variants.items()}
-    total = sum(len(s.turns) for s in sessions)
-    logging.info("plain greedy reference over %d sessions, %d turns", len(sessions), total)
-    ref = greedy_reference(cfg, params, sessions, prompts, c, max_new, "greedy reference", total, mesh)
     per_turn, same = {}, {}
     for name, res in run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs, total, mesh,
                                                      stint=c.stint).items():
@@ -212,14 +217,17 @@ def main(argv):
                    f"policies interleaved by {c.stint}; "
                    f"{platform.processor() or platform.machine()} on {jax.default_backend()}"
                    f"{f' (mesh tp={c.tp} x ep={c.ep})' if mesh is not None else ''}, "
-                   f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s"
+                   f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, wall {time.time() - start:.0f} s; "
+                   f"{settings.describe()}"
                    + (f". **{len(sessions)} sessions are too few for the bootstrap intervals below (a bootstrap "
                       f"over sessions needs at least {MIN_BOOTSTRAP_SESSIONS}): read them as unknown, and the "
                       f"differences as this run's only.**" if few else "")),
         **origin,
         "intervals": {"min_sessions": MIN_BOOTSTRAP_SESSIONS, "sessions": len(sessions), "too_few_sessions": few},
-        "lossless": "every policy's tokens equal the plain greedy loop's" if ok else
-                    f"MISMATCH: {[n for n, v in same.items() if not v]}",
+        "process_settings": settings.as_dict(),
+        "lossless_reference": reference.description,
+        "lossless": (f"every policy's tokens equal those of {reference.description}" if ok else
+                     f"MISMATCH: {[n for n, v in same.items() if not v]} (against {reference.description})"),
         "lossless_by_variant": same,
         "variants": variants,
         "comparisons": comparisons,

@@ -21,7 +21,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments.harness import eos_id
-from mtp import quant
+from mtp import quant, runtime
 from mtp.checkpoint import TOKEN_COUNTS_NAME, WEIGHT_QUANT_CHOICES, load_pretrained
 from mtp.data.tokenizer import Tokenizer
 from mtp.generation import generate
@@ -85,8 +85,11 @@ def main(argv):
     del argv
     if not FLAGS.prompts or not FLAGS.out:
         raise app.UsageError("--prompts and --out are required")
+    settings = runtime.configure_process()  # before anything starts JAX's backend
     mtp_quant = quant.parse_quant(FLAGS.mtp_quant)
     cfg, params = load_pretrained(FLAGS.checkpoint, weight_quant=FLAGS.weight_quant)
+    settings = settings.for_compute_dtype(params["model"]["embed_tokens"]["weight"].dtype)
+    logging.info("process settings: %s", settings.describe())
     if FLAGS.mtp_hidden_source:
         cfg = cfg.replace(mtp_hidden_source=FLAGS.mtp_hidden_source)
     tok_path = os.path.join(FLAGS.checkpoint, "tokenizer.json")

@@ -141,10 +141,33 @@ def index_turns(results):
     return dict(out)
 
 
-def greedy_reference(cfg, params, sessions, prompts, c, max_new_tokens, label, total, mesh=None):
-    """Every turn decoded by the plain greedy loop, indexed as `index_turns`: the tokens that
-    a lossless speculative run must reproduce exactly."""
-    spec = SpecConfig(max_new_tokens=max_new_tokens, eos_id=eos_id(cfg))
+@dataclasses.dataclass(frozen=True)
+class LosslessReference:
+    """The plain greedy loop a lossless speculative run is compared with: ``plain_width`` rows a
+    step (`SpecConfig.plain_width`), and the sentence the results give for it."""
+
+    plain_width: int
+    description: str
+
+
+def lossless_reference(verify_width: int) -> LosslessReference:
+    """One row a step, except on a GPU: there XLA picks a GEMM's algorithm by its shape, so one
+    row and a verify's ``verify_width`` rows can round a near-tie apart (in bf16 most of all); the
+    plain loop then runs the verify's shapes, its first row the real token (BUILD.md, "Comparing
+    outputs on a GPU"), which checks the speculative loop's commits bit for bit."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        return LosslessReference(verify_width, f"the plain greedy loop at the verify's width ({verify_width} rows "
+                                               "a step, one real: on a GPU a GEMM's rounding follows its shape)")
+    return LosslessReference(1, "the plain greedy loop (one row a step)")
+
+
+def greedy_reference(cfg, params, sessions, prompts, c, max_new_tokens, label, total, mesh=None, plain_width=1):
+    """Every turn decoded by the plain greedy loop (``plain_width`` rows a step: `lossless_reference`),
+    indexed as `index_turns`: the tokens that a lossless speculative run must reproduce exactly."""
+    spec = SpecConfig(max_new_tokens=max_new_tokens, eos_id=eos_id(cfg), verify_width=max(2, plain_width),
+                      plain_width=plain_width)
     ecfg = EngineConfig(policy="cold", speculative=False, max_context=c.max_context, num_pages=c.num_pages,
                         drafter_pages=c.num_pages)
     return index_turns(run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total, mesh))

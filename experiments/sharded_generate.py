@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from experiments.results_io import to_json, write_atomic
-from mtp import sharding
+from mtp import runtime, sharding
 from mtp.cache.state import TargetCache
 from mtp.checkpoint import load_pretrained
 from mtp.data.tokenizer import Tokenizer
@@ -142,6 +142,7 @@ def main(argv):
     del argv
     if not FLAGS.out:
         raise app.UsageError("--out is required")
+    logging.info("process settings: %s", runtime.configure_process().describe())  # before JAX's backend starts
     with jax.default_matmul_precision(FLAGS.matmul_precision):
         compare(FLAGS.out)
 

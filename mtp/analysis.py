@@ -32,6 +32,8 @@ def summarize(turns: Sequence) -> dict:
         "ttft_wait_ms_p50": 1e3 * float(np.median([t.ttft_wait_s for t in turns])),
         "start_calls_mean": float(np.mean([t.start_calls for t in turns])),
         "decode_tokens_per_s": decoded / decode_s if decode_s > 0 else float("nan"),
+        "decode_ms_per_turn": 1e3 * decode_s / len(turns),
+        "decode_ms_per_verify_step": 1e3 * decode_s / acc.steps if acc.steps else float("nan"),
         "verify_steps": acc.steps,
         "accepted_per_step": acc.accepted / acc.steps if acc.steps else float("nan"),
         "mean_acceptance_length": acc.mean_acceptance_length,

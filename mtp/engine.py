@@ -82,6 +82,10 @@ class EngineConfig:
     # The one policy object and kill switch (MTP_DRAFTER_CONTEXT_OFF=1 / MTP_DRAFTER_CARRY_OFF=1).
     drafter_context: carry_lib.DrafterContext = dataclasses.field(default_factory=carry_lib.DrafterContext.from_env)
     turn_end_snapshots: bool = True  # also snapshot the GDN state at each turn's end
+    # Where a turn's drafter is deposited (the carry armed), its decode call rewrites the output's
+    # drafter rows from the target's hiddens at its end (`SpecConfig.rebuild_output_rows`), so the
+    # entry holds the rows a whole-sequence drafter prefill would, with refeed off too.
+    rebuild_output_rows: bool = True
     debug: bool = False
 
     def __post_init__(self):
@@ -354,7 +358,10 @@ class Engine:
             self._init(cfg, params, engine_cfg, spec, mesh)
 
     def _init(self, cfg, params, engine_cfg, spec, mesh):
-        self.cfg, self.ecfg, self.spec, self.mesh = cfg, engine_cfg, spec, mesh
+        self.cfg, self.ecfg, self.mesh = cfg, engine_cfg, mesh
+        self.multi_slot_carry = engine_cfg.carry_slots > 1
+        # The loop rewrites the output's rows only where they outlive it (`EngineConfig.rebuild_output_rows`).
+        self.spec = dataclasses.replace(spec, rebuild_output_rows=engine_cfg.rebuild_output_rows and self.carry_armed)
         self.params = params
         self.head_params = quantize_head(params, engine_cfg.mtp_quant) if engine_cfg.speculative else params
         self.dtype = params["model"]["embed_tokens"]["weight"].dtype
@@ -381,7 +388,6 @@ class Engine:
         self._tickets = itertools.count(1)
         self._rng = jax.random.key(0)
         self.starts = sharding.replicated(TurnStarts.create(b, cfg.hidden_size, self.dtype), mesh)
-        self.multi_slot_carry = engine_cfg.carry_slots > 1
 
     # -------------------------------------------------------------- policy switches
     @property

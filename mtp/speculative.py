@@ -53,6 +53,15 @@ class SpecConfig:
     # shapes (one real token, the rest discarded), which makes its tokens bitwise
     # comparable with speculative decoding on a GPU (results/decode/decode_h200.md).
     plain_width: int = 1
+    # At the turn's end, rewrite the drafter rows of the turn's output (pair keys L-1 .. L+n-2
+    # of a prompt of L tokens and n output tokens) from the target's hiddens of the committed
+    # positions, kept through the loop (one drafter append inside the same call). The drafter
+    # the loop returns then holds the output's keys densely, each row exactly what a
+    # whole-sequence drafter prefill writes for it: without refeed, the loop's own rows of the
+    # accepted drafts after a step's first come from the drafter's hiddens, and each step leaves
+    # a gap at the key of its first rejected draft. Only a drafter that outlives the call (the
+    # engine's carry) gains from it; the engine sets it (`EngineConfig.rebuild_output_rows`).
+    rebuild_output_rows: bool = False
 
     def __post_init__(self):
         if not 2 <= self.verify_width <= MAX_VERIFY_WIDTH:
@@ -97,6 +106,17 @@ class LoopState:
     done: jax.Array  # [B]
     rng: jax.Array
     metrics: DecodeMetrics
+    # [B, max_new, H] with `SpecConfig.rebuild_output_rows`, else None: entry j is the target's
+    # hidden at the position of output token j - 1 (entry 0: the prefill's last), the hidden of
+    # pair key L-1+j, which pairs it with output token j.
+    out_hidden: jax.Array | None = None
+
+
+def _put_after(buf: jax.Array, start: jax.Array, new: jax.Array, count: jax.Array) -> jax.Array:
+    """``buf[b, start[b] + i] = new[b, i]`` for ``i < count[b]`` (entries past the buffer dropped)."""
+    j = jnp.arange(new.shape[1])[None, :]
+    cols = jnp.where(j < count[:, None], start[:, None] + j, buf.shape[1])  # out of range -> dropped
+    return buf.at[jnp.arange(new.shape[0])[:, None], cols].set(new.astype(buf.dtype), mode="drop")
 
 
 def _emit(state: LoopState, new: jax.Array, count: jax.Array, eos_id: int):
@@ -116,9 +136,7 @@ def _emit(state: LoopState, new: jax.Array, count: jax.Array, eos_id: int):
     else:
         hit_eos = jnp.zeros_like(state.done)
     take = jnp.where(state.done, 0, take)
-    cols = state.num_out[:, None] + j
-    cols = jnp.where(j < take[:, None], cols, state.out.shape[1])  # out of range -> dropped
-    out = state.out.at[jnp.arange(new.shape[0])[:, None], cols].set(new, mode="drop")
+    out = _put_after(state.out, state.num_out, new, take)
     num_out = state.num_out + take
     done = state.done | (num_out >= state.budget) | hit_eos
     return out, num_out, done, take
@@ -126,10 +144,15 @@ def _emit(state: LoopState, new: jax.Array, count: jax.Array, eos_id: int):
 
 def _initial_state(cfg, cache, dcache, first_token, first_hidden, budget, spec: SpecConfig, rng, batch):
     out = jnp.zeros((batch, spec.max_new_tokens), jnp.int32)
+    out_hidden = None
+    if dcache is not None and spec.rebuild_output_rows:
+        out_hidden = jnp.zeros((batch, spec.max_new_tokens, first_hidden.shape[-1]), first_hidden.dtype)
+        out_hidden = out_hidden.at[:, 0].set(first_hidden)
     state = LoopState(cache=cache, dcache=dcache, last_token=first_token.astype(jnp.int32),
                       last_hidden=first_hidden, out=out, num_out=jnp.zeros((batch,), jnp.int32),
                       budget=jnp.minimum(budget, spec.max_new_tokens).astype(jnp.int32),
-                      done=budget <= 0, rng=rng, metrics=DecodeMetrics.zeros(batch, spec.num_drafts))
+                      done=budget <= 0, rng=rng, metrics=DecodeMetrics.zeros(batch, spec.num_drafts),
+                      out_hidden=out_hidden)
     # The first token came from prefill; it is output like any other.
     out, num_out, done, _ = _emit(state, first_token[:, None].astype(jnp.int32), jnp.ones((batch,), jnp.int32),
                                spec.eos_id)
@@ -272,7 +295,8 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
     ``first_token [B]``/``first_hidden [B, H]``: the prefill's output token and the
     target hidden that produced it (per ``cfg.mtp_hidden_source``). The drafter
     cache must already hold whatever context the policy gave it (prefill, carry,
-    or nothing). Returns ``(cache, dcache, out, num_out, metrics)``.
+    or nothing); with ``spec.rebuild_output_rows`` the one returned holds the output's
+    keys as a drafter prefill writes them. Returns ``(cache, dcache, out, num_out, metrics)``.
 
     ``synthetic_acceptance`` (benchmarks and tests only; None in real decoding): accept
     each draft with this probability whatever its value (`_accept_synthetic`), emitting
@@ -283,6 +307,7 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
     b = first_token.shape[0]
     d = spec.num_drafts
     rng = jax.random.key(0) if rng is None else rng
+    dcache_rows, dcache_last_key, first_output_key = dcache.rows, dcache.last_pair_key, cache.lengths - 1
     state = _initial_state(cfg, cache, dcache, first_token, first_hidden, budget, spec, rng, b)
     params = layers.with_merged_weights(params)  # once per call, not per step
 
@@ -336,6 +361,9 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
             dcache = append_rows(cfg, params, dcache, jnp.take_along_axis(seq_tokens, idx, axis=1),
                                  jnp.take_along_axis(seq_hidden, idx[..., None], axis=1),
                                  p0 + kept, count, impl=spec.impl)
+        out_hidden = s.out_hidden
+        if spec.rebuild_output_rows:  # the committed positions' hiddens: those of output keys num_out ..
+            out_hidden = _put_after(out_hidden, s.num_out, hiddens, taken)
         new_hidden = jnp.take_along_axis(hiddens, accepted[:, None, None], axis=1)[:, 0]
         m = s.metrics
         steps = active.astype(jnp.int32)
@@ -350,7 +378,14 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
                          last_token=jnp.where(active, bonus, s.last_token),
                          last_hidden=jnp.where(active[:, None], new_hidden.astype(s.last_hidden.dtype),
                                                s.last_hidden),
-                         out=out, num_out=num_out, done=done, rng=rng, metrics=metrics)
+                         out=out, num_out=num_out, done=done, rng=rng, metrics=metrics, out_hidden=out_hidden)
 
     state = jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
-    return state.cache, state.dcache, state.out, state.num_out, state.metrics
+    dcache = state.dcache
+    if spec.rebuild_output_rows:
+        # Back to the rows the turn started with, then the output's keys L-1 .. L+n-2 in one
+        # append: key L-1+j pairs output token j with the hidden before it.
+        dcache = dcache.trim(dcache.rows - dcache_rows, dcache_last_key)
+        dcache = append_rows(cfg, params, dcache, state.out, state.out_hidden, first_output_key, state.num_out,
+                             impl=spec.impl)
+    return state.cache, dcache, state.out, state.num_out, state.metrics

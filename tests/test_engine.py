@@ -15,7 +15,7 @@ from mtp.carry import DrafterContext
 from mtp.engine import Engine, EngineConfig, TurnRequest, run_sessions, session_hash, session_waves
 from mtp.model import target
 from mtp.model.layers import attention_kv, rms_norm
-from mtp.mtp_head import fc_input
+from mtp.mtp_head import DrafterCache, fc_input, prefill_drafter
 from mtp.speculative import SpecConfig
 from tests.conftest import IdPrompts, agreeing_params, id_sessions, random_params, tiny_config
 
@@ -110,7 +110,9 @@ def test_retokenized_boundary_truncates_instead_of_refusing(model, workload):
     assert all(s.carry_outcome == "adopted" for s in warm)
     prev_full = [len(r.request.prompt) + len(r.output) for r in res[:-1]]
     for s, full_len in zip(warm, prev_full):
-        assert 0 < s.drafter_adopted <= full_len - 3  # the rewritten boundary token's keys are dropped
+        # The rewritten boundary token's keys are dropped: the rows kept hold distinct keys up to
+        # full_len - 3, so at most full_len - 2 of them (exactly that: the rebuilt rows are dense).
+        assert 0 < s.drafter_adopted <= full_len - 2
 
 
 def _carried_keys(eng, entry):
@@ -131,12 +133,16 @@ def _carried_keys(eng, entry):
     return dist.argmin(1), dist.min(1)
 
 
-@pytest.mark.parametrize("verify_width, refeed, retokenize", [(5, False, 0), (5, True, 0), (3, False, 4), (5, True, 4)])
-def test_every_carried_row_holds_the_key_its_entry_says(verify_width, refeed, retokenize):
+@pytest.mark.parametrize("verify_width, refeed, retokenize, rebuild", [
+    (5, False, 0, False), (5, True, 0, False), (3, False, 4, False), (5, True, 4, False), (5, False, 0, True),
+    (3, False, 4, True)])
+def test_every_carried_row_holds_the_key_its_entry_says(verify_width, refeed, retokenize, rebuild):
     """After every turn the carried rows hold distinct pair keys in increasing order, the newest
     being ``last_pair_key``, none past the entry's tokens (a budget cuts off verified drafts);
-    with refeed every row is computed from the target's true hiddens, without it the accepted
-    drafts after a step's first keep the rows the drafter's own hiddens wrote. The next turn
+    with refeed, or with the output's rows rebuilt at the turn's end, every row is computed from
+    the target's true hiddens; with neither, the accepted drafts after a step's first keep the
+    rows the drafter's own hiddens wrote. Rebuilt, the keys are dense (a session whose first turn
+    prefilled its drafter holds every key, as a whole-sequence prefill does). The next turn
     adopts every row, or, when its prompt rewrote a token inside the previous output, exactly
     the rows before it."""
     cfg = tiny_config("tiny_dense")
@@ -146,7 +152,7 @@ def test_every_carried_row_holds_the_key_its_entry_says(verify_width, refeed, re
         [jnp.eye(h), 0.1 * jax.random.normal(jax.random.key(5), (h, h))], axis=1)
     spec = SpecConfig(verify_width=verify_width, max_new_tokens=12, refeed_accepted=refeed)
     eng = Engine(cfg, params, EngineConfig(policy="carry", max_context=400, num_pages=200, drafter_pages=200,
-                                           marconi_min_tokens=16), spec)
+                                           marconi_min_tokens=16, rebuild_output_rows=rebuild), spec)
     prompts = IdPrompts(np.random.default_rng(0).integers(1, 97, 40).tolist(), retokenize=retokenize)
     prev, dropped, off_target = None, 0, 0
     for (res,) in session_waves(eng, id_sessions(1, 6, seed=11, max_new=7), prompts):
@@ -158,13 +164,84 @@ def test_every_carried_row_holds_the_key_its_entry_says(verify_width, refeed, re
             dropped += prev.rows - res.stats.drafter_adopted
         entry = eng.carried[session_hash(res.request.session_id)]
         keys, err = _carried_keys(eng, entry)
-        if refeed:
+        if refeed or rebuild:
             assert err.max() < 1e-4, err
+        if rebuild and not retokenize:
+            np.testing.assert_array_equal(keys, np.arange(len(entry.tokens) - 1))
         off_target += int((err > 1e-4).sum())
         assert np.all(np.diff(keys) > 0) and keys[-1] == entry.last_pair_key <= len(entry.tokens) - 2
         prev = entry
     assert (dropped > 0) == bool(retokenize)
-    assert (off_target > 0) == (not refeed)  # without refeed some rows come from drafter hiddens
+    assert (off_target > 0) == (not (refeed or rebuild))  # else some rows come from drafter hiddens
+
+
+def _entry_rows(eng, entry):
+    """The K and V of ``entry``'s rows, in row order, read from the engine's drafter pages."""
+    ps = eng.ecfg.page_size
+    pages = [np.asarray(eng.dcache.kv.k[0]), np.asarray(eng.dcache.kv.v[0])]
+    return [np.stack([a[entry.block_table[r // ps], r % ps] for r in range(entry.rows)]) for a in pages]
+
+
+def _prefilled_rows(eng, tokens):
+    """The K and V of the rows a whole-sequence drafter prefill writes for ``tokens`` (keys
+    0 .. len - 2, from the target's hiddens of the same sequence), read back the same way."""
+    cfg, hp, ps = eng.cfg, eng.head_params, eng.ecfg.page_size
+    n = len(tokens)
+    blocks = math.ceil(n / ps)
+    dcache = DrafterCache.create(cfg, 1, blocks + 1, ps, blocks, jnp.float32).replace(
+        block_tables=jnp.arange(1, blocks + 1, dtype=jnp.int32)[None])
+    t = jnp.asarray(tokens, jnp.int32)[None]
+    h = target.forward_with_hiddens(cfg, hp, t).mtp_hidden(cfg.mtp_hidden_source)
+    dcache = prefill_drafter(cfg, hp, dcache, t, h, [0], [n - 1], impl="reference")
+    pages = [np.asarray(dcache.kv.k[0]), np.asarray(dcache.kv.v[0])]
+    return [np.stack([a[1 + r // ps, r % ps] for r in range(n - 1)]) for a in pages]
+
+
+def test_rebuilt_output_rows_are_the_rows_a_full_rebuild_writes_without_refeed():
+    """Refeed off, the output's rows rebuilt at each turn's end: after every turn the carried
+    entry's K and V equal (f32) those of a whole-sequence drafter prefill over its tokens, row for
+    row, and every warm turn accepts exactly what the rebuild policy's does, token-identical.
+    Without the rebuild each verify step leaves a gap (the key of its first rejected draft).
+    (On this tiny model acceptance hardly depends on the drafter's context, so the shipped
+    model's sweep measures what the rows are worth.)"""
+    cfg = tiny_config("tiny_dense")
+    params = agreeing_params(cfg, 3, 0.01)
+    h = cfg.hidden_size  # the fc reads the hidden too, so a row written from a drafter hidden shows
+    params["mtp"]["fc"]["weight"] = jnp.concatenate(
+        [jnp.eye(h), 0.1 * jax.random.normal(jax.random.key(5), (h, h))], axis=1)
+    spec = SpecConfig(verify_width=4, max_new_tokens=12)
+    sessions = id_sessions(1, 6, seed=11, max_new=12)
+    prompts = IdPrompts(np.random.default_rng(0).integers(1, 97, 40).tolist())
+
+    def serve(policy, rebuild=True):
+        eng = Engine(cfg, params, EngineConfig(policy=policy, max_context=400, num_pages=200, drafter_pages=200,
+                                               marconi_min_tokens=16, rebuild_output_rows=rebuild), spec)
+        out = []
+        for (res,) in session_waves(eng, sessions, prompts):
+            out.append(res)
+            if policy == "carry" and rebuild:
+                entry = eng.carried[session_hash(res.request.session_id)]
+                assert entry.rows == len(entry.tokens) - 1 == entry.last_pair_key + 1  # every key, densely
+                for got, want in zip(_entry_rows(eng, entry), _prefilled_rows(eng, list(entry.tokens))):
+                    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        return out
+
+    carry = serve("carry")
+    rebuild = serve("rebuild")
+    assert [r.output for r in carry] == [r.output for r in rebuild]
+    assert all(r.stats.carry_outcome == "adopted" and r.stats.drafter_prefilled == 0 for r in carry[1:])
+    warm = [(r.stats.acceptance.steps, r.stats.acceptance.accepted) for r in carry[1:]]
+    assert warm == [(r.stats.acceptance.steps, r.stats.acceptance.accepted) for r in rebuild[1:]]
+    accepted = [r.stats.acceptance.accepted for r in carry[1:]]
+    steps = [r.stats.acceptance.steps for r in carry[1:]]
+    assert 0 < sum(accepted) < sum(steps) * (spec.verify_width - 1)  # drafts both accepted and rejected
+    # The same check has teeth: without the rebuild the entry holds fewer rows (a gap per step)
+    # and not a prefill's values.
+    eng = Engine(cfg, params, EngineConfig(policy="carry", max_context=400, num_pages=200, drafter_pages=200,
+                                           marconi_min_tokens=16, rebuild_output_rows=False), spec)
+    served = [res for (res,) in session_waves(eng, sessions, prompts)]
+    entry = eng.carried[session_hash(served[-1].request.session_id)]
+    assert [r.output for r in served] == [r.output for r in carry] and entry.rows < len(entry.tokens) - 1
 
 
 @pytest.mark.parametrize("threshold", [0, 64, 128])
@@ -555,18 +632,27 @@ def test_a_turn_whose_end_fails_leaks_nothing(model, monkeypatch):
     _held_pages_are_owned(eng)
 
 
-def test_a_turn_that_leaves_no_drafter_row_deposits_nothing_and_replaces_the_slot(model):
+@pytest.mark.parametrize("rebuild", [False, True])
+def test_a_turn_that_leaves_no_drafter_row_deposits_nothing_and_replaces_the_slot(model, rebuild):
     """A fresh session that restores the shared preamble's snapshot gets no drafter prefill, so
-    a turn of it that ends at its first token leaves no row: nothing is carried (its pages go
-    back), and the single slot's previous entry, another session's, is replaced all the same
-    (the deposit replaces it, as in the reference)."""
+    a turn of it that ends at its first token leaves no row of its own drafting: nothing is
+    carried (its pages go back), and the single slot's previous entry, another session's, is
+    replaced all the same (the deposit replaces it, as in the reference). With the output's rows
+    rebuilt at the turn's end, that turn leaves the one key its output made known (its prompt's
+    last position paired with its first token), and that entry replaces the previous one."""
     preamble = np.random.default_rng(3).integers(1, 97, 100).tolist()
-    eng = _engine(model, policy="carry")
+    eng = _engine(model, policy="carry", rebuild_output_rows=rebuild)
     eng.run_wave([TurnRequest("a", tuple(preamble + [5, 6, 7]), MAX_NEW)])
     (entry,) = eng.carried.values()
     assert entry.rows > 0
-    (empty,) = eng.run_wave([TurnRequest("b", tuple(preamble + [8, 9]), 1)])
-    assert empty.stats.path == "restore" and empty.stats.drafter_prefilled == 0 and len(empty.output) == 1
-    assert eng.carried == {}
-    assert eng.dpages.num_free == eng.dpages.num_pages - 1
+    prompt = tuple(preamble + [8, 9])
+    (short,) = eng.run_wave([TurnRequest("b", prompt, 1)])
+    assert short.stats.path == "restore" and short.stats.drafter_prefilled == 0 and len(short.output) == 1
+    if rebuild:
+        (entry,) = eng.carried.values()
+        assert entry.session_hash == session_hash("b") and entry.rows == 1 and entry.last_pair_key == len(prompt) - 1
+        assert eng.dpages.num_free == eng.dpages.num_pages - 1 - len(entry.block_table)
+    else:
+        assert eng.carried == {}
+        assert eng.dpages.num_free == eng.dpages.num_pages - 1
     _held_pages_are_owned(eng)

@@ -35,7 +35,8 @@ def run_policy(cfg, params, work, prompts, spec, ecfg, label, total, mesh=None):
             for s in work for t in s.turns]
 
 sweep.run_policy = harness.run_policy = run_policy
-sweep.summarize = lambda stats: dict(ttft_ms_p50=1.0, decode_tokens_per_s=2.0, mean_acceptance_length=1.5,
+sweep.summarize = lambda stats: dict(ttft_ms_p50=1.0, decode_tokens_per_s=2.0, decode_ms_per_verify_step=3.0,
+                                     decode_ms_per_turn=9.0, mean_acceptance_length=1.5,
                                      acceptance_per_position=[0.5], draft_acceptance_rate=0.5, paths={})
 """
 
@@ -271,3 +272,41 @@ def test_carry_ablation_names_a_bad_weight_quant(tmp_path):
     assert proc.returncode != 0 and "--config.weight_quant='int4': give one of 'none', 'fp8'" in proc.stderr, \
         proc.stderr[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+# The main job with a deliberately wrong commit: one more draft accepted than the target agreed to.
+WRONG_COMMIT = """
+import sys
+import jax.numpy as jnp
+from absl import app
+from experiments import carry_ablation
+from mtp import speculative
+
+right = speculative._accept_greedy
+
+def one_too_many(target_logits, drafts, num_drafted):  # traced into the loop in place of the true acceptance
+    accepted, _ = right(target_logits, drafts, num_drafted)
+    accepted = jnp.minimum(accepted + 1, num_drafted)
+    bonus = jnp.take_along_axis(jnp.argmax(target_logits, -1).astype(jnp.int32), accepted[:, None], axis=1)[:, 0]
+    return accepted, bonus
+
+speculative._accept_greedy = one_too_many
+sys.argv = ["carry_ablation", *sys.argv[1:]]
+app.run(carry_ablation.main)
+"""
+
+
+def test_the_main_jobs_lossless_check_catches_a_wrong_commit(tmp_path):
+    """An off-by-one accepted count, injected into the decode loop, is reported by the ablation's
+    own check: a named mismatch in results.json and the summary, and a failing exit status."""
+    (tmp_path / "mesh_config.py").write_text(MESH_CONFIG)
+    proc = subprocess.run([sys.executable, "-c", WRONG_COMMIT, f"--config={tmp_path / 'mesh_config.py'}",
+                           f"--config.out_dir={tmp_path / 'out'}"], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode != 0 and "speculative output differs from plain greedy decoding" in proc.stderr, \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert report["lossless_by_variant"] == {"carry": False}
+    assert report["lossless"].startswith("MISMATCH: ['carry'] (against the plain greedy loop (one row a step))")
+    assert "Lossless: MISMATCH: ['carry']" in proc.stdout
+    assert report["process_settings"]["matmul_precision"] == "highest" and not report["process_settings"]["gpu_detected"]

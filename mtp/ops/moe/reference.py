@@ -47,7 +47,7 @@ import jax.numpy as jnp
 # most two per expert touched, so the segments form pays once pairs share experts. Measured on
 # this project's 2-core CPU under load from other jobs, so to within tens of percent (2026-12-02,
 # `experiments/expert_scaling.py --form_pairs 8,16,32,64,128,256,512 --form_shape 512,256`, top-2,
-# results/expert_scaling): with 8 experts the gather form wins only at 8 pairs (5.4 vs 12.0 ms)
+# results/kernels/expert_scaling): with 8 experts the gather form wins only at 8 pairs (5.4 vs 12.0 ms)
 # and loses 192 vs 18 ms at 32; with 256 experts the two stay within 1.6x of each other from 16
 # to 512 pairs (gather 368 vs 596 ms at 64, 1328 vs 1012 ms at 256). Up to 64 a decode step or a
 # small verify stays on the gather form, which needs no sort.
