@@ -115,10 +115,10 @@ def _write(out: pathlib.Path, header: str, origin: dict, tables: dict, settings:
 def main(argv):
     del argv
     c = _CONFIG.value
+    swept = swept_axes(c)  # a config that sweeps nothing stops here, in one line
     settings = runtime.configure_process(c.dtype)  # before anything starts JAX's backend
     logging.info("process settings: %s", settings.describe())
     start, origin = time.time(), provenance(c)  # the code and command as the run starts
-    swept = swept_axes(c)
     cfg0, params, mesh, sessions, prompts = load_experiment(c)
     preamble_only = session_subset(load_sessions(c.preamble_only_sessions), c.num_preamble_only, "num_preamble_only")
     axes = plan(c, cfg0, sessions, preamble_only, swept)

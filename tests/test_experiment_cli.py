@@ -154,7 +154,7 @@ def run_policy(cfg, params, work, prompts, spec, ecfg, label, total, mesh=None):
             for s in work for t in s.turns]
 
 harness.run_policy = run_policy
-analysis.summarize = lambda stats: dict(ttft_ms_p50=1.0, decode_tokens_per_s=2.0, mean_acceptance_length=1.5,
+analysis.summarize = lambda stats: dict(ttft_ms_p50=1.0, decode_tokens_per_s=2.0, decode_ms_per_verify_step=3.0, decode_ms_per_turn=9.0, mean_acceptance_length=1.5,
                                         acceptance_per_position=[0.5], draft_acceptance_rate=0.5, paths={})
 sys.argv = sys.argv[1:]
 runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
@@ -164,7 +164,8 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 def test_a_sweep_axis_set_to_empty_is_not_swept_and_results_record_provenance(tmp_path):
     """An empty tuple was refused, so one axis could not be run alone from the command line; the
     sweep never said where it wrote; results.json recorded no commit, packages, devices or command."""
-    empty = [f"--config.axes.{a}=()" for a in ("verify_width", "mtp_quant", "mtp_hidden_source", "marconi_min_tokens")]
+    empty = [f"--config.axes.{a}=()" for a in ("verify_width", "mtp_quant", "mtp_hidden_source", "rebuild_output_rows",
+                                                        "marconi_min_tokens")]
     proc = _run("experiments.sweep", *empty, "--config.axes.draft_conf_tau=(0.0, 0.3)", f"--config.out_dir={tmp_path}",
                 code=FAKE_SWEEP)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
