@@ -318,3 +318,20 @@ def test_a_decode_steps_cost_does_not_follow_the_expert_count(monkeypatch):
     dense_few, dense_lots = _expert_cost(8), _expert_cost(256)
     jax.clear_caches()
     assert dense_lots["flops"] > 4 * dense_few["flops"], (dense_few, dense_lots)
+
+
+def test_the_padded_stream_routes_only_its_real_rows(monkeypatch):
+    """A batch-1 GPU step carries its residual stream padded with zero rows (`layers.stream_rows`); a
+    zero row's router logits tie, so routing it would read k experts of its own. The layer hands the
+    op the real rows alone, and the padding rows' output is zero."""
+    cfg = tiny_config("tiny_moe")
+    p = random_params(cfg, 3)["model"]["layers"]["0"]["mlp"]
+    x = jax.random.normal(jax.random.key(4), (1, cfg.hidden_size), jnp.float32)
+    padded = jnp.concatenate([x, jnp.zeros((3, cfg.hidden_size), x.dtype)])
+    rows_seen = []
+    real_op = layers.routed_experts
+    monkeypatch.setattr(layers, "routed_experts", lambda x, *a, **k: rows_seen.append(x.shape[0]) or real_op(x, *a, **k))
+    out = layers.moe(p, padded, cfg, real_rows=1)
+    assert rows_seen == [1]
+    np.testing.assert_allclose(out[:1], layers.moe(p, x, cfg), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(out[1:], np.zeros((3, cfg.hidden_size)))

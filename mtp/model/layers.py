@@ -401,12 +401,13 @@ def moe(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None) -> jax.
     """
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0] if real_rows is None else real_rows
-    tokens = x2[:rows]
-    expert_ids, expert_weights = route(p, tokens, cfg)
+    expert_ids, expert_weights = route(p, x2, cfg)  # the router GEMM on the stream's rows as they are
     experts = p["experts"]
-    out = routed_experts(tokens, expert_ids, expert_weights, experts["gate_proj"]["weight"],
+    out = routed_experts(x2[:rows], expert_ids[:rows], expert_weights[:rows], experts["gate_proj"]["weight"],
                          experts["up_proj"]["weight"], experts["down_proj"]["weight"])
-    out = jnp.pad(out, ((0, x2.shape[0] - rows), (0, 0))).reshape(x.shape)
+    if rows < x2.shape[0]:
+        out = jnp.concatenate([out, jnp.zeros((x2.shape[0] - rows, out.shape[1]), out.dtype)])
+    out = out.reshape(x.shape)
     if "shared_expert" in p:
         shared = mlp(p["shared_expert"], x).astype(jnp.float32)
         out = out + jax.nn.sigmoid(dense(x, p["shared_expert_gate"]["weight"]).astype(jnp.float32)) * shared
