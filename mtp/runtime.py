@@ -136,7 +136,7 @@ def configure_process(compute_dtype=None, environ=None, gpu: bool | None = None)
     gpu = gpu_present(environ) if gpu is None else gpu
     decision = decide_xla_flags(environ, gpu)
     if decision.value is not None:
-        if xla_bridge.backends_are_initialized():
+        if environ is os.environ and xla_bridge.backends_are_initialized():  # a given dict is no process's
             raise RuntimeError("configure_process ran after JAX started its backend, so the XLA flags it would set "
                                f"({decision.value}) could no longer take effect; call it first in main")
         environ["XLA_FLAGS"] = decision.value
