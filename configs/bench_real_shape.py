@@ -6,7 +6,9 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     # "real": the published configs (configs/models/qwen3_5_35b_a3b.json, qwen3_next_80b_a3b.json,
-    # qwen3_5_27b.json); "tiny": small configs of the same three kinds, to check the script on a CPU.
+    # qwen3_5_27b.json); "fp8": Qwen3-Next-80B-A3B in block-scaled FP8 at all 48 layers, then bf16 and
+    # FP8 at the depth bf16 fits; "tiny" / "tiny_fp8": small configs of the same kinds, to check the
+    # script on a CPU.
     c.model = "real"
     c.models = ""  # a comma-separated subset of the set's model names, each with its own suite; "" = all
     # Models deeper than this many GiB of bf16 weights (MTP head included) run at the depth that

@@ -37,6 +37,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import cupti
+from experiments.ceilings import copy_bandwidth
 from experiments.cli import require_ints
 from experiments.model_shapes import BIG, SMALL
 from experiments.results_io import write_atomic, write_json
@@ -264,31 +265,6 @@ def _kernel_profile(fn, args, steps, top=8, by_source=False):
         ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])
         out["by_source"] = [(k, round(n / steps, 2), round(ms * 1e3 / steps, 1)) for k, (n, ms) in ranked[:40]]
     return out, after[-1]
-
-
-def copy_bandwidth(nbytes: int) -> float:
-    """Device copy bandwidth (bytes read + written per second): the memory ceiling."""
-    x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * jnp.bfloat16(1.0009765625))  # a read and a write of every byte
-    ms, _ = _median_ms(copy, x, 10)
-    xla = 2 * nbytes / (ms / 1e3)
-    try:
-        import torch
-
-        t = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-        u = torch.empty_like(t)
-        for _ in range(3):
-            u.copy_(t)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(10):
-            s = time.perf_counter()
-            u.copy_(t)
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - s)
-        return max(xla, 2 * nbytes / float(np.median(ts)))
-    except Exception:  # no torch / no CUDA: the XLA copy is the ceiling we have
-        return xla
 
 
 def random_cache(cfg, batch, context, page, dtype, key):
@@ -525,7 +501,7 @@ def main(argv):
         if jax.default_backend() == "gpu":
             cupti.start()  # before any loop's CUDA graph exists, or its profile would miss the graph's kernels
         cfg = ModelConfig.from_hf(SMALL if FLAGS.small else BIG)
-        bw = copy_bandwidth((1 << 30) if not FLAGS.small else (1 << 22))
+        bw, _ = copy_bandwidth((1 << 30) if not FLAGS.small else (1 << 22))
         if not _guarded(report, "A", part_a, report, cfg, FLAGS.context if not FLAGS.small else 64, FLAGS.reps, bw):
             failed.append("A")
     if "B" in FLAGS.parts and not _guarded(report, "B", part_b, report, FLAGS.reps):

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cupti
+from experiments.ceilings import copy_bandwidth
 from experiments.results_io import write_atomic, write_json
 from mtp.ops.moe import mosaic, reference
 from mtp.ops.moe import tokamax as tokamax_backend
@@ -147,36 +148,6 @@ def variants(n, interpret):
 
 
 # ------------------------------------------------------------------ ceilings and timing
-
-
-def copy_bandwidth():
-    """(bytes/s read + written, method) of a 1 GiB device-to-device copy."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
-            b = torch.empty_like(a)
-            for _ in range(3):
-                b.copy_(a)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(10):
-                start.record()
-                b.copy_(a)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e-3)
-            bw = 2 * a.numel() * 2 / statistics.median(times)
-            del a, b
-            torch.cuda.empty_cache()
-            return bw, "torch copy_ 1 GiB"
-    except ImportError:
-        pass
-    a = jnp.ones((1 << 29,), jnp.bfloat16)
-    f = jax.jit(lambda v: v + 1)
-    t, _ = _wall(f, [(a,)], 10)
-    return 2 * a.size * 2 / t, "XLA a + 1 over 1 GiB"
 
 
 def gemm_peak():

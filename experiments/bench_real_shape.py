@@ -12,6 +12,9 @@ Models (`configs/models/`, each the published ``config.json``; `configs/models/r
 where each value comes from): Qwen3.5-35B-A3B (40 layers, 256 experts, top-8 + a shared expert),
 Qwen3-Next-80B-A3B (512 experts, top-10 + shared) at the depth whose bf16 weights fit on the device
 (``--config.fit_memory_gib``), Qwen3.5-27B (dense, 64 layers), all in bf16 with their MTP head.
+``--config.model=fp8`` runs Qwen3-Next-80B-A3B in Qwen's block-scaled FP8 (`ModelSpec`) at all 48
+layers with every measurement, then its bf16 and FP8 forms at the depth bf16 fits, decode side by
+side: what 8-bit weights buy at one shape.
 
 Weights are random, made on the device one layer at a time by a jitted init (a seed fixes them; the
 host never holds them), and every program takes them as arguments, never as closed-over constants.
@@ -55,6 +58,7 @@ past ``--config.deadline_s`` are listed as skipped.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import gc
 import math
@@ -71,23 +75,65 @@ import numpy as np
 from absl import app, logging
 from ml_collections import config_flags
 
-from experiments.bench_decode import (_per_step_slope, chained_propose_step, chained_verify_step, copy_bandwidth,
+from experiments.bench_decode import (_per_step_slope, chained_propose_step, chained_verify_step,
                                       random_cache, random_drafter_cache)
+from experiments.ceilings import copy_bandwidth, gemm_flops_per_s
 from experiments.results_io import write_atomic, write_json
+from mtp.checkpoint import may_be_fp8
 from mtp.config import ModelConfig
 from mtp.model import params as P
 from mtp.model import target
 from mtp.mtp_head import quantize_head
+from mtp.ops import fp8
 from mtp.speculative import SpecConfig, greedy_loop, speculative_loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _CONFIG = config_flags.DEFINE_config_file("config", str(ROOT / "configs" / "bench_real_shape.py"))
 
-# (config name, suite): "full" runs every measurement, "decode" the decode steps and the prefill chunk.
+# (model entry, suite): "full" runs every measurement, "decode" the decode steps and the prefill chunk.
+# An entry is a config name of configs/models, with ":fp8" for Qwen's block-scaled FP8 weights
+# (`ModelSpec`) and "@bf16-depth" for the depth whose bf16 weights fit, so that FP8 and bf16 meet
+# at one depth.
 MODEL_SETS = {
     "real": (("qwen3_5_35b_a3b", "full"), ("qwen3_next_80b_a3b", "decode"), ("qwen3_5_27b", "decode")),
+    "fp8": (("qwen3_next_80b_a3b:fp8", "full"), ("qwen3_next_80b_a3b", "decode"),
+            ("qwen3_next_80b_a3b:fp8@bf16-depth", "decode")),
     "tiny": (("tiny_qwen35_moe", "full"), ("tiny_moe", "decode"), ("tiny_qwen35", "decode")),
+    "tiny_fp8": (("tiny_qwen35_moe:fp8", "full"), ("tiny_qwen35_moe", "decode"),
+                 ("tiny_qwen35_moe:fp8@bf16-depth", "decode")),
 }
+WEIGHT_FORMATS = ("bf16", "fp8")
+BF16_DEPTH = "@bf16-depth"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One model of a run: its config name, its weights' format and how deep it runs.
+
+    ``weights="fp8"``: every Linear weight an FP8 checkpoint holds in FP8 (`checkpoint.may_be_fp8`:
+    the projections and the routed experts; norms, embeddings, the LM head, the router and the
+    Gated DeltaNet's small projections stay bf16) is made as a bf16 draw and quantized to 128 x 128
+    blocks on the device (`mtp.ops.fp8.quantize`), as Qwen's ``*-FP8`` releases are made.
+    ``bf16_depth``: run at the depth whose bf16 weights fit, not the depth this format's fit.
+    """
+
+    name: str
+    weights: str = "bf16"
+    bf16_depth: bool = False
+
+    @classmethod
+    def parse(cls, entry: str) -> "ModelSpec":
+        name, at_bf16 = (entry[:-len(BF16_DEPTH)], True) if entry.endswith(BF16_DEPTH) else (entry, False)
+        name, _, weights = name.partition(":")
+        if (weights or "bf16") not in WEIGHT_FORMATS:
+            raise SystemExit(f"--config.models: {entry!r} has weights {weights!r}; choose one of {WEIGHT_FORMATS}")
+        return cls(name, weights or "bf16", at_bf16)
+
+    @property
+    def label(self) -> str:
+        return self.name + ("" if self.weights == "bf16" else f":{self.weights}") + (BF16_DEPTH if self.bf16_depth else "")
+
+
 TINY_PEER = "tiny_moe"  # the peer's config under --config.model=tiny (a qwen3_next model, as the peer is)
 PAGE = 16
 DTYPE = jnp.bfloat16
@@ -108,35 +154,55 @@ def weight_groups(cfg: ModelConfig) -> dict[str, tuple[tuple[str, tuple[int, ...
     return {prefix: tuple(items) for prefix, items in groups.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("shapes", "dtype"))
-def _init_group(key, shapes, dtype):
+@functools.partial(jax.jit, static_argnames=("shapes", "dtype", "fp8_names"))
+def _init_group(key, shapes, dtype, fp8_names=()):
     # Layers of one kind have equal shapes: one compile serves them all.
     keys = jax.random.split(key, len(shapes))
-    return {name: P._init_one(name, shape, k, dtype) for (name, shape), k in zip(shapes, keys)}
+    out = {name: P._init_one(name, shape, k, dtype) for (name, shape), k in zip(shapes, keys)}
+    return {name: fp8.quantize(w) if name in fp8_names else w for name, w in out.items()}
 
 
-def device_params(cfg: ModelConfig, seed: int, dtype=DTYPE) -> P.Params:
-    """Random weights made on the device group by group (a seed fixes them), as the model's tree."""
+def is_fp8(name: str, weights: str) -> bool:
+    """Whether the tensor ``name`` of the model's tree is FP8 in this weight format."""
+    return weights == "fp8" and may_be_fp8(name)
+
+
+def device_params(cfg: ModelConfig, seed: int, dtype=DTYPE, weights: str = "bf16") -> P.Params:
+    """Random weights made on the device group by group (a seed fixes them), as the model's tree.
+
+    ``weights="fp8"`` quantizes the same draws (`ModelSpec`), so both formats stand for one model.
+    """
     root = jax.random.key(seed)
     flat = {}
     for i, (prefix, shapes) in enumerate(weight_groups(cfg).items()):
-        group = _init_group(jax.random.fold_in(root, i), shapes, dtype)
+        fp8_names = tuple(name for name, _ in shapes if is_fp8(prefix + name, weights))
+        group = _init_group(jax.random.fold_in(root, i), shapes, dtype, fp8_names)
         flat.update({prefix + name: w for name, w in group.items()})
         jax.block_until_ready(group)  # one group's f32 draws at a time
     return P.unflatten(flat)
 
 
-def abstract_params(cfg: ModelConfig, dtype=DTYPE):
-    return jax.eval_shape(lambda: device_params(cfg, 0, dtype))
+def abstract_params(cfg: ModelConfig, dtype=DTYPE, weights: str = "bf16"):
+    return jax.eval_shape(lambda: device_params(cfg, 0, dtype, weights))
 
 
-def fitting_depth(cfg: ModelConfig, budget_gib: float) -> int:
-    """The published depth, or the most whole periods of the layer pattern whose bf16 weights fit."""
+def param_bytes(cfg: ModelConfig, weights: str = "bf16") -> dict[str, int]:
+    """Each tensor's bytes on the device: bf16, or an FP8 weight's 8-bit values and f32 block scales."""
+    out = {}
+    for name, shape in P.param_shapes(cfg).items():
+        if is_fp8(name, weights):
+            out[name] = math.prod(shape) + 4 * math.prod(fp8.scale_shape(shape))
+        else:
+            out[name] = 2 * math.prod(shape)
+    return out
+
+
+def fitting_depth(cfg: ModelConfig, budget_gib: float, weights: str = "bf16") -> int:
+    """The published depth, or the most whole periods of the layer pattern whose weights fit."""
     period = cfg.full_attention_interval or 1
 
     def gib(layers):
-        c = cfg.replace(num_hidden_layers=layers, layer_types=cfg.layer_types[:layers])
-        return 2 * sum(math.prod(s) for s in P.param_shapes(c).values()) / 2 ** 30
+        return sum(param_bytes(at_depth(cfg, layers), weights).values()) / 2 ** 30
 
     depth = cfg.num_hidden_layers
     while depth > period and gib(depth) > budget_gib:
@@ -152,33 +218,33 @@ def at_depth(cfg: ModelConfig, layers: int) -> ModelConfig:
 
 
 # ====================================================================== floors
-def _nbytes(shape, itemsize=2) -> int:
-    return math.prod(shape) * itemsize
-
-
-def expert_bytes(cfg: ModelConfig) -> int:
-    """One routed expert's weights (gate, up, down) in bf16."""
-    return 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2
+def expert_bytes(cfg: ModelConfig, weights: str = "bf16") -> int:
+    """One routed expert's weights (gate, up, down) as stored: bf16, or FP8 with its block scales."""
+    nbytes = param_bytes(at_depth(cfg, 1) if cfg.is_moe_layer(0) else cfg, weights)
+    stacks = [(n, b) for n, b in nbytes.items() if P.is_expert_stack(n)]
+    layer = stacks[0][0].split(".mlp.")[0]
+    return sum(b for n, b in stacks if n.startswith(layer + ".")) // cfg.num_experts
 
 
 def lm_head_bytes(cfg: ModelConfig) -> int:
+    """The LM head, bf16 in every format (FP8 checkpoints keep it unquantized)."""
     return cfg.vocab_size * cfg.hidden_size * 2
 
 
-def target_dense_bytes(cfg: ModelConfig) -> int:
+def target_dense_bytes(cfg: ModelConfig, weights: str = "bf16") -> int:
     """Bytes every target step reads whatever its tokens: the decoder layers but their routed
     experts, the final norm and the LM head (an embedding lookup reads a few rows: not counted)."""
     out = 0
-    for name, shape in P.param_shapes(cfg).items():
+    for name, b in param_bytes(cfg, weights).items():
         if name.startswith("model.layers.") and not P.is_expert_stack(name) or name == "model.norm.weight":
-            out += _nbytes(shape)
+            out += b
     return out + lm_head_bytes(cfg)
 
 
-def head_dense_bytes(cfg: ModelConfig) -> int:
+def head_dense_bytes(cfg: ModelConfig, weights: str = "bf16") -> int:
     """The same for one MTP draft: the head's fc, norms and layer but its routed experts, and the
     shared LM head."""
-    return sum(_nbytes(s) for n, s in P.param_shapes(cfg).items()
+    return sum(b for n, b in param_bytes(cfg, weights).items()
                if n.startswith("mtp.") and not P.is_expert_stack(n)) + lm_head_bytes(cfg)
 
 
@@ -210,21 +276,7 @@ def active_flops_per_token(cfg: ModelConfig) -> int:
         if name.startswith("model.layers.") and len(shape) == 2:
             flops += 2 * math.prod(shape)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    return flops + moe_layers * cfg.num_experts_per_tok * 2 * expert_bytes(cfg) // 2
-
-
-def gemm_flops_per_s(n: int, reps: int) -> float:
-    """bf16 GEMM rate on random operands, ``n x n x n``: the arithmetic ceiling."""
-    a = jax.random.normal(jax.random.key(1), (n, n), DTYPE)
-    b = jax.random.normal(jax.random.key(2), (n, n), DTYPE)
-    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(DTYPE))
-    jax.block_until_ready(f(a, b))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(a, b))
-        ts.append(time.perf_counter() - t)
-    return 2 * n ** 3 / float(np.median(ts))
+    return flops + moe_layers * cfg.num_experts_per_tok * 2 * 3 * cfg.moe_intermediate_size * cfg.hidden_size
 
 
 # ====================================================================== routing of a traced step
@@ -331,11 +383,11 @@ class ModelBench:
     """One model's programs (declared, then compiled in the pool) and its measurements."""
 
     def __init__(self, name: str, cfg: ModelConfig, suite: str, conf, programs: Programs, report: "Report",
-                 deadline: "Deadline"):
-        self.name, self.cfg, self.suite, self.conf = name, cfg, suite, conf
+                 deadline: "Deadline", weights: str = "bf16"):
+        self.name, self.cfg, self.suite, self.conf, self.weights = name, cfg, suite, conf, weights
         self.programs, self.report, self.deadline = programs, report, deadline
         self.k_route = cfg.num_experts_per_tok if cfg.num_experts else None
-        self.params_abs = abstract_params(cfg)
+        self.params_abs = abstract_params(cfg, weights=weights)
         self.head_abs = jax.eval_shape(lambda p: quantize_head(p, "bf16"), self.params_abs)
         self.loop_room = 2 * conf.loop_tokens + conf.spec_k + PAGE
         self.step_states: dict[str, tuple[Callable, Any]] = {}  # what -> (its state's maker, routing shapes)
@@ -434,7 +486,7 @@ class ModelBench:
 
     # ------------------------------------------------------------------ measurements
     def add(self, what, **row):
-        self.report.add(model=self.name, layers=self.cfg.num_hidden_layers, what=what,
+        self.report.add(model=self.name, layers=self.cfg.num_hidden_layers, weights=self.weights, what=what,
                         compiles_in_flight=self.programs.in_flight(), **row)
 
     def time_step(self, what, params, floor_bytes: Callable[[list[int] | None], float], tokens: int):
@@ -485,13 +537,14 @@ class ModelBench:
 
         def floor_of(dense, batch, attention_layers, linear_layers, positions=1):
             def floor(experts):
-                routed = sum(experts) * expert_bytes(c) if experts else 0
+                routed = sum(experts) * expert_bytes(c, self.weights) if experts else 0
                 return dense + routed + cache_bytes(c, batch, conf.context, attention_layers, linear_layers, positions)
             return floor
 
         def step_row(what):
             b, k = (int(what.split("=")[1]), 1) if what.startswith("decode") else (1, int(what.split("=")[1]))
-            row = self.time_step(what, params, floor_of(target_dense_bytes(c), b, n_attn, n_lin, k), b * k)
+            row = self.time_step(what, params, floor_of(target_dense_bytes(c, self.weights), b, n_attn, n_lin, k),
+                                 b * k)
             if k > 1 and "decode b=1" in rows:
                 row["ratio_to_decode"] = row["ms"] / rows["decode b=1"]["ms"]
             self.add(what, batch=b, **({"K": k} if k > 1 else {}), **row)
@@ -511,7 +564,7 @@ class ModelBench:
         if self.suite == "full":
             def propose():
                 head = quantize_head(params, "bf16")
-                row = self.time_step("propose", head, floor_of(head_dense_bytes(c), 1, 1, 0), 1)
+                row = self.time_step("propose", head, floor_of(head_dense_bytes(c, self.weights), 1, 1, 0), 1)
                 if "decode b=1" in rows:
                     row["ratio_to_decode"] = row["ms"] / rows["decode b=1"]["ms"]
                 self.add("propose (1 draft)", batch=1, **row)
@@ -663,8 +716,8 @@ def _fmt(v, spec=".3f"):
 
 def markdown(data) -> str:
     rows = data["rows"]
-    lines = [f"# Real-shape benchmark\n\n{data['device']} ({data['backend']}), {data['date']}; random bf16 weights; "
-             "every ratio is of this run.\n"]
+    lines = [f"# Real-shape benchmark\n\n{data['device']} ({data['backend']}), {data['date']}; random weights "
+             "(bf16, or block-scaled FP8 where a model is named `:fp8`); every ratio is of this run.\n"]
     for r in rows:
         if r["what"] == "ceilings":
             lines.append(f"Copy bandwidth {r['copy_bandwidth_TBps']:.2f} TB/s (read + written); bf16 GEMM "
@@ -672,7 +725,8 @@ def markdown(data) -> str:
     for r in rows:
         if r["what"] == "model":
             lines.append(f"- {r['model']}: {r['layers']} of its {r['published_layers']} layers, "
-                         f"{r['params'] / 1e9:.2f}B parameters with the MTP head ({2 * r['params'] / 2 ** 30:.1f} GiB)")
+                         f"{r['params'] / 1e9:.2f}B parameters with the MTP head, {r.get('weights', 'bf16')} "
+                         f"({r.get('weight_gib', 2 * r['params'] / 2 ** 30):.1f} GiB)")
     lines += ["", "| model | layers | what | time | floor | ratio | distinct experts / layer | compile s |",
               "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -742,6 +796,26 @@ def verdicts(data, first: str, conf) -> list[dict]:
     return out
 
 
+def format_verdicts(data, specs) -> list[dict]:
+    """FP8 against bf16 at one shape and depth: each ``X:fp8@bf16-depth`` decode step over ``X``'s."""
+    out = []
+    rows = {(r.get("model"), r["what"]): r for r in data["rows"]}
+    for spec, _ in specs:
+        if spec.weights != "fp8" or not spec.bf16_depth:
+            continue
+        base = ModelSpec(spec.name).label
+        for b in data["config"]["batches"]:
+            q, ref = rows.get((spec.label, f"decode b={b}")), rows.get((base, f"decode b={b}"))
+            if b == 1 or (q and ref):
+                ok = None if not (q and ref) else q["ms"] / ref["ms"] <= 0.6
+                measured = "-" if ok is None else (f"{q['ms'] / ref['ms']:.2f}x ({q['ms']:.3f} vs {ref['ms']:.3f} ms, "
+                                                   f"{q['layers']} layers)")
+                out.append(dict(goal=f"{spec.name}: FP8 decode step at batch {b} <= 0.6x the bf16 one at the same depth",
+                                verdict="n/a (not measured)" if ok is None else ("met" if ok else "missed"),
+                                measured=measured))
+    return out
+
+
 def run(conf) -> dict:
     if conf.model not in MODEL_SETS:
         raise SystemExit(f"--config.model={conf.model!r}: expected one of {sorted(MODEL_SETS)}")
@@ -756,22 +830,25 @@ def run(conf) -> dict:
         if unknown := [n for n in names if n not in dict(chosen)]:
             raise SystemExit(f"--config.models: {unknown} not in the {conf.model!r} set {[n for n, _ in chosen]}")
         chosen = tuple((n, suite) for n, suite in chosen if n in names)
+    specs = [(ModelSpec.parse(entry), suite) for entry, suite in chosen]
     deadline = Deadline(conf.deadline_s)
     report = Report(pathlib.Path(conf.out_dir), conf)
-    tiny = conf.model == "tiny"
-    report.copy_bw = copy_bandwidth((1 << 22) if tiny else (1 << 30))
+    tiny = conf.model.startswith("tiny")
+    report.copy_bw, _ = copy_bandwidth((1 << 22) if tiny else (1 << 30))
     gemm_n = 256 if tiny else 8192
     report.gemm_flops = gemm_flops_per_s(gemm_n, conf.reps)
     report.add(what="ceilings", copy_bandwidth_TBps=report.copy_bw / 1e12, gemm_TFLOPps=report.gemm_flops / 1e12,
                gemm_n=gemm_n)
     programs = Programs(conf.compile_workers)
     benches = []
-    for name, suite in chosen:
-        cfg = load_model_config(name)
-        depth = fitting_depth(cfg, conf.fit_memory_gib)
-        benches.append(ModelBench(name, at_depth(cfg, depth), suite, conf, programs, report, deadline))
-        report.add(what="model", model=name, layers=depth, published_layers=cfg.num_hidden_layers,
-                   params=sum(math.prod(s) for s in P.param_shapes(at_depth(cfg, depth)).values()))
+    for spec, suite in specs:
+        cfg = load_model_config(spec.name)
+        depth = fitting_depth(cfg, conf.fit_memory_gib, "bf16" if spec.bf16_depth else spec.weights)
+        benches.append(ModelBench(spec.label, at_depth(cfg, depth), suite, conf, programs, report, deadline,
+                                  spec.weights))
+        report.add(what="model", model=spec.label, layers=depth, published_layers=cfg.num_hidden_layers,
+                   weights=spec.weights, params=sum(math.prod(s) for s in P.param_shapes(at_depth(cfg, depth)).values()),
+                   weight_gib=sum(param_bytes(at_depth(cfg, depth), spec.weights).values()) / 2 ** 30)
     peer_name = (TINY_PEER if tiny and conf.peer_model else conf.peer_model) or None
     peer = None
     if peer_name:
@@ -788,7 +865,7 @@ def run(conf) -> dict:
             run_peer(peer, conf, report, deadline)
         # 1. The plain loop's compile alone (the compile-time goal); the first model's weights meanwhile.
         first.declare_loop()
-        params = device_params(first.cfg, conf.seed)
+        params = device_params(first.cfg, conf.seed, weights=first.weights)
         try:
             first.loop_compile = programs.get(f"{first.name}/greedy_loop", deadline)
         except Exception as e:  # noqa: BLE001 - the loop's rows say it failed; the steps still run
@@ -807,7 +884,7 @@ def run(conf) -> dict:
             if deadline.passed(f"{bench.name} (all)", report):
                 continue
             try:
-                params = device_params(bench.cfg, conf.seed)
+                params = device_params(bench.cfg, conf.seed, weights=bench.weights)
                 bench.measure(params, deadline)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory: the next model still runs
                 report.error(bench.name, e)
@@ -815,7 +892,7 @@ def run(conf) -> dict:
             gc.collect()
     finally:
         programs.cancel_all()
-    report.data["verdicts"] = verdicts(report.data, first.name, conf)
+    report.data["verdicts"] = verdicts(report.data, first.name, conf) + format_verdicts(report.data, specs)
     write_json(report.out / "results.json", report.data)
     md = markdown(report.data)
     write_atomic(report.out / "results.md", md)

@@ -12,6 +12,7 @@ from experiments import bench_real_shape as brs
 from mtp.model import layers
 from mtp.model import params as P
 from mtp.model.params import flatten
+from mtp.ops import fp8
 
 
 def _tiny_conf(tmp_path, **changes):
@@ -136,3 +137,46 @@ def test_a_padded_one_row_step_counts_its_real_row_only(monkeypatch):
     real, padded = brs.distinct_experts(routing, 1), brs.distinct_experts(routing)
     assert real == [k] * cfg.num_hidden_layers
     assert all(p >= r for p, r in zip(padded, real))
+
+
+def test_fp8_weights_are_the_bf16_draws_quantized_and_floors_count_their_bytes():
+    cfg = brs.load_model_config("tiny_qwen35_moe")
+    bf16, q = flatten(brs.device_params(cfg, 0)), flatten(brs.device_params(cfg, 0, weights="fp8"))
+    experts = "model.layers.0.mlp.experts.gate_proj.weight"
+    assert isinstance(q[experts], fp8.BlockFp8Weight) and q[experts].values.dtype == jnp.float8_e4m3fn
+    assert isinstance(q["model.layers.0.mlp.gate.weight"], jax.Array)  # the router stays bf16
+    assert isinstance(q["model.embed_tokens.weight"], jax.Array)
+    # The same draws: FP8's rounding (3 mantissa bits) is the only difference.
+    w = bf16[experts].astype(jnp.float32)
+    err = jnp.abs(q[experts].dequantize() - w) / (jnp.abs(w) + 1e-3)
+    assert float(jnp.median(err)) < 0.07 and not jnp.array_equal(q[experts].dequantize(), w)
+    nbytes = brs.param_bytes(cfg, "fp8")
+    assert nbytes[experts] == sum(leaf.nbytes for leaf in jax.tree.leaves(q[experts]))
+    assert brs.expert_bytes(cfg, "fp8") < 0.6 * brs.expert_bytes(cfg)
+    assert brs.target_dense_bytes(cfg, "fp8") < brs.target_dense_bytes(cfg)
+    assert brs.head_dense_bytes(cfg, "fp8") < brs.head_dense_bytes(cfg)
+    assert brs.fitting_depth(brs.load_model_config("qwen3_next_80b_a3b"), 116.0, "fp8") == 48
+
+
+def test_model_entries_name_their_format_and_depth():
+    spec = brs.ModelSpec.parse("qwen3_next_80b_a3b:fp8@bf16-depth")
+    assert (spec.name, spec.weights, spec.bf16_depth) == ("qwen3_next_80b_a3b", "fp8", True)
+    assert spec.label == "qwen3_next_80b_a3b:fp8@bf16-depth" and brs.ModelSpec.parse("x").label == "x"
+    with pytest.raises(SystemExit, match="int4"):
+        brs.ModelSpec.parse("x:int4")
+
+
+def test_tiny_fp8_run_sets_fp8_beside_bf16_at_one_depth(tmp_path):
+    ref, q = "tiny_qwen35_moe", "tiny_qwen35_moe:fp8@bf16-depth"  # the set's two "decode" suites
+    data = brs.run(_tiny_conf(tmp_path, model="tiny_fp8", models=f"{ref},{q}"))
+    assert data["errors"] == [] and data["skipped"] == []
+    rows = {(r.get("model"), r["what"]): r for r in data["rows"]}
+    for name in (q, ref):
+        assert rows[(name, "decode b=1")]["ms"] > 0 and rows[(name, "prefill chunk")]["ms"] > 0
+    assert rows[(q, "decode b=1")]["weights"] == "fp8" and rows[(ref, "decode b=1")]["weights"] == "bf16"
+    assert rows[(q, "decode b=1")]["floor_ms"] < rows[(ref, "decode b=1")]["floor_ms"]
+    assert rows[(q, "model")]["weight_gib"] < rows[(ref, "model")]["weight_gib"]
+    assert rows[(q, "model")]["layers"] == rows[(ref, "model")]["layers"]
+    fmt = [v for v in data["verdicts"] if "FP8 decode step" in v["goal"]]
+    assert len(fmt) == 1 and fmt[0]["verdict"] in ("met", "missed")
+    assert "fp8" in (tmp_path / "results.md").read_text()

@@ -1,0 +1,30 @@
+"""The FP8 few-row GEMM benchmark's forms (`experiments/bench_fp8.py`), checked on the CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import bench_fp8
+from mtp.ops import fp8
+
+
+def test_post_scale_is_the_dequantized_product_with_partial_blocks():
+    kw, kx = jax.random.split(jax.random.key(3))
+    w = fp8.quantize(jax.random.normal(kw, (200, 300), jnp.float32))  # partial edge blocks both ways
+    x = jax.random.normal(kx, (3, 300), jnp.float32)
+    exact = x @ fp8.dequantize(w).T
+    np.testing.assert_allclose(bench_fp8.post_scale(x, w), exact, rtol=2e-5, atol=2e-4)
+    assert not np.allclose(bench_fp8.convert_only(x, w), exact, rtol=0.1)  # the bound ignores the scales
+
+
+def test_each_row_is_timed_against_its_floor_and_the_weights_forms_agree():
+    rows = bench_fp8.bench_gemms(bench_fp8.SMALL_SHAPES[:1], [2], 2, 1, 1e10, jax.random.key(0))
+    assert [r["form"] for r in rows] == ["bf16", "w8a16", "post_scale", "convert_only"]
+    assert all(r["us"] > 0 and r["floor_us"] > 0 for r in rows)
+    assert rows[1]["floor_us"] < 0.6 * rows[0]["floor_us"]  # 8-bit values and f32 block scales
+    assert rows[1]["rel_err"] < 1e-2 and rows[2]["rel_err"] < 1e-2 and rows[3]["rel_err"] is None
+    experts = bench_fp8.bench_experts(bench_fp8.SMALL_EXPERTS, [1], 2, 1, 1e10, jax.random.key(1))
+    assert [r["form"] for r in experts] == ["bf16", "fp8"]
+    assert 2 <= experts[0]["distinct_experts"] <= 2 * bench_fp8.SMALL_EXPERTS["top_k"]
+    assert "| routed experts" in bench_fp8.markdown(dict(device="cpu", date="today", copy_bandwidth_TBps=0.01,
+                                                         rows=rows + experts))
