@@ -1,0 +1,74 @@
+"""The FP8 weight-streaming kernels (`mtp.ops.fp8.triton`) in Pallas' interpreter, against the dequantized product."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp.ops import fp8
+from mtp.ops.fp8 import triton as k
+
+
+def _weight(key, shape):
+    return fp8.quantize(jax.random.normal(key, shape, jnp.float32) * 0.05)
+
+
+def _rows(key, shape):
+    return jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+
+
+def _exact(x, w):
+    return x.astype(jnp.float32) @ fp8.dequantize(w).T
+
+
+def _close(got, want):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.parametrize("rows,shape,config", [
+    (1, (200, 300), None),                                      # partial edge blocks both ways
+    (2, (200, 300), k.Fp8GemvConfig(block_out=64, block_in=64, splits=3)),
+    (7, (130, 260), k.Fp8GemvConfig(splits=2, dot=False)),
+    (16, (256, 384), k.Fp8GemvConfig(block_out=32, splits=2)),
+    (16, (72, 136), k.Fp8GemvConfig(splits=4)),                 # more splits than tiles: empty chunks
+])
+def test_dense_kernel_is_the_dequantized_product(rows, shape, config):
+    kw, kx = jax.random.split(jax.random.key(rows * 31 + shape[0]))
+    w, x = _weight(kw, shape), _rows(kx, (rows, shape[1]))
+    got = k.w8a16(x, w, config=config, interpret=True)
+    assert got.shape == (rows, shape[0]) and got.dtype == jnp.float32
+    _close(got, _exact(x, w))
+
+
+def test_matmul_takes_the_kernel_under_interpret_and_keeps_the_reference_elsewhere():
+    kw, kx = jax.random.split(jax.random.key(5))
+    w, x = _weight(kw, (200, 300)), _rows(kx, (2, 3, 300))
+    got = fp8.matmul(x, w, impl="interpret")
+    _close(got, _exact(x.reshape(6, 300), w).reshape(2, 3, 200))
+    ref = fp8.matmul(x, w)  # CPU "auto": the reference, bit for bit
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(fp8.reference.w8a16(x, w)))
+    many = _rows(kx, (17, 300))  # declined: the reference
+    np.testing.assert_array_equal(np.asarray(fp8.matmul(many, w, impl="interpret")),
+                                  np.asarray(fp8.reference.w8a16(many, w)))
+
+
+def test_unsupported_names_why():
+    w = _weight(jax.random.key(0), (200, 300))
+    x = _rows(jax.random.key(1), (4, 300))
+    assert fp8.api.unsupported(x, w) is None
+    assert "17 rows" in fp8.api.unsupported(jnp.zeros((17, 300), jnp.bfloat16), w)
+    assert "float32" in fp8.api.unsupported(x.astype(jnp.float32), w)
+    assert "2-D weight" in fp8.api.unsupported(x, jax.tree.map(lambda a: a[None], w))
+    odd = fp8.quantize(jnp.ones((200, 300)), block=(64, 64))
+    assert "scale block (64, 64)" in fp8.api.unsupported(x, odd)
+    with pytest.raises(ValueError, match="17 rows"):
+        k.w8a16(jnp.zeros((17, 300), jnp.bfloat16), w, interpret=True)
+
+
+def test_default_config_spreads_the_weight_over_the_sms():
+    c = k.default_config(1, 2048, 4096)
+    assert (c.block_out, c.splits, c.dot) == (128, 8, False)  # 16 output blocks x 8 splits
+    assert k.default_config(4, 12288, 2048).splits == 2 and k.default_config(4, 12288, 2048).dot
+    assert k.default_config(1, 512, 2048).block_out == 64
+    with pytest.raises(ValueError, match="block_in=96"):
+        k.Fp8GemvConfig(block_in=96).check()
