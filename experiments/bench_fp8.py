@@ -21,7 +21,8 @@ projection shapes and its routed experts (top-10 of 512), each form of ``x @ w.T
   product forced to Triton's dot or to the f32 multiply and sum (on a CPU these run in Pallas'
   interpreter, and only under ``--small``);
 * ``experts``: the routed-expert FFN's gather form (`mtp.ops.moe.reference.routed_experts_gather`)
-  over bf16 and FP8 expert stacks, a fresh routing each call.
+  over bf16 and FP8 expert stacks, a fresh routing each call, and ``fp8 kernel`` the same FFN on
+  the grouped Triton kernel (`mtp.ops.moe.fp8_triton`).
 
 Each time is the median over ``--reps`` jitted calls, each a ``lax.scan`` over ``--stack`` weights
 (or routings), more bytes than the 50 MB L2 holds, divided by the stack; the floor is the bytes a
@@ -43,6 +44,7 @@ from experiments.ceilings import copy_bandwidth
 from experiments.results_io import provenance, write_atomic, write_json
 from mtp.ops import fp8
 from mtp.ops.fp8 import triton as fp8_triton
+from mtp.ops.moe import fp8_triton as moe_fp8
 from mtp.ops.moe import reference as moe_ref
 from mtp.pallas.backend import on_gpu
 
@@ -137,7 +139,8 @@ def bench_gemms(shapes, rows_list, stack, reps, bw, key, forms=None) -> list[dic
     return out
 
 
-def bench_experts(shape, rows_list, stack, reps, bw, key) -> list[dict]:
+def bench_experts(shape, rows_list, stack, reps, bw, key, kernel=True) -> list[dict]:
+    """One row per (rows, form): the gather form over bf16 and FP8 experts, and (``kernel``) FP8 on the Triton kernel."""
     e, k, inter, h = shape["num"], shape["top_k"], shape["inter"], shape["hidden"]
     keys = jax.random.split(key, 4)
 
@@ -159,11 +162,17 @@ def bench_experts(shape, rows_list, stack, reps, bw, key) -> list[dict]:
                 return acc + moe_ref.routed_experts_gather(x, i, wt, gate, up, down), None
             return jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), (ids, weights))[0]
 
-        f = jax.jit(run)
+        def run_kernel(x, ids, weights, gate, up, down):
+            def body(acc, step):
+                i, wt = step
+                return acc + moe_fp8.routed_experts_gather(x, i, wt, gate, up, down, interpret=not on_gpu()), None
+            return jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), (ids, weights))[0]
+
         distinct = float(np.mean([np.unique(np.asarray(ids[s])).size for s in range(stack)]))
         base_s = None
-        for form, ws in (("bf16", plain), ("fp8", quant)):
-            s = _median_s(f, (x, ids, weights, *ws), reps) / stack
+        forms = [("bf16", plain, run), ("fp8", quant, run)] + ([("fp8 kernel", quant, run_kernel)] if kernel else [])
+        for form, ws, fn in forms:
+            s = _median_s(jax.jit(fn), (x, ids, weights, *ws), reps) / stack
             base_s = base_s or s
             per_expert = _nbytes(ws) / e
             out.append(dict(what=f"routed experts (top-{k} of {e}, gather)", rows=rows, form=form, us=1e6 * s,
@@ -197,7 +206,8 @@ def main(argv):
     # Off a GPU the kernel runs in Pallas' interpreter: at the real shapes that takes hours.
     forms = {**GEMM_FORMS, **KERNEL_FORMS} if small or on_gpu() else GEMM_FORMS
     data["rows"] += bench_gemms(SMALL_SHAPES if small else SHAPES, rows, FLAGS.stack, FLAGS.reps, bw, key, forms)
-    data["rows"] += bench_experts(SMALL_EXPERTS if small else EXPERTS, rows, FLAGS.stack, FLAGS.reps, bw, key)
+    data["rows"] += bench_experts(SMALL_EXPERTS if small else EXPERTS, rows, FLAGS.stack, FLAGS.reps, bw, key,
+                                  kernel=small or on_gpu())
     write_json(out / "results.json", data)
     md = markdown(data)
     write_atomic(out / "results.md", md)

@@ -26,7 +26,7 @@ def test_each_row_is_timed_against_its_floor_and_the_weights_forms_agree():
     assert rows[1]["rel_err"] < 1e-2 and rows[2]["rel_err"] < 1e-2 and rows[3]["rel_err"] is None
     assert all(r["rel_err"] < 1e-5 for r in rows[4:])  # the kernel: f32 products of the E4M3 values
     experts = bench_fp8.bench_experts(bench_fp8.SMALL_EXPERTS, [1], 2, 1, 1e10, jax.random.key(1))
-    assert [r["form"] for r in experts] == ["bf16", "fp8"]
+    assert [r["form"] for r in experts] == ["bf16", "fp8", "fp8 kernel"]
     assert 2 <= experts[0]["distinct_experts"] <= 2 * bench_fp8.SMALL_EXPERTS["top_k"]
     assert "| routed experts" in bench_fp8.markdown(dict(device="cpu", date="today", copy_bandwidth_TBps=0.01,
                                                          rows=rows + experts))

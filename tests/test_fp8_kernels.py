@@ -72,3 +72,43 @@ def test_default_config_spreads_the_weight_over_the_sms():
     assert k.default_config(1, 512, 2048).block_out == 64
     with pytest.raises(ValueError, match="block_in=96"):
         k.Fp8GemvConfig(block_in=96).check()
+
+
+@pytest.mark.parametrize("config", [None, k.Fp8GemvConfig(block_out=64, block_in=64, splits=3)])
+def test_grouped_kernel_is_each_pairs_expert_product(config):
+    kw, kx, ki = jax.random.split(jax.random.key(11), 3)
+    w = _weight(kw, (5, 200, 300))  # partial edge blocks both ways
+    x = _rows(kx, (7, 300))
+    ids = jnp.concatenate([jnp.array([4, 4]), jax.random.randint(ki, (5,), 0, 5)])  # repeats included
+    got = k.grouped_w8a16(x, ids, w, config=config, interpret=True)
+    want = jnp.einsum("pi,poi->po", x.astype(jnp.float32), fp8.dequantize(w)[ids])
+    assert got.shape == (7, 200)
+    _close(got, want)
+    assert "stacked weight" in k.grouped_unsupported(x, ids, jax.tree.map(lambda a: a[0], w))
+
+
+def _experts(key, e=6, inter=96, hidden=160):
+    kg, ku, kd = jax.random.split(key, 3)
+    return (_weight(kg, (e, inter, hidden)), _weight(ku, (e, inter, hidden)), _weight(kd, (e, hidden, inter)))
+
+
+def test_fp8_gather_ffn_and_routed_experts_follow_the_reference():
+    from mtp.ops.moe import api, fp8_triton
+    from mtp.ops.moe import reference as moe_ref
+
+    gate, up, down = _experts(jax.random.key(2))
+    kx, ki, kp = jax.random.split(jax.random.key(3), 3)
+    x = _rows(kx, (3, 160))
+    ids = jax.random.randint(ki, (3, 2), 0, 6).at[0].set(jnp.array([1, 1]))  # a token routed twice to one expert
+    weights = jax.nn.softmax(jax.random.normal(kp, (3, 2)), axis=-1)
+    want = moe_ref.routed_experts_gather(x, ids, weights, gate, up, down)
+    got = fp8_triton.routed_experts_gather(x, ids, weights, gate, up, down, interpret=True)
+    # The kernel multiplies by the exact dequantized weights, the reference by them rounded to
+    # bf16: the two differ by bf16 roundings of the hidden activations.
+    tol = 2e-2 * float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol)
+    np.testing.assert_array_equal(np.asarray(api.routed_experts(x, ids, weights, gate, up, down, impl="interpret")),
+                                  np.asarray(got))
+    np.testing.assert_array_equal(np.asarray(api.routed_experts(x, ids, weights, gate, up, down, impl="reference")),
+                                  np.asarray(moe_ref.routed_experts(x, ids, weights, gate, up, down)))
+    assert fp8_triton.unsupported(x.astype(jnp.float32), ids, gate, up, down).startswith("x is float32")

@@ -105,7 +105,7 @@ def grouped_unsupported(x: jax.Array, ids: jax.Array, w: BlockFp8Weight) -> str 
     """Why the grouped kernel cannot take ``x [P, in]``, ``ids [P]`` and ``w [E, out, in]``, or None."""
     if not isinstance(w, BlockFp8Weight):
         return f"the weight is a {type(w).__name__}, not a BlockFp8Weight"
-    if w.ndim != 3 or x.ndim != 2 or ids.shape != x.shape[:1]:
+    if w.ndim != 3 or len(x.shape) != 2 or tuple(ids.shape) != tuple(x.shape[:1]):
         return (f"the kernel takes x [P, in], ids [P] and a stacked weight [E, out, in], got x "
                 f"{tuple(x.shape)}, ids {tuple(ids.shape)} and w {w.shape}")
     return _common_unsupported(x, w, "pairs", None)
