@@ -112,3 +112,27 @@ def test_fp8_gather_ffn_and_routed_experts_follow_the_reference():
     np.testing.assert_array_equal(np.asarray(api.routed_experts(x, ids, weights, gate, up, down, impl="reference")),
                                   np.asarray(moe_ref.routed_experts(x, ids, weights, gate, up, down)))
     assert fp8_triton.unsupported(x.astype(jnp.float32), ids, gate, up, down).startswith("x is float32")
+
+
+def test_kernels_lower_to_triton_for_an_h200(monkeypatch):
+    """Both kernels through Pallas' Triton lowering for compute capability 9.0, on the CPU (no PTX).
+
+    The interpreter runs any jaxpr; the lowering is where an fp8 convert, a masked load or an
+    indexer Triton lacks would fail, so it is checked here too. Uses jax's private GPU-info hook.
+    """
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
+
+    def lower(f, *args):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    w = jax.eval_shape(lambda: fp8.quantize(jnp.zeros((200, 300), jnp.bfloat16)))
+    for rows, dot in ((1, False), (4, True), (16, True)):
+        x = jax.ShapeDtypeStruct((rows, 300), jnp.bfloat16)
+        cfg = k.Fp8GemvConfig(splits=2, dot=dot)
+        assert "custom_call" in lower(lambda x, w: k.w8a16(x, w, config=cfg), x, w)
+    we = jax.eval_shape(lambda: fp8.quantize(jnp.zeros((4, 200, 300), jnp.bfloat16)))
+    x, ids = jax.ShapeDtypeStruct((6, 300), jnp.bfloat16), jax.ShapeDtypeStruct((6,), jnp.int32)
+    assert "custom_call" in lower(lambda x, i, w: k.grouped_w8a16(x, i, w), x, ids, we)
