@@ -16,8 +16,13 @@ projection shapes and its routed experts (top-10 of 512), each form of ``x @ w.T
   convert;
 * ``convert_only``: the converted values with no scale at all: not the weight (its error is not
   checked), the bound of what any form that reads the values can reach;
+* ``pallas``: `mtp.ops.fp8.triton`'s weight-streaming kernel at its default tiling
+  (`triton.default_config`), and ``pallas_dot`` / ``pallas_reduce`` the same kernel with its tile
+  product forced to Triton's dot or to the f32 multiply and sum (on a CPU these run in Pallas'
+  interpreter, and only under ``--small``);
 * ``experts``: the routed-expert FFN's gather form (`mtp.ops.moe.reference.routed_experts_gather`)
-  over bf16 and FP8 expert stacks, a fresh routing each call.
+  over bf16 and FP8 expert stacks, a fresh routing each call, and ``fp8 kernel`` the same FFN on
+  the grouped Triton kernel (`mtp.ops.moe.fp8_triton`).
 
 Each time is the median over ``--reps`` jitted calls, each a ``lax.scan`` over ``--stack`` weights
 (or routings), more bytes than the 50 MB L2 holds, divided by the stack; the floor is the bytes a
@@ -26,6 +31,7 @@ call must read over the measured copy bandwidth. Writes ``results.json`` and ``r
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import time
 
@@ -37,7 +43,10 @@ from absl import app, flags
 from experiments.ceilings import copy_bandwidth
 from experiments.results_io import provenance, write_atomic, write_json
 from mtp.ops import fp8
+from mtp.ops.fp8 import triton as fp8_triton
+from mtp.ops.moe import fp8_triton as moe_fp8
 from mtp.ops.moe import reference as moe_ref
+from mtp.pallas.backend import on_gpu
 
 FLAGS = flags.FLAGS
 # (name, out, in) of Qwen3-Next-80B-A3B's per-layer projections (configs/models/qwen3_next_80b_a3b.json).
@@ -70,7 +79,17 @@ def bf16_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
 
 
+def kernel_form(dot: bool | None = None):
+    """The Triton kernel (compiled on a GPU, interpreted elsewhere) at its default tiling, ``dot`` forced if given."""
+    def run(x, w):
+        config = fp8_triton.default_config(x.shape[0], *w.shape)
+        config = config if dot is None else dataclasses.replace(config, dot=dot)
+        return fp8_triton.w8a16(x, w, config=config, interpret=not on_gpu())
+    return run
+
+
 GEMM_FORMS = {"w8a16": lambda x, w: fp8.matmul(x, w), "post_scale": post_scale, "convert_only": convert_only}
+KERNEL_FORMS = {"pallas": kernel_form(), "pallas_dot": kernel_form(True), "pallas_reduce": kernel_form(False)}
 
 
 def _median_s(fn, args, reps) -> float:
@@ -97,7 +116,9 @@ def _nbytes(tree) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
-def bench_gemms(shapes, rows_list, stack, reps, bw, key) -> list[dict]:
+def bench_gemms(shapes, rows_list, stack, reps, bw, key, forms=None) -> list[dict]:
+    """One row per (shape, rows, form): bf16 first, then ``forms`` (default: XLA's and the kernel's)."""
+    forms = {**GEMM_FORMS, **KERNEL_FORMS} if forms is None else forms
     out = []
     for name, o, i in shapes:
         kw, kx = jax.random.split(jax.random.fold_in(key, o * 7919 + i))
@@ -109,7 +130,7 @@ def bench_gemms(shapes, rows_list, stack, reps, bw, key) -> list[dict]:
             base_s = _median_s(_scan_gemm(bf16_dot), (x, w), reps) / stack
             out.append(dict(what=name, out=o, **{"in": i}, rows=rows, form="bf16", us=1e6 * base_s,
                             floor_us=1e6 * _nbytes(w) / stack / bw, ratio_to_bf16=1.0))
-            for form, fn in GEMM_FORMS.items():
+            for form, fn in forms.items():
                 got = fn(x, jax.tree.map(lambda a: a[0], q))
                 err = None if form == "convert_only" else float(jnp.max(jnp.abs(got - exact)) / jnp.max(jnp.abs(exact)))
                 s = _median_s(_scan_gemm(fn), (x, q), reps) / stack
@@ -118,7 +139,8 @@ def bench_gemms(shapes, rows_list, stack, reps, bw, key) -> list[dict]:
     return out
 
 
-def bench_experts(shape, rows_list, stack, reps, bw, key) -> list[dict]:
+def bench_experts(shape, rows_list, stack, reps, bw, key, kernel=True) -> list[dict]:
+    """One row per (rows, form): the gather form over bf16 and FP8 experts, and (``kernel``) FP8 on the Triton kernel."""
     e, k, inter, h = shape["num"], shape["top_k"], shape["inter"], shape["hidden"]
     keys = jax.random.split(key, 4)
 
@@ -140,11 +162,17 @@ def bench_experts(shape, rows_list, stack, reps, bw, key) -> list[dict]:
                 return acc + moe_ref.routed_experts_gather(x, i, wt, gate, up, down), None
             return jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), (ids, weights))[0]
 
-        f = jax.jit(run)
+        def run_kernel(x, ids, weights, gate, up, down):
+            def body(acc, step):
+                i, wt = step
+                return acc + moe_fp8.routed_experts_gather(x, i, wt, gate, up, down, interpret=not on_gpu()), None
+            return jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), (ids, weights))[0]
+
         distinct = float(np.mean([np.unique(np.asarray(ids[s])).size for s in range(stack)]))
         base_s = None
-        for form, ws in (("bf16", plain), ("fp8", quant)):
-            s = _median_s(f, (x, ids, weights, *ws), reps) / stack
+        forms = [("bf16", plain, run), ("fp8", quant, run)] + ([("fp8 kernel", quant, run_kernel)] if kernel else [])
+        for form, ws, fn in forms:
+            s = _median_s(jax.jit(fn), (x, ids, weights, *ws), reps) / stack
             base_s = base_s or s
             per_expert = _nbytes(ws) / e
             out.append(dict(what=f"routed experts (top-{k} of {e}, gather)", rows=rows, form=form, us=1e6 * s,
@@ -175,8 +203,11 @@ def main(argv):
     key = jax.random.key(0)
     data = dict(provenance(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 device=str(jax.devices()[0].device_kind), copy_bandwidth_TBps=bw / 1e12, rows=[])
-    data["rows"] += bench_gemms(SMALL_SHAPES if small else SHAPES, rows, FLAGS.stack, FLAGS.reps, bw, key)
-    data["rows"] += bench_experts(SMALL_EXPERTS if small else EXPERTS, rows, FLAGS.stack, FLAGS.reps, bw, key)
+    # Off a GPU the kernel runs in Pallas' interpreter: at the real shapes that takes hours.
+    forms = {**GEMM_FORMS, **KERNEL_FORMS} if small or on_gpu() else GEMM_FORMS
+    data["rows"] += bench_gemms(SMALL_SHAPES if small else SHAPES, rows, FLAGS.stack, FLAGS.reps, bw, key, forms)
+    data["rows"] += bench_experts(SMALL_EXPERTS if small else EXPERTS, rows, FLAGS.stack, FLAGS.reps, bw, key,
+                                  kernel=small or on_gpu())
     write_json(out / "results.json", data)
     md = markdown(data)
     write_atomic(out / "results.md", md)

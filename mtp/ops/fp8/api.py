@@ -6,15 +6,23 @@ exists for it yet, so every implementation runs the reference (`reference.w8a16`
 dequantize XLA fuses into its GEMM on a GPU. A kernel goes in a file beside this one with the same
 signature and an ``unsupported(...) -> str | None`` naming the shapes it declines, and `matmul`
 calls it where the resolved path is ``"pallas"`` or ``"interpret"``.
+
+`triton` is that kernel for ``w8a16`` at up to 16 rows (a decode or verify step, where the GEMM is
+bound by the weight's bytes): XLA's fused dequantize streamed FP8 weights no faster than bf16
+ones there. More rows, other dtypes or blocks, and ``w8a8`` run the reference, which is the only
+path on a CPU unless ``impl="interpret"`` is named, so a CPU model with FP8 weights still equals
+its dequantized twin bit for bit.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 
-from mtp.ops.fp8 import reference
+from mtp.ops.fp8 import reference, triton
 from mtp.ops.fp8.reference import BlockFp8Weight
-from mtp.pallas.backend import resolve_impl
+from mtp.pallas.backend import run_triton_op
 
 OP = "fp8_gemm"
 MODES = ("w8a16", "w8a8")
@@ -28,5 +36,16 @@ def matmul(x: jax.Array, w: BlockFp8Weight, *, mode: str = "w8a16", impl: str = 
     """
     if mode not in MODES:
         raise ValueError(f"fp8 matmul mode={mode!r}; choose one of {', '.join(MODES)}")
-    resolve_impl(impl, OP)  # checks impl and MTP_KERNELS; every path is the reference until a kernel exists
-    return getattr(reference, mode)(x, w)
+    ref = lambda: getattr(reference, mode)(x, w)
+    if mode != "w8a16":
+        return run_triton_op(OP, impl, lambda: f"mode {mode}", ref, None)
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    return run_triton_op(OP, impl, lambda: unsupported(x, w), ref,
+                         lambda interpret: triton.w8a16(x2, w, interpret=interpret).reshape(*x.shape[:-1], -1))
+
+
+def unsupported(x: jax.Array, w: BlockFp8Weight) -> str | None:
+    """Why `matmul`'s w8a16 kernel declines ``x [..., in] @ w.T`` (the reference then runs), or None."""
+    if x.ndim < 1 or w.ndim != 2:
+        return f"the kernel takes x [..., in] and a 2-D weight, got x {tuple(x.shape)} and w {w.shape}"
+    return triton.unsupported(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), w)

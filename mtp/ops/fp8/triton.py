@@ -1,0 +1,246 @@
+"""A weight-streaming w8a16 kernel for few rows: `reference.w8a16`'s and `reference.grouped_w8a16`'s signatures.
+
+A decode or verify step multiplies 1-16 rows by each weight, so its GEMMs are bound by the bytes
+of the weight. XLA's forms of the block-scaled product (the dequantize fused into the dot, or the
+scale applied after a per-block dot) ran no faster with FP8 weights than with bf16 ones on an
+H200 (results/kernels/fp8_few_rows_h200/results.md): they do not stream the 8-bit values at the
+copy rate. Here each program reads one ``block_out x block_in`` tile of E4M3 values at a time,
+converts it in registers, multiplies it with the rows, scales the tile's partial product by its
+128 x 128 block's one ``scale_inv`` and accumulates in f32; the weight is read once, 8 bits per
+element, and nothing is written but the ``[splits, rows, out]`` f32 partial sums.
+
+The grid is ``(output blocks, splits)``: ``splits`` divides the input dimension into contiguous
+chunks of whole tiles so that enough programs stream at once (a ``[2048, 4096]`` weight has only
+16 output blocks of 128 rows; 8 splits make 128 programs for the H200's 132 SMs), and XLA sums
+the partials. Edge tiles (``out`` or ``in`` not multiples of the tile) are masked loads. The
+grouped form (`grouped_w8a16`, the routed experts' gather form) adds a pair axis to the grid:
+each program reads its pair's expert id and offsets into the stacked ``[E, out, in]`` weight, so
+no gathered copy of the selected experts is ever written.
+
+A program computes its tile's product either with Triton's dot (``dot=True``: the rows padded to
+16, its smallest M, the values converted to bf16, which holds every E4M3 value exactly) or as a
+broadcast multiply and a row sum in f32 (``dot=False``, the one-row GEMV form the grouped kernel
+always uses). Pallas' Triton lowering converts ``float8_e4m3fn`` on compute capability 8.9 and up
+(an H100 / H200 is 9.0). `Fp8GemvConfig` holds the tiling; `default_config` picks it from the
+shape, and a caller tuning on a GPU passes its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from mtp.ops.fp8.reference import BlockFp8Weight
+from mtp.pallas.backend import num_sms, triton_compiler_params
+
+MAX_ROWS = 16  # the rows (or pairs' rows per program) the kernels are for: a decode or verify step
+DOT_ROWS = 16  # Triton's smallest dot M: the dot form pads the rows to it
+SCALE_BLOCK = 128  # the only scale block the kernels take (Qwen's checkpoints)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GemvConfig:
+    """The kernels' tiling: static, so one config is one compiled kernel.
+
+    ``block_out`` / ``block_in``: a program's tile of the weight, each a power of two that
+    divides 128 (a tile then lies in one scale block); ``splits``: the chunks the input dimension
+    is divided into (programs per output block; XLA sums their partials); ``num_warps`` /
+    ``num_stages``: Triton's warps per program and software-pipeline depth of the tile loop;
+    ``dot``: Triton's dot (rows padded to 16) or a broadcast multiply and sum.
+    """
+
+    block_out: int = 128
+    block_in: int = 128
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    dot: bool = True
+
+    def check(self) -> None:
+        for name in ("block_out", "block_in"):
+            b = getattr(self, name)
+            if b < 16 or b > SCALE_BLOCK or b & (b - 1):
+                raise ValueError(f"Fp8GemvConfig.{name}={b}: a power of two from 16 to {SCALE_BLOCK}")
+        if self.splits < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"Fp8GemvConfig {self}: splits, num_warps and num_stages must be >= 1")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def default_config(rows: int, out: int, inp: int, pairs: int = 1) -> Fp8GemvConfig:
+    """The tiling for ``rows`` rows (``pairs`` row programs, the grouped form) of an ``[out, in]`` weight.
+
+    Tiles of 128 x 128 (one scale block, 16 KB of E4M3: few loop trips and wide loads); 64 output
+    rows where 128 would leave under one program per SM even split all the way; then the fewest
+    power-of-two splits that give about one program per SM (from 7/8 of the SMs on: 128 programs
+    on the H200's 132), no more splits than input tiles. One row reduces in f32 (a GEMV: Triton's
+    dot would pad it to 16 rows); more take the dot.
+    """
+    sms = num_sms() * 7 // 8
+    block_out = 128 if pairs * _cdiv(out, 128) * _cdiv(inp, 128) >= sms else 64
+    tiles_in = _cdiv(inp, 128)
+    splits = 1
+    while pairs * _cdiv(out, block_out) * splits < sms and splits * 2 <= tiles_in:
+        splits *= 2
+    return Fp8GemvConfig(block_out=block_out, block_in=128, splits=splits, dot=rows > 1)
+
+
+def unsupported(x: jax.Array, w: BlockFp8Weight) -> str | None:
+    """Why the dense kernel cannot take ``x @ w.T``, or None: the caller then runs the reference."""
+    if not isinstance(w, BlockFp8Weight):
+        return f"the weight is a {type(w).__name__}, not a BlockFp8Weight"
+    if w.ndim != 2 or x.ndim != 2:
+        return f"the kernel takes x [rows, in] and a 2-D weight, got x {tuple(x.shape)} and w {w.shape}"
+    return _common_unsupported(x, w, "rows", x.shape[0])
+
+
+def grouped_unsupported(x: jax.Array, ids: jax.Array, w: BlockFp8Weight) -> str | None:
+    """Why the grouped kernel cannot take ``x [P, in]``, ``ids [P]`` and ``w [E, out, in]``, or None."""
+    if not isinstance(w, BlockFp8Weight):
+        return f"the weight is a {type(w).__name__}, not a BlockFp8Weight"
+    if w.ndim != 3 or len(x.shape) != 2 or tuple(ids.shape) != tuple(x.shape[:1]):
+        return (f"the kernel takes x [P, in], ids [P] and a stacked weight [E, out, in], got x "
+                f"{tuple(x.shape)}, ids {tuple(ids.shape)} and w {w.shape}")
+    return _common_unsupported(x, w, "pairs", None)
+
+
+def _common_unsupported(x, w, what: str, rows: int | None) -> str | None:
+    if rows is not None and rows > MAX_ROWS:
+        return f"{rows} {what}: the kernel streams the weight for at most {MAX_ROWS}"
+    if x.dtype != jnp.bfloat16:
+        return f"x is {x.dtype}; the kernel takes bfloat16 activations"
+    if jnp.dtype(w.values.dtype) != jnp.float8_e4m3fn:
+        return f"the values are {w.values.dtype}, not float8_e4m3fn"
+    if tuple(w.block) != (SCALE_BLOCK, SCALE_BLOCK):
+        return f"scale block {tuple(w.block)}: the kernel takes ({SCALE_BLOCK}, {SCALE_BLOCK}) blocks"
+    if x.shape[-1] != w.shape[-1]:
+        return f"x's {x.shape[-1]} columns are not the weight's input dimension {w.shape[-1]}"
+    return None
+
+
+def _tile_partial(x, q_ref, s_ref, lead, o0, k0, *, out: int, inp: int, cfg: Fp8GemvConfig):
+    """``x [R, block_in]`` times one scaled weight tile at ``(*lead, o0, k0)`` of ``q_ref [..., out, in]``.
+
+    f32 ``[R, block_out]``. Each ref is indexed once (``lead`` the expert's index in a stack): the
+    Triton lowering takes one indexer per load. The tile's masked rows and columns load as zeros, so an edge tile (or a split's tile past the
+    end of ``in``) adds nothing; its scale index is clamped to a real block for the same reason.
+    """
+    bo, bi = cfg.block_out, cfg.block_in
+    orows = o0 + jax.lax.broadcasted_iota(jnp.int32, (bo, bi), 0)
+    cols = k0 + jax.lax.broadcasted_iota(jnp.int32, (bo, bi), 1)
+    q = plgpu.load(q_ref.at[(*lead, pl.ds(o0, bo), pl.ds(k0, bi))], mask=(orows < out) & (cols < inp), other=0.0)
+    sb = jnp.minimum(k0 // SCALE_BLOCK, _cdiv(inp, SCALE_BLOCK) - 1)
+    scale = plgpu.load(s_ref.at[(*lead, pl.ds(o0 // SCALE_BLOCK, 1), pl.ds(sb, 1))])  # [1, 1]
+    if cfg.dot:
+        part = jax.lax.dot_general(x.astype(jnp.bfloat16), q.astype(jnp.bfloat16), (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+    else:
+        xf, qf = x.astype(jnp.float32), q.astype(jnp.float32)
+        part = jnp.sum(xf[:, None, :] * qf[None, :, :], axis=-1)
+    return part * scale
+
+
+def _load_rows(x_ref, rows, k0, *, inp: int, bi: int):
+    """Columns ``[k0, k0 + bi)`` of the rows ``rows`` (a ``pl.ds``) of ``x_ref [R, in]``, zeros past ``in``."""
+    cols = k0 + jax.lax.broadcasted_iota(jnp.int32, (rows.size, bi), 1)
+    return plgpu.load(x_ref.at[rows, pl.ds(k0, bi)], mask=cols < inp, other=0.0)
+
+
+def _split_loop(x_ref, rows, q_ref, s_ref, lead, o0, split, *, out, inp, cfg, tiles):
+    """The sum over the ``tiles`` input tiles of chunk ``split``: f32 ``[rows.size, block_out]``."""
+    def body(t, acc):
+        k0 = (split * tiles + t) * cfg.block_in
+        x = _load_rows(x_ref, rows, k0, inp=inp, bi=cfg.block_in)
+        return acc + _tile_partial(x, q_ref, s_ref, lead, o0, k0, out=out, inp=inp, cfg=cfg)
+    acc = jnp.zeros((rows.size, cfg.block_out), jnp.float32)
+    return jax.lax.fori_loop(0, tiles, body, acc)
+
+
+def _gemv_kernel(x_ref, q_ref, s_ref, o_ref, *, out, inp, cfg, tiles):
+    o0 = pl.program_id(0) * cfg.block_out
+    o_ref[...] = _split_loop(x_ref, pl.ds(0, x_ref.shape[0]), q_ref, s_ref, (), o0, pl.program_id(1),
+                             out=out, inp=inp, cfg=cfg, tiles=tiles)
+
+
+def _grouped_kernel(ids_ref, x_ref, q_ref, s_ref, o_ref, *, out, inp, cfg, tiles):
+    p = pl.program_id(0)
+    e = plgpu.load(ids_ref.at[pl.ds(p, 1)])[0]
+    o0 = pl.program_id(1) * cfg.block_out
+    o_ref[...] = _split_loop(x_ref, pl.ds(p, 1), q_ref, s_ref, (e,), o0, pl.program_id(2),
+                             out=out, inp=inp, cfg=cfg, tiles=tiles)
+
+
+def _plan(cfg: Fp8GemvConfig, out: int, inp: int) -> tuple[int, int]:
+    """(output blocks, input tiles per split) of ``cfg`` for an ``[out, in]`` weight."""
+    cfg.check()
+    return _cdiv(out, cfg.block_out), _cdiv(_cdiv(inp, cfg.block_in), cfg.splits)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _w8a16(x, w, *, config, interpret):
+    (out, inp), rows = w.shape, x.shape[0]
+    blocks, tiles = _plan(config, out, inp)
+    padded = max(DOT_ROWS, rows) if config.dot else max(1, 1 << (rows - 1).bit_length())
+    xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
+    parts = pl.pallas_call(
+        functools.partial(_gemv_kernel, out=out, inp=inp, cfg=config, tiles=tiles),
+        grid=(blocks, config.splits),
+        out_specs=pl.BlockSpec((None, padded, config.block_out), lambda j, s: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((config.splits, padded, blocks * config.block_out), jnp.float32),
+        interpret=interpret,
+        **triton_compiler_params(interpret, num_warps=config.num_warps, num_stages=config.num_stages),
+    )(xp, w.values, w.scale_inv.astype(jnp.float32))
+    return jnp.sum(parts, axis=0)[:rows, :out]
+
+
+def w8a16(x: jax.Array, w: BlockFp8Weight, *, config: Fp8GemvConfig | None = None,
+          interpret: bool = False) -> jax.Array:
+    """``x [R, in] @ dequantize(w).T``, f32 ``[R, out]``, streaming ``w``'s E4M3 values (``R <= 16``).
+
+    The products are exact f32 ones of the E4M3 values, each 128 x 128 block's partial scaled
+    once: the result is ``x @ dequantize(w, f32).T`` to f32 rounding (the reference rounds the
+    dequantized weight to ``x``'s dtype first). Inputs must pass `unsupported`.
+    """
+    why = unsupported(x, w)
+    if why:
+        raise ValueError(f"fp8 w8a16 kernel: {why}")
+    config = config or default_config(x.shape[0], *w.shape)
+    return _w8a16(x, w, config=config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _grouped(x, ids, w, *, config, interpret):
+    (_, out, inp), pairs = w.shape, x.shape[0]
+    blocks, tiles = _plan(config, out, inp)
+    parts = pl.pallas_call(
+        functools.partial(_grouped_kernel, out=out, inp=inp, cfg=config, tiles=tiles),
+        grid=(pairs, blocks, config.splits),
+        out_specs=pl.BlockSpec((None, 1, config.block_out), lambda p, j, s: (s, p, j)),
+        out_shape=jax.ShapeDtypeStruct((config.splits, pairs, blocks * config.block_out), jnp.float32),
+        interpret=interpret,
+        **triton_compiler_params(interpret, num_warps=config.num_warps, num_stages=config.num_stages),
+    )(ids.astype(jnp.int32), x, w.values, w.scale_inv.astype(jnp.float32))
+    return jnp.sum(parts, axis=0)[:, :out]
+
+
+def grouped_w8a16(x: jax.Array, ids: jax.Array, w: BlockFp8Weight, *, config: Fp8GemvConfig | None = None,
+                  interpret: bool = False) -> jax.Array:
+    """Row ``p`` of ``x [P, in]`` times expert ``ids[p]``'s ``dequantize(w[ids[p]]).T``: f32 ``[P, out]``.
+
+    ``w``: a stacked ``[E, out, in]`` weight; every pair streams its own expert's tiles (pairs
+    that share an expert read it again, as the gather form does), one row per program, so the
+    tile product is always the f32 reduce form (``config.dot`` is ignored). Ids must lie in
+    ``[0, E)``: an id outside reads outside the stack.
+    """
+    why = grouped_unsupported(x, ids, w)
+    if why:
+        raise ValueError(f"fp8 grouped w8a16 kernel: {why}")
+    config = dataclasses.replace(config or default_config(1, *w.shape[1:], pairs=x.shape[0]), dot=False)
+    return _grouped(x, ids, w, config=config, interpret=interpret)
