@@ -78,7 +78,8 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, impl: str =
         if not auto_decides(impl, "moe") or pays(ids):
             return mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
         return reference.routed_experts_gather(x, ids, expert_weights, gate, up, down)
-    if mode != "reference" and not _under_mesh() and _fp8_kernel_takes(x, ids, gate, up, down):
+    if (mode != "reference" and resolve_impl(impl, "fp8_gemm") != "reference" and not _under_mesh()
+            and _fp8_kernel_takes(x, ids, gate, up, down)):
         with triton_interpret_scope(mode) as interpret:
             return fp8_triton.routed_experts_gather(x, ids, expert_weights, gate, up, down, interpret=interpret)
     return reference.routed_experts(x, ids, expert_weights, gate, up, down)
