@@ -8,6 +8,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$ROOT"
 if [ "${1:-}" = "--full" ]; then
   shift
-  exec python -m pytest tests -n 2 --dist worksteal "$@"  # two workers: CI's suite in about half the time
+  exec python -m pytest tests -n 2 --dist worksteal "$@"  # one worker a core of the 2-core CI machine
 fi
 exec python -m pytest tests -m "not slow" "$@"
