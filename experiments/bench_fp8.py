@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments.ceilings import copy_bandwidth
+from experiments.ceilings import copy_bandwidth, median_seconds
 from experiments.results_io import provenance, write_atomic, write_json
 from mtp.ops import fp8
 from mtp.ops.fp8 import triton as fp8_triton
@@ -92,16 +92,6 @@ GEMM_FORMS = {"w8a16": lambda x, w: fp8.matmul(x, w), "post_scale": post_scale, 
 KERNEL_FORMS = {"pallas": kernel_form(), "pallas_dot": kernel_form(True), "pallas_reduce": kernel_form(False)}
 
 
-def _median_s(fn, args, reps) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
 def _scan_gemm(form):
     """``x`` through each weight of a stack, the outputs summed: one call streams the whole stack."""
     def run(x, stack):
@@ -127,13 +117,13 @@ def bench_gemms(shapes, rows_list, stack, reps, bw, key, forms=None) -> list[dic
         for rows in rows_list:
             x = jax.random.normal(jax.random.fold_in(kx, rows), (rows, i), jnp.bfloat16)
             exact = x.astype(jnp.float32) @ fp8.dequantize(jax.tree.map(lambda a: a[0], q)).T
-            base_s = _median_s(_scan_gemm(bf16_dot), (x, w), reps) / stack
+            base_s = median_seconds(_scan_gemm(bf16_dot), (x, w), reps, warmup=1) / stack
             out.append(dict(what=name, out=o, **{"in": i}, rows=rows, form="bf16", us=1e6 * base_s,
                             floor_us=1e6 * _nbytes(w) / stack / bw, ratio_to_bf16=1.0))
             for form, fn in forms.items():
                 got = fn(x, jax.tree.map(lambda a: a[0], q))
                 err = None if form == "convert_only" else float(jnp.max(jnp.abs(got - exact)) / jnp.max(jnp.abs(exact)))
-                s = _median_s(_scan_gemm(fn), (x, q), reps) / stack
+                s = median_seconds(_scan_gemm(fn), (x, q), reps, warmup=1) / stack
                 out.append(dict(what=name, out=o, **{"in": i}, rows=rows, form=form, us=1e6 * s,
                                 floor_us=1e6 * _nbytes(q) / stack / bw, ratio_to_bf16=s / base_s, rel_err=err))
     return out
@@ -172,7 +162,7 @@ def bench_experts(shape, rows_list, stack, reps, bw, key, kernel=True) -> list[d
         base_s = None
         forms = [("bf16", plain, run), ("fp8", quant, run)] + ([("fp8 kernel", quant, run_kernel)] if kernel else [])
         for form, ws, fn in forms:
-            s = _median_s(jax.jit(fn), (x, ids, weights, *ws), reps) / stack
+            s = median_seconds(jax.jit(fn), (x, ids, weights, *ws), reps, warmup=1) / stack
             base_s = base_s or s
             per_expert = _nbytes(ws) / e
             out.append(dict(what=f"routed experts (top-{k} of {e}, gather)", rows=rows, form=form, us=1e6 * s,

@@ -186,15 +186,16 @@ def abstract_params(cfg: ModelConfig, dtype=DTYPE, weights: str = "bf16"):
     return jax.eval_shape(lambda: device_params(cfg, 0, dtype, weights))
 
 
+def tensor_bytes(name: str, shape: tuple[int, ...], weights: str) -> int:
+    """A tensor's bytes on the device: bf16, or an FP8 weight's 8-bit values and f32 block scales."""
+    if is_fp8(name, weights):
+        return math.prod(shape) + 4 * math.prod(fp8.scale_shape(shape))
+    return 2 * math.prod(shape)
+
+
 def param_bytes(cfg: ModelConfig, weights: str = "bf16") -> dict[str, int]:
-    """Each tensor's bytes on the device: bf16, or an FP8 weight's 8-bit values and f32 block scales."""
-    out = {}
-    for name, shape in P.param_shapes(cfg).items():
-        if is_fp8(name, weights):
-            out[name] = math.prod(shape) + 4 * math.prod(fp8.scale_shape(shape))
-        else:
-            out[name] = 2 * math.prod(shape)
-    return out
+    """Each tensor's bytes on the device (`tensor_bytes`)."""
+    return {name: tensor_bytes(name, shape, weights) for name, shape in P.param_shapes(cfg).items()}
 
 
 def fitting_depth(cfg: ModelConfig, budget_gib: float, weights: str = "bf16") -> int:
@@ -220,10 +221,9 @@ def at_depth(cfg: ModelConfig, layers: int) -> ModelConfig:
 # ====================================================================== floors
 def expert_bytes(cfg: ModelConfig, weights: str = "bf16") -> int:
     """One routed expert's weights (gate, up, down) as stored: bf16, or FP8 with its block scales."""
-    nbytes = param_bytes(at_depth(cfg, 1) if cfg.is_moe_layer(0) else cfg, weights)
-    stacks = [(n, b) for n, b in nbytes.items() if P.is_expert_stack(n)]
-    layer = stacks[0][0].split(".mlp.")[0]
-    return sum(b for n, b in stacks if n.startswith(layer + ".")) // cfg.num_experts
+    i, h = cfg.moe_intermediate_size, cfg.hidden_size
+    return sum(tensor_bytes(f"mlp.experts.{proj}.weight", shape, weights)
+               for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))))
 
 
 def lm_head_bytes(cfg: ModelConfig) -> int:
@@ -844,11 +844,11 @@ def run(conf) -> dict:
     for spec, suite in specs:
         cfg = load_model_config(spec.name)
         depth = fitting_depth(cfg, conf.fit_memory_gib, "bf16" if spec.bf16_depth else spec.weights)
-        benches.append(ModelBench(spec.label, at_depth(cfg, depth), suite, conf, programs, report, deadline,
-                                  spec.weights))
+        run_cfg = at_depth(cfg, depth)
+        benches.append(ModelBench(spec.label, run_cfg, suite, conf, programs, report, deadline, spec.weights))
         report.add(what="model", model=spec.label, layers=depth, published_layers=cfg.num_hidden_layers,
-                   weights=spec.weights, params=sum(math.prod(s) for s in P.param_shapes(at_depth(cfg, depth)).values()),
-                   weight_gib=sum(param_bytes(at_depth(cfg, depth), spec.weights).values()) / 2 ** 30)
+                   weights=spec.weights, params=sum(math.prod(s) for s in P.param_shapes(run_cfg).values()),
+                   weight_gib=sum(param_bytes(run_cfg, spec.weights).values()) / 2 ** 30)
     peer_name = (TINY_PEER if tiny and conf.peer_model else conf.peer_model) or None
     peer = None
     if peer_name:

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 
 
-def _median_s(fn, args, reps: int) -> float:
-    for _ in range(2):
+def median_seconds(fn, args, reps: int, warmup: int = 2) -> float:
+    """Median wall seconds of ``fn(*args)`` over ``reps`` calls, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
@@ -33,7 +34,7 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> tuple[float, str]:
     """
     x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
     scale = jax.jit(lambda a: a * jnp.bfloat16(1.0009765625))
-    best, how = 2 * nbytes / _median_s(scale, (x,), reps), f"XLA elementwise over {nbytes / 2 ** 30:.3g} GiB"
+    best, how = 2 * nbytes / median_seconds(scale, (x,), reps), f"XLA elementwise over {nbytes / 2 ** 30:.3g} GiB"
     del x
     try:
         import torch
@@ -64,4 +65,4 @@ def gemm_flops_per_s(n: int = 8192, reps: int = 5) -> float:
     a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    return 2 * n ** 3 / _median_s(f, (a, b), reps)
+    return 2 * n ** 3 / median_seconds(f, (a, b), reps)

@@ -1,13 +1,13 @@
 """The FP8 GEMM entry point: ``x @ w.T`` for a `BlockFp8Weight`, reference or kernel.
 
 `matmul` resolves ``impl`` through the project's kernel switch (`mtp.pallas.backend.resolve_impl`,
-op ``"fp8_gemm"``, so ``MTP_KERNELS=fp8_gemm=...`` names it like every other op). No Pallas kernel
-exists for it yet, so every implementation runs the reference (`reference.w8a16` / `w8a8`), whose
-dequantize XLA fuses into its GEMM on a GPU. A kernel goes in a file beside this one with the same
-signature and an ``unsupported(...) -> str | None`` naming the shapes it declines, and `matmul`
-calls it where the resolved path is ``"pallas"`` or ``"interpret"``.
+op ``"fp8_gemm"``, so ``MTP_KERNELS=fp8_gemm=...`` names it like every other op). The reference
+(`reference.w8a16` / `w8a8`) dequantizes right before XLA's dot. The kernel (`triton`, with the
+reference's signature and an ``unsupported`` that names the inputs it declines) runs where the
+resolved path is ``"pallas"`` or ``"interpret"``; ``fp8_gemm`` is opt-in (`backend.OPT_IN`), so
+``"auto"`` keeps the reference until the kernel is timed on a GPU.
 
-`triton` is that kernel for ``w8a16`` at up to 16 rows (a decode or verify step, where the GEMM is
+`triton` is the kernel for ``w8a16`` at up to 16 rows (a decode or verify step, where the GEMM is
 bound by the weight's bytes): XLA's fused dequantize streamed FP8 weights no faster than bf16
 ones there. More rows, other dtypes or blocks, and ``w8a8`` run the reference, which is the only
 path on a CPU unless ``impl="interpret"`` is named, so a CPU model with FP8 weights still equals

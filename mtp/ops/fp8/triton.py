@@ -1,4 +1,4 @@
-"""A weight-streaming w8a16 kernel for few rows: `reference.w8a16`'s and `reference.grouped_w8a16`'s signatures.
+"""Weight-streaming w8a16 kernels for few rows: `w8a16` (`reference.w8a16`'s signature) and its grouped form.
 
 A decode or verify step multiplies 1-16 rows by each weight, so its GEMMs are bound by the bytes
 of the weight. XLA's forms of the block-scaled product (the dequantize fused into the dot, or the

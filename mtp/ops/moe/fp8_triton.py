@@ -31,8 +31,8 @@ def unsupported(x, expert_ids, gate, up, down) -> str | None:
     if not all(isinstance(w, BlockFp8Weight) for w in (gate, up, down)):
         return "the experts are not all BlockFp8Weight"
     pairs = x.shape[0] * expert_ids.shape[1]
-    rows = jnp.zeros((pairs, x.shape[1]), x.dtype)
-    ids = jnp.zeros((pairs,), jnp.int32)
+    rows = jax.ShapeDtypeStruct((pairs, x.shape[1]), x.dtype)
+    ids = jax.ShapeDtypeStruct((pairs,), jnp.int32)
     hidden = jax.ShapeDtypeStruct((pairs, gate.shape[1]), x.dtype)
     return (triton.grouped_unsupported(rows, ids, gate) or triton.grouped_unsupported(rows, ids, up)
             or triton.grouped_unsupported(hidden, ids, down))
