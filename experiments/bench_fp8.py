@@ -17,21 +17,19 @@ projection shapes and its routed experts (top-10 of 512), each form of ``x @ w.T
 * ``convert_only``: the converted values with no scale at all: not the weight (its error is not
   checked), the bound of what any form that reads the values can reach;
 * ``pallas``: `mtp.ops.fp8.triton`'s weight-streaming kernel at its default tiling
-  (`triton.default_config`), and ``pallas_dot`` / ``pallas_reduce`` the same kernel with its tile
-  product forced to Triton's dot or to the f32 multiply and sum (on a CPU these run in Pallas'
-  interpreter, and only under ``--small``);
+  (`triton.default_config`; on a CPU it runs in Pallas' interpreter, and only under ``--small``);
+  ``kernel_pays`` on its rows says whether the model's ``"auto"`` takes it there;
 * ``experts``: the routed-expert FFN's gather form (`mtp.ops.moe.reference.routed_experts_gather`)
-  over bf16 and FP8 expert stacks, a fresh routing each call, and ``fp8 kernel`` the same FFN on
-  the grouped Triton kernel (`mtp.ops.moe.fp8_triton`).
+  over bf16 and FP8 expert stacks, one random routing per row count.
 
-Each time is the median over ``--reps`` jitted calls, each a ``lax.scan`` over ``--stack`` weights
-(or routings), more bytes than the 50 MB L2 holds, divided by the stack; the floor is the bytes a
-call must read over the measured copy bandwidth. Writes ``results.json`` and ``results.md``.
+Each time is the median over ``--reps`` calls of one weight (or one routing) with the L2 cold, on
+a GPU its kernels' CUPTI time (`ceilings.device_seconds`: a ``lax.scan`` over a stack of weights
+would slice each out, and XLA may copy the slice before the dot); the floor is the bytes a call
+must read over the measured copy bandwidth. Writes ``results.json`` and ``results.md``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 import time
 
@@ -40,11 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments.ceilings import copy_bandwidth, median_seconds
+from experiments.ceilings import copy_bandwidth, device_seconds
 from experiments.results_io import provenance, write_atomic, write_json
 from mtp.ops import fp8
 from mtp.ops.fp8 import triton as fp8_triton
-from mtp.ops.moe import fp8_triton as moe_fp8
 from mtp.ops.moe import reference as moe_ref
 from mtp.pallas.backend import on_gpu
 
@@ -79,58 +76,52 @@ def bf16_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
 
 
-def kernel_form(dot: bool | None = None):
-    """The Triton kernel (compiled on a GPU, interpreted elsewhere) at its default tiling, ``dot`` forced if given."""
-    def run(x, w):
-        config = fp8_triton.default_config(x.shape[0], *w.shape)
-        config = config if dot is None else dataclasses.replace(config, dot=dot)
-        return fp8_triton.w8a16(x, w, config=config, interpret=not on_gpu())
-    return run
+def kernel(x, w):
+    """The Triton kernel (compiled on a GPU, interpreted elsewhere) at its default tiling."""
+    return fp8_triton.w8a16(x, w, interpret=not on_gpu())
 
 
-GEMM_FORMS = {"w8a16": lambda x, w: fp8.matmul(x, w), "post_scale": post_scale, "convert_only": convert_only}
-KERNEL_FORMS = {"pallas": kernel_form(), "pallas_dot": kernel_form(True), "pallas_reduce": kernel_form(False)}
-
-
-def _scan_gemm(form):
-    """``x`` through each weight of a stack, the outputs summed: one call streams the whole stack."""
-    def run(x, stack):
-        def body(acc, w):
-            return acc + form(x, w), None
-        out = jax.eval_shape(lambda w: form(x, w), jax.tree.map(lambda a: a[0], stack))
-        return jax.lax.scan(body, jnp.zeros(out.shape, jnp.float32), stack)[0]
-    return jax.jit(run)
+GEMM_FORMS = {"w8a16": lambda x, w: fp8.matmul(x, w, impl="reference"), "post_scale": post_scale,
+              "convert_only": convert_only}
+KERNEL_FORMS = {"pallas": kernel}
 
 
 def _nbytes(tree) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
-def bench_gemms(shapes, rows_list, stack, reps, bw, key, forms=None) -> list[dict]:
+def bench_gemms(shapes, rows_list, reps, bw, key, forms=None) -> list[dict]:
     """One row per (shape, rows, form): bf16 first, then ``forms`` (default: XLA's and the kernel's)."""
     forms = {**GEMM_FORMS, **KERNEL_FORMS} if forms is None else forms
     out = []
     for name, o, i in shapes:
         kw, kx = jax.random.split(jax.random.fold_in(key, o * 7919 + i))
-        w = (jax.random.normal(kw, (stack, o, i), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        w = (jax.random.normal(kw, (o, i), jnp.float32) * 0.02).astype(jnp.bfloat16)
         q = fp8.quantize(w)
         for rows in rows_list:
             x = jax.random.normal(jax.random.fold_in(kx, rows), (rows, i), jnp.bfloat16)
-            exact = x.astype(jnp.float32) @ fp8.dequantize(jax.tree.map(lambda a: a[0], q)).T
-            base_s = median_seconds(_scan_gemm(bf16_dot), (x, w), reps, warmup=1) / stack
+            exact = x.astype(jnp.float32) @ fp8.dequantize(q).T
+            base_s = device_seconds(jax.jit(bf16_dot), (x, w), reps)
             out.append(dict(what=name, out=o, **{"in": i}, rows=rows, form="bf16", us=1e6 * base_s,
-                            floor_us=1e6 * _nbytes(w) / stack / bw, ratio_to_bf16=1.0))
+                            floor_us=1e6 * _nbytes(w) / bw, ratio_to_bf16=1.0))
             for form, fn in forms.items():
-                got = fn(x, jax.tree.map(lambda a: a[0], q))
+                t0 = time.perf_counter()
+                fn = jax.jit(fn)
+                got = jax.block_until_ready(fn(x, q))
+                first_s = time.perf_counter() - t0  # the first call: its compile
                 err = None if form == "convert_only" else float(jnp.max(jnp.abs(got - exact)) / jnp.max(jnp.abs(exact)))
-                s = median_seconds(_scan_gemm(fn), (x, q), reps, warmup=1) / stack
+                s = device_seconds(fn, (x, q), reps)
                 out.append(dict(what=name, out=o, **{"in": i}, rows=rows, form=form, us=1e6 * s,
-                                floor_us=1e6 * _nbytes(q) / stack / bw, ratio_to_bf16=s / base_s, rel_err=err))
+                                floor_us=1e6 * _nbytes(q) / bw, ratio_to_bf16=s / base_s, rel_err=err,
+                                first_call_s=first_s,
+                                auto_takes=fp8_triton.pays(rows, o, i) if form == "pallas" else None))
+                print(f"{name} [{o}, {i}] rows={rows} {form}: {1e6 * s:.1f} us ({s / base_s:.2f}x bf16), "
+                      f"error {err}, first call {first_s:.1f} s", flush=True)
     return out
 
 
-def bench_experts(shape, rows_list, stack, reps, bw, key, kernel=True) -> list[dict]:
-    """One row per (rows, form): the gather form over bf16 and FP8 experts, and (``kernel``) FP8 on the Triton kernel."""
+def bench_experts(shape, rows_list, reps, bw, key) -> list[dict]:
+    """One row per (rows, form): the gather form over bf16 and over FP8 experts."""
     e, k, inter, h = shape["num"], shape["top_k"], shape["inter"], shape["hidden"]
     keys = jax.random.split(key, 4)
 
@@ -139,34 +130,19 @@ def bench_experts(shape, rows_list, stack, reps, bw, key, kernel=True) -> list[d
                 for kk, s in zip(keys[:3], ((e, inter, h), (e, inter, h), (e, h, inter)))]
 
     plain, quant = stacks(lambda a: a), stacks(fp8.quantize)
+    forms = [("bf16", plain), ("fp8", quant)]
     out = []
     for rows in rows_list:
         x = jax.random.normal(jax.random.fold_in(keys[3], rows), (rows, h), jnp.bfloat16)
-        scores = jax.random.uniform(jax.random.fold_in(keys[3], 100 + rows), (stack, rows, e))
-        ids = jax.lax.top_k(scores, k)[1]
-        weights = jnp.full((stack, rows, k), 1.0 / k, jnp.float32)
-
-        def run(x, ids, weights, gate, up, down):
-            def body(acc, step):
-                i, wt = step
-                return acc + moe_ref.routed_experts_gather(x, i, wt, gate, up, down), None
-            return jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), (ids, weights))[0]
-
-        def run_kernel(x, ids, weights, gate, up, down):
-            def body(acc, step):
-                i, wt = step
-                return acc + moe_fp8.routed_experts_gather(x, i, wt, gate, up, down, interpret=not on_gpu()), None
-            return jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), (ids, weights))[0]
-
-        distinct = float(np.mean([np.unique(np.asarray(ids[s])).size for s in range(stack)]))
+        ids = jax.lax.top_k(jax.random.uniform(jax.random.fold_in(keys[3], 100 + rows), (rows, e)), k)[1]
+        weights = jnp.full((rows, k), 1.0 / k, jnp.float32)
+        distinct = int(np.unique(np.asarray(ids)).size)
         base_s = None
-        forms = [("bf16", plain, run), ("fp8", quant, run)] + ([("fp8 kernel", quant, run_kernel)] if kernel else [])
-        for form, ws, fn in forms:
-            s = median_seconds(jax.jit(fn), (x, ids, weights, *ws), reps, warmup=1) / stack
+        for form, ws in forms:
+            s = device_seconds(jax.jit(moe_ref.routed_experts_gather), (x, ids, weights, *ws), reps)
             base_s = base_s or s
-            per_expert = _nbytes(ws) / e
             out.append(dict(what=f"routed experts (top-{k} of {e}, gather)", rows=rows, form=form, us=1e6 * s,
-                            floor_us=1e6 * distinct * per_expert / bw, ratio_to_bf16=s / base_s,
+                            floor_us=1e6 * distinct * _nbytes(ws) / e / bw, ratio_to_bf16=s / base_s,
                             distinct_experts=distinct))
     return out
 
@@ -174,11 +150,13 @@ def bench_experts(shape, rows_list, stack, reps, bw, key, kernel=True) -> list[d
 def markdown(data) -> str:
     lines = [f"# FP8 weight GEMMs at few rows\n\n{data['device']}, {data['date']}; copy bandwidth "
              f"{data['copy_bandwidth_TBps']:.2f} TB/s; every ratio is of this run.\n",
+             "`auto` marks the kernel's rows where the model's ``impl=\"auto\"`` takes it (`triton.pays`).\n",
              "| what | rows | form | µs | floor µs | x floor | x bf16 | rel. error |", "|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         shape = f" [{r['out']}, {r['in']}]" if "out" in r else ""
         err = "" if r.get("rel_err") is None else f"{r['rel_err']:.1e}"
-        lines.append(f"| {r['what']}{shape} | {r['rows']} | {r['form']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
+        form = r["form"] + (" (auto)" if r.get("auto_takes") else "")
+        lines.append(f"| {r['what']}{shape} | {r['rows']} | {form} | {r['us']:.1f} | {r['floor_us']:.1f} | "
                      f"{r['us'] / r['floor_us']:.2f} | {r['ratio_to_bf16']:.2f} | {err} |")
     return "\n".join(lines) + "\n"
 
@@ -195,9 +173,11 @@ def main(argv):
                 device=str(jax.devices()[0].device_kind), copy_bandwidth_TBps=bw / 1e12, rows=[])
     # Off a GPU the kernel runs in Pallas' interpreter: at the real shapes that takes hours.
     forms = {**GEMM_FORMS, **KERNEL_FORMS} if small or on_gpu() else GEMM_FORMS
-    data["rows"] += bench_gemms(SMALL_SHAPES if small else SHAPES, rows, FLAGS.stack, FLAGS.reps, bw, key, forms)
-    data["rows"] += bench_experts(SMALL_EXPERTS if small else EXPERTS, rows, FLAGS.stack, FLAGS.reps, bw, key,
-                                  kernel=small or on_gpu())
+    forms = {f: fn for f, fn in forms.items() if f in FLAGS.forms}
+    shapes = [s for s in (SMALL_SHAPES if small else SHAPES) if not FLAGS.shapes or s[0].split()[0] in FLAGS.shapes]
+    data["rows"] += bench_gemms(shapes, rows, FLAGS.reps, bw, key, forms)
+    if FLAGS.experts:
+        data["rows"] += bench_experts(SMALL_EXPERTS if small else EXPERTS, rows, FLAGS.reps, bw, key)
     write_json(out / "results.json", data)
     md = markdown(data)
     write_atomic(out / "results.md", md)
@@ -208,10 +188,12 @@ def main(argv):
 def define_flags():
     flags.DEFINE_string("out_dir", "runs/bench_fp8", "Where results.json and results.md go.")
     flags.DEFINE_list("rows", ["1", "4", "8"], "Activation rows of each GEMM (a decode step's tokens).")
-    flags.DEFINE_integer("stack", 16, "Weights (or routings) one timed call streams: more bytes than the L2.",
-                         lower_bound=1)
     flags.DEFINE_integer("reps", 20, "Timed calls per row (the median).", lower_bound=1)
     flags.DEFINE_bool("small", False, "Tiny shapes, for a CPU check of the script.")
+    flags.DEFINE_multi_enum("forms", list(GEMM_FORMS) + list(KERNEL_FORMS), list(GEMM_FORMS) + list(KERNEL_FORMS),
+                            "GEMM forms timed beside bf16 (the kernel's only on a GPU or with --small).")
+    flags.DEFINE_list("shapes", [], f"Projections to time (default all): {', '.join(s[0].split()[0] for s in SHAPES)}.")
+    flags.DEFINE_bool("experts", True, "Also time the routed experts' FFN.")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,18 @@ def median_seconds(fn, args, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def device_seconds(fn, args, reps: int) -> float:
+    """Median seconds of one call ``fn(*args)``: on a GPU its kernels' device time with the L2 cold
+    (`experiments.cupti`: no dispatch overhead, no input left in L2 by the call before), elsewhere
+    `median_seconds`' wall time. ``fn`` is compiled by an untimed first call."""
+    if jax.default_backend() != "gpu":
+        return median_seconds(fn, args, reps, warmup=1)
+    from experiments import cupti
+
+    jax.block_until_ready(fn(*args))
+    return statistics.median(sum(ms for _, ms in cupti.kernel_timings(fn, args)) * 1e-3 for _ in range(reps))
+
+
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> tuple[float, str]:
     """``(bytes read + written per second, how)`` of a device copy of ``nbytes``: the memory ceiling.
 

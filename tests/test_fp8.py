@@ -463,3 +463,26 @@ def test_routed_experts_on_stacked_fp8_experts_dequantize_only_the_selected_ones
     # before any dequantize, so no f32 array of all E experts exists in it.
     jaxpr = str(jax.make_jaxpr(op)(x, ids, weights, gate, up, down))
     assert f"f32[{experts},{inner},{hidden}]" not in jaxpr and f"f32[{experts},{hidden},{inner}]" not in jaxpr
+
+
+def test_greedy_speculative_decoding_on_the_fp8_kernel_is_token_identical(tmp_path, monkeypatch):
+    """bf16 activations and FP8 weights with `mtp.ops.fp8.triton` (interpreted here) in both loops:
+    the GPU's "auto" path at the rows the kernel takes."""
+    from mtp.ops.fp8 import triton
+
+    calls = []
+    run = triton.w8a16
+    monkeypatch.setattr(triton, "w8a16", lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k))
+    cfg = tiny_config("tiny_dense").replace(tie_word_embeddings=False)
+    path = save_pretrained(tmp_path / "m", cfg, agreeing_params(cfg, 11, 0.01))
+    cfg, params = load_pretrained(path, dtype=jnp.bfloat16, weight_quant="fp8")
+    monkeypatch.setenv("MTP_KERNELS", "fp8_gemm=interpret")
+    jax.clear_caches()  # the switch is read when a function is traced
+    prompts = [[5, 9, 2, 7, 3], [11, 4, 8]]
+    spec = SpecConfig(max_new_tokens=8, verify_width=3, plain_width=3)
+    plain = generate(cfg, params, prompts, spec, speculative=False).tokens
+    res = generate(cfg, params, prompts, spec)
+    jax.clear_caches()
+    assert calls and max(calls) <= triton.MAX_ROWS, calls
+    assert res.tokens == plain
+    assert res.stats.accepted > 0, res.stats

@@ -30,9 +30,6 @@ OPT_IN = {
     # 1.045x (plain) and 1.006x (speculative K = 2) at batch 1, but the 1.38B decode step
     # 0.96-0.98x (batch 1) and 0.94x (batch 8).
     "paged_attention_triton": "faster only in the small default model's loops",
-    # The weight-streaming FP8 kernels (mtp/ops/fp8/triton.py, and the FP8 routed experts of
-    # mtp/ops/moe/fp8_triton.py) are tested in interpret mode but not yet timed on a GPU.
-    "fp8_gemm": "not yet timed on a GPU",
 }
 
 

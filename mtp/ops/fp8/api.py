@@ -4,11 +4,11 @@
 op ``"fp8_gemm"``, so ``MTP_KERNELS=fp8_gemm=...`` names it like every other op). The reference
 (`reference.w8a16` / `w8a8`) dequantizes right before XLA's dot. The kernel (`triton`, with the
 reference's signature and an ``unsupported`` that names the inputs it declines) runs where the
-resolved path is ``"pallas"`` or ``"interpret"``; ``fp8_gemm`` is opt-in (`backend.OPT_IN`), so
-``"auto"`` keeps the reference until the kernel is timed on a GPU.
+resolved path is ``"pallas"`` or ``"interpret"``; under ``"auto"`` on a GPU only where its measured
+rule (`triton.pays`) says it beats XLA.
 
 `triton` is the kernel for ``w8a16`` at up to 16 rows (a decode or verify step, where the GEMM is
-bound by the weight's bytes): XLA's fused dequantize streamed FP8 weights no faster than bf16
+bound by the weight's bytes): XLA's fused dequantize streamed FP8 weights 2-3x slower than bf16
 ones there. More rows, other dtypes or blocks, and ``w8a8`` run the reference, which is the only
 path on a CPU unless ``impl="interpret"`` is named, so a CPU model with FP8 weights still equals
 its dequantized twin bit for bit.
@@ -41,7 +41,8 @@ def matmul(x: jax.Array, w: BlockFp8Weight, *, mode: str = "w8a16", impl: str = 
         return run_triton_op(OP, impl, lambda: f"mode {mode}", ref, None)
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     return run_triton_op(OP, impl, lambda: unsupported(x, w), ref,
-                         lambda interpret: triton.w8a16(x2, w, interpret=interpret).reshape(*x.shape[:-1], -1))
+                         lambda interpret: triton.w8a16(x2, w, interpret=interpret).reshape(*x.shape[:-1], -1),
+                         kernel_pays=lambda: triton.pays(x2.shape[0], *w.shape))
 
 
 def unsupported(x: jax.Array, w: BlockFp8Weight) -> str | None:

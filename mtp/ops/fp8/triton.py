@@ -1,28 +1,22 @@
-"""Weight-streaming w8a16 kernels for few rows: `w8a16` (`reference.w8a16`'s signature) and its grouped form.
+"""A weight-streaming w8a16 kernel for few rows: `w8a16`, `reference.w8a16`'s signature.
 
 A decode or verify step multiplies 1-16 rows by each weight, so its GEMMs are bound by the bytes
-of the weight. XLA's forms of the block-scaled product (the dequantize fused into the dot, or the
-scale applied after a per-block dot) ran no faster with FP8 weights than with bf16 ones on an
-H200 (results/kernels/fp8_few_rows_h200/results.md): they do not stream the 8-bit values at the
-copy rate. Here each program reads one ``block_out x block_in`` tile of E4M3 values at a time,
-converts it in registers, multiplies it with the rows, scales the tile's partial product by its
-128 x 128 block's one ``scale_inv`` and accumulates in f32; the weight is read once, 8 bits per
-element, and nothing is written but the ``[splits, rows, out]`` f32 partial sums.
+of the weight. XLA's form of the block-scaled product (the dequantize fused into the dot) ran
+2.2-3.4x slower with FP8 weights than XLA's dot with bf16 ones on an H200 at Qwen3-Next-80B's
+large projections (results/kernels/fp8_few_rows_h200/results.md): it does not stream the 8-bit
+values at the copy rate. Here each program reads one ``block_out x block_in`` tile of E4M3
+values at a time, converts it to bf16 in registers (bf16 holds every E4M3 value exactly), takes
+Triton's dot with the rows (padded to 16, its smallest M), scales the tile's partial product by
+its 128 x 128 block's one ``scale_inv`` and accumulates in f32; the weight is read once, 8 bits
+per element, and nothing is written but the ``[splits, rows, out]`` f32 partial sums.
 
 The grid is ``(output blocks, splits)``: ``splits`` divides the input dimension into contiguous
 chunks of whole tiles so that enough programs stream at once (a ``[2048, 4096]`` weight has only
 16 output blocks of 128 rows; 8 splits make 128 programs for the H200's 132 SMs), and XLA sums
-the partials. Edge tiles (``out`` or ``in`` not multiples of the tile) are masked loads. The
-grouped form (`grouped_w8a16`, the routed experts' gather form) adds a pair axis to the grid:
-each program reads its pair's expert id and offsets into the stacked ``[E, out, in]`` weight, so
-no gathered copy of the selected experts is ever written.
-
-A program computes its tile's product either with Triton's dot (``dot=True``: the rows padded to
-16, its smallest M, the values converted to bf16, which holds every E4M3 value exactly) or as a
-broadcast multiply and a row sum in f32 (``dot=False``, the one-row GEMV form the grouped kernel
-always uses). Pallas' Triton lowering converts ``float8_e4m3fn`` on compute capability 8.9 and up
-(an H100 / H200 is 9.0). `Fp8GemvConfig` holds the tiling; `default_config` picks it from the
-shape, and a caller tuning on a GPU passes its own.
+the partials. Edge tiles (``out`` or ``in`` not multiples of the tile) are masked loads. Pallas'
+Triton lowering converts ``float8_e4m3fn`` on compute capability 8.9 and up (an H100 / H200 is
+9.0). `Fp8GemvConfig` holds the tiling; `default_config` picks it from the shape, and a caller
+tuning on a GPU passes its own; `pays` is the measured rule of where the kernel beats XLA.
 """
 
 from __future__ import annotations
@@ -38,8 +32,8 @@ from jax.experimental.pallas import triton as plgpu
 from mtp.ops.fp8.reference import BlockFp8Weight
 from mtp.pallas.backend import num_sms, triton_compiler_params
 
-MAX_ROWS = 16  # the rows (or pairs' rows per program) the kernels are for: a decode or verify step
-DOT_ROWS = 16  # Triton's smallest dot M: the dot form pads the rows to it
+MAX_ROWS = 16  # the rows the kernel is for: a decode or verify step
+DOT_ROWS = 16  # Triton's smallest dot M: the rows are padded to it
 SCALE_BLOCK = 128  # the only scale block the kernels take (Qwen's checkpoints)
 
 
@@ -50,8 +44,7 @@ class Fp8GemvConfig:
     ``block_out`` / ``block_in``: a program's tile of the weight, each a power of two that
     divides 128 (a tile then lies in one scale block); ``splits``: the chunks the input dimension
     is divided into (programs per output block; XLA sums their partials); ``num_warps`` /
-    ``num_stages``: Triton's warps per program and software-pipeline depth of the tile loop;
-    ``dot``: Triton's dot (rows padded to 16) or a broadcast multiply and sum.
+    ``num_stages``: Triton's warps per program and software-pipeline depth of the tile loop.
     """
 
     block_out: int = 128
@@ -59,7 +52,6 @@ class Fp8GemvConfig:
     splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    dot: bool = True
 
     def check(self) -> None:
         for name in ("block_out", "block_in"):
@@ -74,22 +66,34 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def default_config(rows: int, out: int, inp: int, pairs: int = 1) -> Fp8GemvConfig:
-    """The tiling for ``rows`` rows (``pairs`` row programs, the grouped form) of an ``[out, in]`` weight.
+def default_config(out: int, inp: int) -> Fp8GemvConfig:
+    """The tiling of an ``[out, in]`` weight.
 
     Tiles of 128 x 128 (one scale block, 16 KB of E4M3: few loop trips and wide loads); 64 output
     rows where 128 would leave under one program per SM even split all the way; then the fewest
     power-of-two splits that give about one program per SM (from 7/8 of the SMs on: 128 programs
-    on the H200's 132), no more splits than input tiles. One row reduces in f32 (a GEMV: Triton's
-    dot would pad it to 16 rows); more take the dot.
+    on the H200's 132), no more splits than input tiles.
     """
     sms = num_sms() * 7 // 8
-    block_out = 128 if pairs * _cdiv(out, 128) * _cdiv(inp, 128) >= sms else 64
+    block_out = 128 if _cdiv(out, 128) * _cdiv(inp, 128) >= sms else 64
     tiles_in = _cdiv(inp, 128)
     splits = 1
-    while pairs * _cdiv(out, block_out) * splits < sms and splits * 2 <= tiles_in:
+    while _cdiv(out, block_out) * splits < sms and splits * 2 <= tiles_in:
         splits *= 2
-    return Fp8GemvConfig(block_out=block_out, block_in=128, splits=splits, dot=rows > 1)
+    return Fp8GemvConfig(block_out=block_out, block_in=128, splits=splits)
+
+
+def pays(rows: int, out: int, inp: int) -> bool:
+    """Whether the kernel beats XLA's fused dequantize for ``rows`` rows of an ``[out, in]`` weight.
+
+    Measured on an H200 (CUPTI, L2 cold; results/kernels/fp8_few_rows_h200/results.md, 2026-12-02):
+    at 4 rows the kernel took 0.39-0.92x XLA's time at every projection of Qwen3-Next-80B; at one
+    row XLA's GEMV fusion read the small weights (``out <= 4096``) faster (5.3 against 9.4 µs at
+    ``[2048, 4096]``), the kernel the large ones (17.6 against 53.2 µs at ``[12288, 2048]``).
+    Row counts between were not timed apart; they take the 4-row rule.
+    """
+    del inp
+    return rows > 1 or out > 4096
 
 
 def unsupported(x: jax.Array, w: BlockFp8Weight) -> str | None:
@@ -98,22 +102,8 @@ def unsupported(x: jax.Array, w: BlockFp8Weight) -> str | None:
         return f"the weight is a {type(w).__name__}, not a BlockFp8Weight"
     if w.ndim != 2 or x.ndim != 2:
         return f"the kernel takes x [rows, in] and a 2-D weight, got x {tuple(x.shape)} and w {w.shape}"
-    return _common_unsupported(x, w, "rows", x.shape[0])
-
-
-def grouped_unsupported(x: jax.Array, ids: jax.Array, w: BlockFp8Weight) -> str | None:
-    """Why the grouped kernel cannot take ``x [P, in]``, ``ids [P]`` and ``w [E, out, in]``, or None."""
-    if not isinstance(w, BlockFp8Weight):
-        return f"the weight is a {type(w).__name__}, not a BlockFp8Weight"
-    if w.ndim != 3 or len(x.shape) != 2 or tuple(ids.shape) != tuple(x.shape[:1]):
-        return (f"the kernel takes x [P, in], ids [P] and a stacked weight [E, out, in], got x "
-                f"{tuple(x.shape)}, ids {tuple(ids.shape)} and w {w.shape}")
-    return _common_unsupported(x, w, "pairs", None)
-
-
-def _common_unsupported(x, w, what: str, rows: int | None) -> str | None:
-    if rows is not None and rows > MAX_ROWS:
-        return f"{rows} {what}: the kernel streams the weight for at most {MAX_ROWS}"
+    if x.shape[0] > MAX_ROWS:
+        return f"{x.shape[0]} rows: the kernel streams the weight for at most {MAX_ROWS}"
     if x.dtype != jnp.bfloat16:
         return f"x is {x.dtype}; the kernel takes bfloat16 activations"
     if jnp.dtype(w.values.dtype) != jnp.float8_e4m3fn:
@@ -125,25 +115,20 @@ def _common_unsupported(x, w, what: str, rows: int | None) -> str | None:
     return None
 
 
-def _tile_partial(x, q_ref, s_ref, lead, o0, k0, *, out: int, inp: int, cfg: Fp8GemvConfig):
-    """``x [R, block_in]`` times one scaled weight tile at ``(*lead, o0, k0)`` of ``q_ref [..., out, in]``.
+def _tile_partial(x, q_ref, s_ref, o0, k0, *, out: int, inp: int, cfg: Fp8GemvConfig):
+    """``x [R, block_in]`` times one scaled weight tile at ``(o0, k0)`` of ``q_ref [out, in]``: f32 ``[R, block_out]``.
 
-    f32 ``[R, block_out]``. Each ref is indexed once (``lead`` the expert's index in a stack): the
-    Triton lowering takes one indexer per load. The tile's masked rows and columns load as zeros, so an edge tile (or a split's tile past the
+    The tile's masked rows and columns load as zeros, so an edge tile (or a split's tile past the
     end of ``in``) adds nothing; its scale index is clamped to a real block for the same reason.
     """
     bo, bi = cfg.block_out, cfg.block_in
     orows = o0 + jax.lax.broadcasted_iota(jnp.int32, (bo, bi), 0)
     cols = k0 + jax.lax.broadcasted_iota(jnp.int32, (bo, bi), 1)
-    q = plgpu.load(q_ref.at[(*lead, pl.ds(o0, bo), pl.ds(k0, bi))], mask=(orows < out) & (cols < inp), other=0.0)
+    q = plgpu.load(q_ref.at[pl.ds(o0, bo), pl.ds(k0, bi)], mask=(orows < out) & (cols < inp), other=0.0)
     sb = jnp.minimum(k0 // SCALE_BLOCK, _cdiv(inp, SCALE_BLOCK) - 1)
-    scale = plgpu.load(s_ref.at[(*lead, pl.ds(o0 // SCALE_BLOCK, 1), pl.ds(sb, 1))])  # [1, 1]
-    if cfg.dot:
-        part = jax.lax.dot_general(x.astype(jnp.bfloat16), q.astype(jnp.bfloat16), (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-    else:
-        xf, qf = x.astype(jnp.float32), q.astype(jnp.float32)
-        part = jnp.sum(xf[:, None, :] * qf[None, :, :], axis=-1)
+    scale = plgpu.load(s_ref.at[pl.ds(o0 // SCALE_BLOCK, 1), pl.ds(sb, 1)])  # [1, 1]
+    part = jax.lax.dot_general(x.astype(jnp.bfloat16), q.astype(jnp.bfloat16), (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
     return part * scale
 
 
@@ -153,28 +138,16 @@ def _load_rows(x_ref, rows, k0, *, inp: int, bi: int):
     return plgpu.load(x_ref.at[rows, pl.ds(k0, bi)], mask=cols < inp, other=0.0)
 
 
-def _split_loop(x_ref, rows, q_ref, s_ref, lead, o0, split, *, out, inp, cfg, tiles):
-    """The sum over the ``tiles`` input tiles of chunk ``split``: f32 ``[rows.size, block_out]``."""
+def _gemv_kernel(x_ref, q_ref, s_ref, o_ref, *, out, inp, cfg, tiles):
+    """Output block ``program_id(0)``'s sum over the ``tiles`` input tiles of chunk ``program_id(1)``."""
+    o0, split = pl.program_id(0) * cfg.block_out, pl.program_id(1)
+    rows = pl.ds(0, x_ref.shape[0])
+
     def body(t, acc):
         k0 = (split * tiles + t) * cfg.block_in
         x = _load_rows(x_ref, rows, k0, inp=inp, bi=cfg.block_in)
-        return acc + _tile_partial(x, q_ref, s_ref, lead, o0, k0, out=out, inp=inp, cfg=cfg)
-    acc = jnp.zeros((rows.size, cfg.block_out), jnp.float32)
-    return jax.lax.fori_loop(0, tiles, body, acc)
-
-
-def _gemv_kernel(x_ref, q_ref, s_ref, o_ref, *, out, inp, cfg, tiles):
-    o0 = pl.program_id(0) * cfg.block_out
-    o_ref[...] = _split_loop(x_ref, pl.ds(0, x_ref.shape[0]), q_ref, s_ref, (), o0, pl.program_id(1),
-                             out=out, inp=inp, cfg=cfg, tiles=tiles)
-
-
-def _grouped_kernel(ids_ref, x_ref, q_ref, s_ref, o_ref, *, out, inp, cfg, tiles):
-    p = pl.program_id(0)
-    e = plgpu.load(ids_ref.at[pl.ds(p, 1)])[0]
-    o0 = pl.program_id(1) * cfg.block_out
-    o_ref[...] = _split_loop(x_ref, pl.ds(p, 1), q_ref, s_ref, (e,), o0, pl.program_id(2),
-                             out=out, inp=inp, cfg=cfg, tiles=tiles)
+        return acc + _tile_partial(x, q_ref, s_ref, o0, k0, out=out, inp=inp, cfg=cfg)
+    o_ref[...] = jax.lax.fori_loop(0, tiles, body, jnp.zeros((rows.size, cfg.block_out), jnp.float32))
 
 
 def _plan(cfg: Fp8GemvConfig, out: int, inp: int) -> tuple[int, int]:
@@ -187,7 +160,7 @@ def _plan(cfg: Fp8GemvConfig, out: int, inp: int) -> tuple[int, int]:
 def _w8a16(x, w, *, config, interpret):
     (out, inp), rows = w.shape, x.shape[0]
     blocks, tiles = _plan(config, out, inp)
-    padded = max(DOT_ROWS, rows) if config.dot else max(1, 1 << (rows - 1).bit_length())
+    padded = max(DOT_ROWS, rows)
     xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
     parts = pl.pallas_call(
         functools.partial(_gemv_kernel, out=out, inp=inp, cfg=config, tiles=tiles),
@@ -211,36 +184,4 @@ def w8a16(x: jax.Array, w: BlockFp8Weight, *, config: Fp8GemvConfig | None = Non
     why = unsupported(x, w)
     if why:
         raise ValueError(f"fp8 w8a16 kernel: {why}")
-    config = config or default_config(x.shape[0], *w.shape)
-    return _w8a16(x, w, config=config, interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _grouped(x, ids, w, *, config, interpret):
-    (_, out, inp), pairs = w.shape, x.shape[0]
-    blocks, tiles = _plan(config, out, inp)
-    parts = pl.pallas_call(
-        functools.partial(_grouped_kernel, out=out, inp=inp, cfg=config, tiles=tiles),
-        grid=(pairs, blocks, config.splits),
-        out_specs=pl.BlockSpec((None, 1, config.block_out), lambda p, j, s: (s, p, j)),
-        out_shape=jax.ShapeDtypeStruct((config.splits, pairs, blocks * config.block_out), jnp.float32),
-        interpret=interpret,
-        **triton_compiler_params(interpret, num_warps=config.num_warps, num_stages=config.num_stages),
-    )(ids.astype(jnp.int32), x, w.values, w.scale_inv.astype(jnp.float32))
-    return jnp.sum(parts, axis=0)[:, :out]
-
-
-def grouped_w8a16(x: jax.Array, ids: jax.Array, w: BlockFp8Weight, *, config: Fp8GemvConfig | None = None,
-                  interpret: bool = False) -> jax.Array:
-    """Row ``p`` of ``x [P, in]`` times expert ``ids[p]``'s ``dequantize(w[ids[p]]).T``: f32 ``[P, out]``.
-
-    ``w``: a stacked ``[E, out, in]`` weight; every pair streams its own expert's tiles (pairs
-    that share an expert read it again, as the gather form does), one row per program, so the
-    tile product is always the f32 reduce form (``config.dot`` is ignored). Ids must lie in
-    ``[0, E)``: an id outside reads outside the stack.
-    """
-    why = grouped_unsupported(x, ids, w)
-    if why:
-        raise ValueError(f"fp8 grouped w8a16 kernel: {why}")
-    config = dataclasses.replace(config or default_config(1, *w.shape[1:], pairs=x.shape[0]), dot=False)
-    return _grouped(x, ids, w, config=config, interpret=interpret)
+    return _w8a16(x, w, config=config or default_config(*w.shape), interpret=interpret)

@@ -10,8 +10,10 @@ interpreter), except where `mosaic.unsupported` names why they cannot take the i
 quantized experts, sizes their tiles do not divide) or the trace runs under a mesh (the kernels
 see whole arrays; XLA partitions the reference): those go to the reference. Under ``"auto"`` a
 call of few pairs (`pays`) runs the reference's gather form, which measured faster there.
-Block-scaled FP8 experts (`mtp.ops.fp8.BlockFp8Weight`) at the gather form's pair counts take
-`fp8_triton` (the weight-streaming Triton kernel) under ``"pallas"`` / ``"interpret"``.
+Block-scaled FP8 experts (`mtp.ops.fp8.BlockFp8Weight`) run the reference: its gather form over
+FP8 experts took 0.92-0.94x the bf16 experts' time on an H200 at 1-4 tokens, and a
+weight-streaming Triton kernel of one pair per program took 3.9-4.1x
+(results/kernels/fp8_few_rows_h200/results.md, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mtp.ops.moe import fp8_triton, mosaic, reference
-from mtp.pallas.backend import auto_decides, resolve_impl, triton_interpret_scope
+from mtp.ops.moe import mosaic, reference
+from mtp.pallas.backend import auto_decides, resolve_impl
 
 
 def _shape(weight) -> tuple[int, ...]:
@@ -78,16 +80,7 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, impl: str =
         if not auto_decides(impl, "moe") or pays(ids):
             return mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
         return reference.routed_experts_gather(x, ids, expert_weights, gate, up, down)
-    if (mode != "reference" and resolve_impl(impl, "fp8_gemm") != "reference" and not _under_mesh()
-            and _fp8_kernel_takes(x, ids, gate, up, down)):
-        with triton_interpret_scope(mode) as interpret:
-            return fp8_triton.routed_experts_gather(x, ids, expert_weights, gate, up, down, interpret=interpret)
     return reference.routed_experts(x, ids, expert_weights, gate, up, down)
-
-
-def _fp8_kernel_takes(x, ids, gate, up, down) -> bool:
-    """Whether FP8 experts go to `fp8_triton`'s gather form (up to `fp8_triton.MAX_PAIRS` pairs)."""
-    return ids.size <= fp8_triton.MAX_PAIRS and fp8_triton.unsupported(x, ids, gate, up, down) is None
 
 
 def _under_mesh() -> bool:
