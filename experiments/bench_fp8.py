@@ -114,7 +114,7 @@ def bench_gemms(shapes, rows_list, reps, bw, key, forms=None) -> list[dict]:
                 out.append(dict(what=name, out=o, **{"in": i}, rows=rows, form=form, us=1e6 * s,
                                 floor_us=1e6 * _nbytes(q) / bw, ratio_to_bf16=s / base_s, rel_err=err,
                                 first_call_s=first_s,
-                                auto_takes=fp8_triton.pays(rows, o, i) if form == "pallas" else None))
+                                auto_takes=fp8_triton.pays(rows, o) if form == "pallas" else None))
                 print(f"{name} [{o}, {i}] rows={rows} {form}: {1e6 * s:.1f} us ({s / base_s:.2f}x bf16), "
                       f"error {err}, first call {first_s:.1f} s", flush=True)
     return out

@@ -3,11 +3,27 @@
 #   bash scripts/test.sh           the fast loop: every module, the tests tests/slow_tests.txt lists left out
 #   bash scripts/test.sh --full    every test (what CI runs)
 # Other arguments go to pytest.
+#
+# The tests' models are tiny, so their time is XLA's CPU compiles. Two settings, for this process
+# and every subprocess a test starts, make those cheaper: LLVM's optimisation level 0 (XLA's HLO
+# passes and fusion decisions are unchanged; a vectorised sum may add in another order, within f32
+# rounding, so tests compare differently-shaped programs with tolerances, as they must anyway), and a
+# persistent compilation cache for this run, which serves a program compiled again after a
+# `jax.clear_caches()`, in a test's subprocess or on the other worker. A user's own XLA_FLAGS and
+# JAX_COMPILATION_CACHE_DIR are kept.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$ROOT"
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
+  JAX_COMPILATION_CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/mtp-test-jax-cache.XXXXXX")"
+  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+  export JAX_COMPILATION_CACHE_DIR
+fi
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 if [ "${1:-}" = "--full" ]; then
   shift
-  exec python -m pytest tests -n 2 --dist worksteal "$@"  # one worker a core of the 2-core CI machine
+  python -m pytest tests -n 2 --dist worksteal "$@"  # one worker a core of the 2-core CI machine
+else
+  python -m pytest tests -m "not slow" "$@"
 fi
-exec python -m pytest tests -m "not slow" "$@"

@@ -425,8 +425,9 @@ def test_fp8_weights_shard_on_whole_blocks_and_compute_what_one_device_does():
     assert out["specs"]["gate"] == ["P('tp', None)", "P('tp', None)", "float8_e4m3fn"]
     assert out["specs"]["down"] == ["P(None, 'tp')", "P(None, 'tp')", "float8_e4m3fn"]
     assert all("tp" not in spec for spec in out["specs"]["q"][:2])  # replicated
-    # f32 sums split over two devices add up in another order: within f32 rounding.
-    assert out["max_err"] <= 1e-5 * out["scale"] and out["argmax_equal"], out
+    # f32 sums split over two devices add up in another order: within f32 rounding (2e-5 of the
+    # logits' scale measured with LLVM at level 0, as scripts/test.sh compiles).
+    assert out["max_err"] <= 4e-5 * out["scale"] and out["argmax_equal"], out
 
 
 def test_block_aligned_spec_keeps_only_splits_of_whole_blocks():

@@ -42,7 +42,7 @@ def matmul(x: jax.Array, w: BlockFp8Weight, *, mode: str = "w8a16", impl: str = 
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     return run_triton_op(OP, impl, lambda: unsupported(x, w), ref,
                          lambda interpret: triton.w8a16(x2, w, interpret=interpret).reshape(*x.shape[:-1], -1),
-                         kernel_pays=lambda: triton.pays(x2.shape[0], *w.shape))
+                         kernel_pays=lambda: triton.pays(x2.shape[0], w.shape[0]))
 
 
 def unsupported(x: jax.Array, w: BlockFp8Weight) -> str | None:

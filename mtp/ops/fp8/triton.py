@@ -83,8 +83,8 @@ def default_config(out: int, inp: int) -> Fp8GemvConfig:
     return Fp8GemvConfig(block_out=block_out, block_in=128, splits=splits)
 
 
-def pays(rows: int, out: int, inp: int) -> bool:
-    """Whether the kernel beats XLA's fused dequantize for ``rows`` rows of an ``[out, in]`` weight.
+def pays(rows: int, out: int) -> bool:
+    """Whether the kernel beats XLA's fused dequantize for ``rows`` rows of a weight of ``out`` outputs.
 
     Measured on an H200 (CUPTI, L2 cold; results/kernels/fp8_few_rows_h200/results.md, 2026-12-02):
     at 4 rows the kernel took 0.39-0.92x XLA's time at every projection of Qwen3-Next-80B; at one
@@ -92,7 +92,6 @@ def pays(rows: int, out: int, inp: int) -> bool:
     ``[2048, 4096]``), the kernel the large ones (17.6 against 53.2 µs at ``[12288, 2048]``).
     Row counts between were not timed apart; they take the 4-row rule.
     """
-    del inp
     return rows > 1 or out > 4096
 
 
