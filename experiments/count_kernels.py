@@ -11,7 +11,7 @@ decide as they would on the H200.
 
 What is compiled is `experiments/bench_decode.py` part A's step (``chained_verify_step``)
 on its 1.38B Qwen3-Next-shaped model. Checked against the H200's own CUPTI counts
-(results/decode/decode_h200_session5.json, _session6.json, 2026-11-29): 356 kernels at batch 1 with XLA's Gated
+(results/decode/grouped_conv_bf16_flips_2026-11-29.json and fused_gdn_step_2026-11-29.json): 356 kernels at batch 1 with XLA's Gated
 DeltaNet step (``MTP_KERNELS=gdn_step=reference``; the default before the kernel), 308 and then
 284 with the fused step kernel (before and after it read z, b, a in place; the default now),
 255 with the one-row residual stream padded once, 235 with merged projections and

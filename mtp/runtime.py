@@ -10,7 +10,7 @@ module is where those settings read the environment (``XLA_FLAGS``, ``JAX_PLATFO
 * **XLA flags.** XLA re-records a CUDA graph whenever a buffer it uses moved; in the served
   flow the engine's prefill chunk was re-recorded at every call (about half a warm turn's
   start for the default model on the H200). ``GRAPH_UPDATE_FLAGS`` let XLA update the graph
-  instead (BUILD.md, results/engine_h200.md section 5). XLA reads them once, process-wide,
+  instead (BUILD.md, results/engine/engine_h200.md section 5). XLA reads them once, process-wide,
   when JAX creates its GPU client, so they are set in ``XLA_FLAGS`` before that, and only
   when the process will run on a GPU and the user has not set ``XLA_FLAGS`` (even to an
   empty value, which keeps XLA's defaults).

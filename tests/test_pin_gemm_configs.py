@@ -10,8 +10,8 @@ import pytest
 from experiments.pin_gemm_configs import backend_version, blocks, config_summary, field, gemm_candidates, pin
 
 RESULTS = os.path.join(os.path.dirname(__file__), os.pardir, "results", "kernels")
-LOG = open(os.path.join(RESULTS, "kernels_h200_run18_autotune_logs.txt")).read()
-PICKS = open(os.path.join(RESULTS, "kernels_h200_run18_autotune_results_2344.txt")).read()
+LOG = open(os.path.join(RESULTS, "autotune/ffn_autotune_log_2026-11-29_2344.txt")).read()
+PICKS = open(os.path.join(RESULTS, "autotune/ffn_autotune_results_2026-11-29_2344.txt")).read()
 GATE_UP, DOWN = "f4211ec72f9e548273dc59b5d7216fd8", "54b9135d4a75aad24831ada612d561a8"
 
 
