@@ -43,7 +43,7 @@ from experiments.results_io import provenance, write_atomic, write_json
 from mtp.ops import fp8
 from mtp.ops.fp8 import triton as fp8_triton
 from mtp.ops.moe import reference as moe_ref
-from mtp.pallas.backend import on_gpu
+from mtp.ops.lowering import on_gpu
 
 FLAGS = flags.FLAGS
 # (name, out, in) of Qwen3-Next-80B-A3B's per-layer projections (configs/models/qwen3_next_80b_a3b.json).

@@ -55,10 +55,14 @@ from mtp.config import ModelConfig
 from mtp.model import layers
 from mtp.model.params import init_params
 from mtp.mtp_head import APPEND_BUCKETS, PREFILL_CHUNK, DrafterCache, append_rows, quantize_head
-from mtp.pallas import fc_gemm as fcmod
-from mtp.pallas import gdn_step as gdnmod
-from mtp.pallas import paged_attention as pamod
-from mtp.pallas.backend import num_sms
+from mtp.ops.fc_gemm import fc_gemm_reference, fold_fc_weight, normed_embed_rows, row_mean_squares
+from mtp.ops.fc_gemm import mosaic as fc_mosaic
+from mtp.ops.gdn_step import gdn_step, gdn_step_reference
+from mtp.ops.gdn_step.triton import gdn_steps_triton
+from mtp.ops.lowering import num_sms
+from mtp.ops.norms import rms_norm
+from mtp.ops.paged_attention import paged_attention, paged_attention_reference
+from mtp.ops.paged_attention.mosaic import paged_attention_mosaic
 
 from experiments import cupti
 from experiments.cli import require_ints
@@ -175,27 +179,26 @@ def bench_fc(m, h, reps, variants=None):
         ne = (0.1 * jax.random.normal(kk[2], (h,))).astype(jnp.bfloat16)
         nh = (0.1 * jax.random.normal(kk[3], (h,))).astype(jnp.bfloat16)
         w = (jax.random.normal(kk[4], (h, 2 * h)) / math.sqrt(2 * h)).astype(jnp.bfloat16)
-        e_n = fcmod.normed_embed_rows(e, fcmod.row_mean_squares(e), 1e-6)
-        sets.append((e, hd, ne, nh, w, fcmod.fold_fc_weight(ne, nh, w), e_n))
+        e_n = normed_embed_rows(e, row_mean_squares(e), 1e-6)
+        sets.append((e, hd, ne, nh, w, fold_fc_weight(ne, nh, w), e_n))
     eps = 1e-6
     flops = 2.0 * m * (2 * h) * h
     floor_bytes = w_bytes + 2 * m * h * 2 + m * h * 2
     res = {"M": m, "H": h, "flops": flops, "min_bytes": floor_bytes}
 
-    ref_fn = jax.jit(lambda e, hd, ne, nh, w: fcmod.fc_gemm_reference(e, hd, ne, nh, w, eps=eps))
+    ref_fn = jax.jit(lambda e, hd, ne, nh, w: fc_gemm_reference(e, hd, ne, nh, w, eps=eps))
     ref_sets = [s[:5] for s in sets]
     our_sets = [(s[0], s[6], s[1], s[5]) for s in sets]
     base_kw = {"acc": "two"} if FLAGS.small else {}  # the interpreter has no accumulator stores
 
     def ours(e, e_n, hd, wf, embed_normed=True, **kw):
-        return fcmod.fc_gemm_folded(e_n if embed_normed else e, hd, wf, eps=eps, embed_normed=embed_normed,
-                                    **{**base_kw, **kw})
+        return fc_mosaic.fc_gemm_folded(e_n if embed_normed else e, hd, wf, eps=eps, embed_normed=embed_normed,
+                                        **{**base_kw, **kw})
 
     want = ref_fn(*ref_sets[0])
     res["rel_err"] = _rel_err(ours(*our_sets[0]), want)
     # XLA's dot alone, on an input already normalised and concatenated (not counted).
-    xs = [(jnp.concatenate([fcmod._rms_norm(s[0], s[2], eps), fcmod._rms_norm(s[1], s[3], eps)],
-                           -1), s[4]) for s in sets]
+    xs = [(jnp.concatenate([rms_norm(s[0], s[2], eps), rms_norm(s[1], s[3], eps)], -1), s[4]) for s in sets]
     dot_fn = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32)
                      .astype(jnp.bfloat16))
     t_ours, method = _time(ours, our_sets, reps)
@@ -208,12 +211,12 @@ def bench_fc(m, h, reps, variants=None):
     res.update(t_ours=t_ours, t_xla_dot=t_dot, t_xla_unfused=t_ref, timing=method)
     # Where "ours" spends its time (M > SMALL_M): the row sum-of-squares kernel alone, beside
     # XLA's own reduction of the same sums (what it replaced).
-    if m > fcmod.SMALL_M:
-        pre_fn = jax.jit(lambda e, e_n, hd, wf: jnp.stack([fcmod._rms_scale(e, eps),
-                                                           fcmod._rms_scale(hd, eps)]))
+    if m > fc_mosaic.SMALL_M:
+        pre_fn = jax.jit(lambda e, e_n, hd, wf: jnp.stack([lax.rsqrt(row_mean_squares(e) + eps),
+                                                           lax.rsqrt(row_mean_squares(hd) + eps)]))
         res["t_row_rsqrt_xla"] = _time(pre_fn, our_sets, reps)[0]
-        tc, sp, st = fcmod._plan_sumsq(m, h, num_sms())
-        sumsq = lambda *xs: fcmod._row_sumsq(*xs, m_pad=-(-m // 128) * 128, tile_c=tc, splits=sp, stages=st)
+        tc, sp, st = fc_mosaic.plan_sumsq(m, h, num_sms())
+        sumsq = lambda *xs: fc_mosaic.row_sumsq(*xs, m_pad=-(-m // 128) * 128, tile_c=tc, splits=sp, stages=st)
         res["t_row_sumsq_kernel"] = _time(jax.jit(lambda e, e_n, hd, wf: sumsq(hd)), our_sets, reps)[0]
         res["t_row_sumsq_kernel_both"] = _time(jax.jit(lambda e, e_n, hd, wf: sumsq(e, hd)), our_sets, reps)[0]
     for name, kw in (variants or {}).items():
@@ -235,18 +238,17 @@ def fc_variants(m, h):
         if m == 12288 and h == 4096:
             v.update({"rescale_s3": dict(stages=3), "rescale_n64_s6": dict(tile_n=64, stages=6)})
         return v
-    if m > fcmod.SPLITK_MAX_M:  # a drafter-prefill chunk (512 rows a sequence): fewer tiles than SMs by default
+    if m > fc_mosaic.SPLITK_MAX_M:  # a drafter-prefill chunk (512 rows a sequence): fewer tiles than SMs by default
         return {**raw, "n256": dict(tile_n=256), "n128_s4": dict(tile_n=128, stages=4), "n128_s6": dict(tile_n=128, stages=6),
                 "n64_s4": dict(tile_n=64, stages=4), "n64_s6": dict(tile_n=64, stages=6),
                 "n64_s8": dict(tile_n=64, stages=8), "sumsq_c128_8_splits": dict(sumsq=(128, 8, 2))}
     if m > 64:  # a carry's tail append: the split-K stream (its plan and others) beside the GEMM's
-        splitk = dict(small_m=fcmod.SPLITK_MAX_M)
+        splitk = dict(small_m=fc_mosaic.SPLITK_MAX_M)
         return {**raw, "gemm": dict(small_m=64), "splitk": splitk,
                 **{f"splitk_k{k}": dict(splitk, k_splits=k) for k in (2, 4, 8, 16) if h % (k // 2 * 64) == 0},
                 **({"splitk_n64": dict(splitk, tile_n=64), "splitk_n128": dict(splitk, tile_n=128)} if m <= 128 else {})}
-    # The split-K path (M <= 64, the propose step): the in-cluster reduction beside the default partials
-    # form, and plan alternatives (tile_n, K splits, stages).
-    v = {**raw, "cluster": dict(reduce="cluster"), "s3": dict(stages=3), "s4": dict(stages=4)}
+    # The split-K path (M <= 64, the propose step): plan alternatives (tile_n, K splits, stages).
+    v = {**raw, "s3": dict(stages=3), "s4": dict(stages=4)}
     if h == 2048:
         v.update({"k4": dict(k_splits=4), "k16_s4": dict(k_splits=16, stages=4),
                   "n256_k16_s3": dict(tile_n=256, k_splits=16, stages=3),
@@ -384,7 +386,7 @@ def bench_ffn_chain(reps, num_layers=16, m=2):
     2026-11-30). The per-kernel CUPTI times compare one FFN with a chain of them, under three
     of XLA's command-buffer settings.
     """
-    from mtp.pallas.backend import decode_loop_compiler_options
+    from mtp.speculative import decode_loop_compiler_options
 
     chain, x, ws = ffn_program(num_layers, m)
     loop_options = {k: v.replace(",WHILE,CONDITIONAL", "") for k, v in decode_loop_compiler_options().items()}
@@ -404,7 +406,7 @@ def bench_ffn_chain(reps, num_layers=16, m=2):
 
 def _gdn_one_step(mixed, qkvz, ba, valid, state, *rest, **kw):
     """The fused kernel on one token per sequence (decode), with kernel options ``kw`` (num_warps)."""
-    y, states = gdnmod._gdn_steps_pallas(mixed[:, None], qkvz, ba, valid[:, None], state, *rest, **kw)
+    y, states = gdn_steps_triton(mixed[:, None], qkvz, ba, valid[:, None], state, *rest, **kw)
     return y[:, 0], states[:, 0]
 
 
@@ -426,8 +428,8 @@ def bench_gdn(b, nk, nv, d, reps):
                      jax.random.normal(ks[5], (nv,)), jax.random.normal(ks[6], (nv,)),
                      bf(1 + 0.1 * jax.random.normal(ks[7], (d,)))))
     kw = dict(num_k_heads=nk, eps=1e-6)
-    ours = jax.jit(functools.partial(gdnmod.gdn_step, impl="pallas", **kw))
-    ref = jax.jit(functools.partial(gdnmod.gdn_step_reference, **kw))
+    ours = jax.jit(functools.partial(gdn_step, impl="pallas", **kw))
+    ref = jax.jit(functools.partial(gdn_step_reference, **kw))
     (y, s), (y_r, s_r) = ours(*sets[0]), ref(*sets[0])
     res = {"B": b, "nk": nk, "nv": nv, "D": d, "state_bytes": state_bytes,
            "rel_err_y": _rel_err(y, y_r), "rel_err_state": _rel_err(s, s_r)}
@@ -465,8 +467,8 @@ def bench_pa(b, ctx, nq, hq, hkv, d, page, reps, with_jax=True, split_sweep=()):
     sets = _pa_sets(b, ctx, nq, hq, hkv, d, page)
     kv_bytes = 2.0 * b * ctx * hkv * d * 2
     res = {"B": b, "ctx": ctx, "Q": nq, "Hq": hq, "Hkv": hkv, "D": d, "kv_bytes": kv_bytes}
-    ref_fn = jax.jit(pamod.paged_attention_reference)
-    ours = lambda *a, **kw: pamod._paged_attention_pallas(*a, scale=None, gate=None, **kw)
+    ref_fn = jax.jit(paged_attention_reference)
+    ours = lambda *a, **kw: paged_attention_mosaic(*a, scale=None, gate=None, **kw)
     res["rel_err"] = _rel_err(ours(*sets[0]), ref_fn(*sets[0]))
     res["t_ours"], res["timing"] = _time(ours, sets, reps)
     res["t_xla_ref"] = _safe(lambda: _time(ref_fn, sets, reps)[0])
@@ -506,8 +508,8 @@ def check_pa_ragged(reps):
             vp = jax.random.normal(key[2], (num_pages, page, hkv, d), jnp.bfloat16)
             bt = jax.random.randint(key[3], (b, max_blocks), 0, num_pages, jnp.int32)
             lengths = jnp.array([0, 2, 17, 1000, 2047, 2560], jnp.int32)
-            o = pamod.paged_attention(q, kp, vp, bt, lengths, gate=g, impl="pallas")
-            r = pamod.paged_attention_reference(q, kp, vp, bt, lengths, gate=g)
+            o = paged_attention(q, kp, vp, bt, lengths, gate=g, impl="pallas")
+            r = paged_attention_reference(q, kp, vp, bt, lengths, gate=g)
             of = np.asarray(o, np.float32)
             out.append({"Hq": hq, "Hkv": hkv, "D": d, "Q": nq, "rel_err": _rel_err(o, r),
                         "finite": bool(np.isfinite(of).all()), "idle_zero": bool((of[0] == 0).all())})

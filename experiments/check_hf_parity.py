@@ -141,7 +141,8 @@ def _mixer(cfg, p, kind: str, h):
 
 def _our_blocks(cfg, params, tokens) -> dict[str, np.ndarray]:
     """Our model's output after every sub-block, mirroring `forward_with_hiddens`'s loop."""
-    from mtp.model.layers import ffn, rms_norm
+    from mtp.model.layers import ffn
+    from mtp.ops.norms import rms_norm
     from mtp.model.target import embed
 
     x = embed(params, tokens)

@@ -5,7 +5,7 @@ XLA's GPU compiler runs without a device ("deviceless AOT"): the CUDA PJRT plugi
 a compile-only topology from a ``GpuTargetConfig`` (here an H200: sm_90a, 132 SMs),
 ``jax_default_device`` points traces at it, and ``jit(...).lower(...).compile()`` runs the
 whole pipeline (fusion, Triton GEMMs, Pallas-Triton, command buffers) on the CPU. Nothing
-large is allocated: params and cache are ``ShapeDtypeStruct`` s. ``mtp.pallas.backend``
+large is allocated: params and cache are ``ShapeDtypeStruct`` s. ``mtp.ops.lowering``
 reads that target device, so ``impl="auto"``, the tile plans and the one-row GEMM padding
 decide as they would on the H200.
 

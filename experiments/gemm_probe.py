@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from experiments import cupti
 from mtp.model import layers
+from mtp.ops.norms import rms_norm
 
 
 def per_kernel_us(fn, arg_sets, reps):
@@ -44,7 +45,7 @@ def ffn_program(num_layers=16, m=2, hidden=2048, inter=5632):
 
     def chain(x, ws):
         for norm_w, w_gate_up, w_down in ws:
-            gate_up = layers.linear(layers.rms_norm(x, norm_w, 1e-6), w_gate_up)
+            gate_up = layers.linear(rms_norm(x, norm_w, 1e-6), w_gate_up)
             x = x + layers.linear(_silu_product(gate_up), w_down)
         return x
 
@@ -76,7 +77,7 @@ def gate_up_contexts(num_layers=16, m=2, hidden=2048, inter=5632):
     down_input = lambda x: jnp.concatenate([x] * reps, axis=-1)[:, :inter]  # an [m, inter] not from gate + up
     programs = {
         "alone": lambda x, w, _: layers.linear(x, w[1]),
-        "after its norm": lambda x, w, _: layers.linear(layers.rms_norm(x, w[0], 1e-6), w[1]),
+        "after its norm": lambda x, w, _: layers.linear(rms_norm(x, w[0], 1e-6), w[1]),
         "before its SiLU product": lambda x, w, _: _silu_product(layers.linear(x, w[1])),
         "beside an independent down GEMM": lambda x, w, _: (_silu_product(layers.linear(x, w[1])),
                                                             layers.linear(down_input(x), w[2])),
@@ -86,7 +87,7 @@ def gate_up_contexts(num_layers=16, m=2, hidden=2048, inter=5632):
             layers.linear(x, w[1]), layers.linear(x[::-1], w_next[1])),
         "before SiLU product + down": lambda x, w, _: layers.linear(_silu_product(layers.linear(x, w[1])), w[2]),
         "norm, SiLU product, down (no add)": lambda x, w, _: layers.linear(
-            _silu_product(layers.linear(layers.rms_norm(x, w[0], 1e-6), w[1])), w[2]),
+            _silu_product(layers.linear(rms_norm(x, w[0], 1e-6), w[1])), w[2]),
         "in the FFN layer": lambda x, w, _: chain(x, [w]),
     }
     arg_sets = [(x, w, ws[(i + 1) % len(ws)]) for i, w in enumerate(ws)]

@@ -19,13 +19,15 @@ import jax.numpy as jnp
 from flax import struct
 
 from mtp import quant
-from mtp.cache.state import PagedKV, write_pages
+from mtp.cache.state import PagedKV
 from mtp.config import ModelConfig
-from mtp.model.layers import attention_kv, attention_out, attention_qkv, causal_attention, dense, rms_norm
+from mtp.model.layers import attention_kv, attention_out, attention_qkv, causal_attention, dense
 from mtp.model.params import Params
 from mtp.model.target import decoder_layer, embed, lm_head, paged_attention_mixer
-from mtp.pallas.backend import resolve_impl
-from mtp.pallas.fc_gemm import fc_gemm, fold_fc_weight, row_mean_squares
+from mtp.ops.dispatch import resolve_impl
+from mtp.ops.fc_gemm import fc_gemm, fold_fc_weight, row_mean_squares
+from mtp.ops.norms import rms_norm
+from mtp.ops.paged_kv import write_pages
 
 PREFILL_CHUNK = 512  # drafter-prefill rows per call, as in the reference system
 APPEND_BUCKETS = (64, 128, 256, PREFILL_CHUNK)  # widths of a last, partial chunk (one compile each)

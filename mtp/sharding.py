@@ -42,7 +42,7 @@ from mtp.config import ModelConfig
 from mtp.model.params import Params, flatten, param_shapes, unflatten
 from mtp.mtp_head import DrafterCache
 from mtp.ops.fp8 import BlockFp8Weight
-from mtp.pallas.backend import TENSOR_AXIS
+from mtp.ops.lowering import TENSOR_AXIS
 
 EP, TP = "ep", TENSOR_AXIS  # tp: the axis the Pallas kernels split on under a mesh too
 AXES = (EP, TP)
@@ -130,7 +130,7 @@ def _replicated(cfg, shape, tp):
 # its input, output and state split on key-head boundaries with in_proj_qkvz and no
 # collective. Its weight stays in the checkpoint's [q | k | v] order, which no even
 # split aligns with those groups, so it is replicated (C x K, e.g. 8192 x 4: tiny) and
-# each device gathers its own channels of it (`gated_deltanet.grouped_conv_weight`).
+# each device gathers its own channels of it (`mtp.ops.conv_step.reference.grouped_conv_weight`).
 # Replicated, and why:
 #  * mtp.fc: its output feeds a norm over the full hidden; splitting it would buy an
 #    all-gather per draft for a single [H, 2H] matrix;
@@ -320,7 +320,7 @@ def replicated(tree, mesh: Mesh | None):
 
 def on_mesh(mesh: Mesh | None):
     """``jax.set_mesh(mesh)``, or nothing without one. Traces under it see the mesh, so the
-    Pallas kernels run per shard (`backend.tensor_parallel_mesh`) instead of on whole arrays."""
+    Pallas kernels run per shard (`mtp.ops.lowering.tensor_parallel_mesh`) instead of on whole arrays."""
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +31,35 @@ from mtp.config import ModelConfig
 from mtp.model import layers, target
 from mtp.model.params import Params
 from mtp.mtp_head import DrafterCache, append_rows, draft_step
-from mtp.pallas import backend
-from mtp.pallas.gdn_step import MAX_STEPS
+from mtp.ops.gdn_step import MAX_STEPS
 
 MAX_VERIFY_WIDTH = MAX_STEPS  # the widest verify the loops are built and tested for: the verify kernels' unroll
+
+LOOP_GRAPH_ENV_VAR = "MTP_DECODE_LOOP_GRAPH"
+_COMMAND_BUFFER_DEFAULTS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"  # XLA's own
+
+
+def decode_loop_compiler_options() -> dict[str, str]:
+    """XLA options for the jitted decode loops: the ``while_loop`` itself inside the CUDA graph.
+
+    By default XLA records a loop iteration's kernels into CUDA graphs but drives the
+    loop from the host, which copies the loop predicate back and waits for it every
+    iteration: a host round trip per verify step. With WHILE and CONDITIONAL command
+    buffers XLA can record the loop as a graph with device-side conditional nodes, and CONCURRENT
+    scheduling lets independent kernels of an iteration overlap. Side by side on the
+    H200 (results/decode/decode_h200.md, 2026-11-29) this sped the default model's batch-1
+    decode loop up by about a fifth. These are GPU fields of XLA's DebugOptions; other
+    backends ignore them. ``MTP_DECODE_LOOP_GRAPH=0`` keeps XLA's defaults, ``while`` takes
+    the loop graphs with XLA's default scheduling; the variable is read when this module is
+    imported (the loops' ``jax.jit`` takes the options then).
+    """
+    value = os.environ.get(LOOP_GRAPH_ENV_VAR, "1")
+    if value not in ("0", "1", "while"):
+        raise ValueError(f"{LOOP_GRAPH_ENV_VAR}={value!r}: set it to 0, 1 or while")
+    if value == "0":
+        return {}
+    graphs = {"xla_gpu_enable_command_buffer": _COMMAND_BUFFER_DEFAULTS + ",WHILE,CONDITIONAL"}
+    return graphs if value == "while" else {**graphs, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +72,7 @@ class SpecConfig:
     refeed_accepted: bool = False
     draft_conf_tau: float = 0.0  # D-Cut: stop a chain once its min top-1 prob < tau
     eos_id: int = -1  # -1 = no EOS
-    impl: str = "auto"  # kernel backend (mtp.pallas.backend)
+    impl: str = "auto"  # kernel path of every op (mtp.ops.dispatch)
     # Rows per plain decode step. 1 is the fastest. XLA's GPU GEMMs pick their
     # algorithm by shape, so a row's bf16 result can depend on how many rows share
     # the call; with ``plain_width = verify_width`` the plain loop runs the verify's
@@ -168,7 +194,7 @@ def pick_token(logits: jax.Array, temperature: float, key) -> jax.Array:
 
 # ------------------------------------------------------------------ plain greedy
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache",),
-                   compiler_options=backend.decode_loop_compiler_options())
+                   compiler_options=decode_loop_compiler_options())
 def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_token: jax.Array,
                 budget: jax.Array, spec: SpecConfig, rng: jax.Array | None = None):
     """Plain decoding of the target (greedy, or sampled at ``spec.temperature``).
@@ -284,7 +310,7 @@ def _accept_sampled(target_logits, drafts, num_drafted, q, temperature, key, dra
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache", "dcache"),
-                   compiler_options=backend.decode_loop_compiler_options())
+                   compiler_options=decode_loop_compiler_options())
 def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcache: DrafterCache,
                      first_token: jax.Array, first_hidden: jax.Array, budget: jax.Array,
                      spec: SpecConfig, rng: jax.Array | None = None,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, in three parts: `tests` (the kernels compile and pass their own and the model's
-# tests), `ab` (each kernel that `auto` leaves on its reference, `backend.OPT_IN`, off and on,
+# tests), `ab` (each kernel that `auto` leaves on its reference, `mtp.ops.dispatch.OPT_IN`, off and on,
 # interleaved twice by `experiments/ab_decode.py`: in the decode step, 1.38B model, part A, and in the
 # real decode loops, the default model, part B: plain and speculative K = 2, batch 1) and `tp` (tensor
 # parallelism, when the machine has two GPUs). (The loops' CUDA-graph options, measured on 2026-11-29
@@ -21,11 +21,11 @@ for part in ${PARTS//,/ }; do
 done
 want() { [[ $PARTS == *,$1,* ]]; }
 small=(); reps=7; kernel=pallas; batches=1,8
-tests=(tests/test_kernels_in_model.py tests/test_pallas_gdn_step.py tests/test_pallas_conv_step.py tests/test_pallas_attn_prologue.py
-       tests/test_pallas_fc_gemm.py tests/test_pallas_add_rms_norm.py
-       tests/test_pallas_paged_attention.py::test_triton_form_matches_reference
-       tests/test_pallas_paged_attention.py::test_merge_kernel_matches_its_reference)
-if [[ -n "${SMALL:-}" ]]; then small=(--small --steps_per_call=128); reps=2; kernel=interpret; batches=1; tests=(tests/test_pallas_conv_step.py); fi
+tests=(tests/test_kernels_in_model.py tests/test_ops_gdn_step.py tests/test_ops_conv_step.py tests/test_ops_attn_prologue.py
+       tests/test_ops_fc_gemm.py tests/test_ops_add_rms_norm.py
+       tests/test_ops_paged_attention.py::test_triton_form_matches_reference
+       tests/test_ops_paged_attention.py::test_merge_kernel_matches_its_reference)
+if [[ -n "${SMALL:-}" ]]; then small=(--small --steps_per_call=128); reps=2; kernel=interpret; batches=1; tests=(tests/test_ops_conv_step.py); fi
 ngpu=$($PY -c "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))")
 mkdir -p "$OUT"
 summary=()
@@ -45,7 +45,7 @@ EOF
 }
 
 want tests && run tests $PY -m pytest -p no:cacheprovider "${tests[@]}"
-want ab && for op in $($PY -c "from mtp.pallas.backend import OPT_IN; print(*OPT_IN)"); do
+want ab && for op in $($PY -c "from mtp.ops.dispatch import OPT_IN; print(*OPT_IN)"); do
   run "ab_$op" $PY experiments/ab_decode.py --rounds 2 --out_dir "$OUT/ab_$op" \
       --old_env "MTP_KERNELS=$op=reference" --new_env "MTP_KERNELS=$op=$kernel" \
       --bench="${small[*]} --parts A --batches $batches --decode_only --reps $reps" \

@@ -225,14 +225,14 @@ def kernel_case() -> dict:
     The kernel body is swapped for the reference here (same signature), recording the
     shapes it is handed: the Pallas GPU interpreter races when several host devices
     run it at once (a barrier left allocated, now and then), and the kernel itself is
-    checked against the reference in tests/test_pallas_paged_attention.py. What this
+    checked against the reference in tests/test_ops_paged_attention.py. What this
     checks is the wrapper: each device gets its KV heads and their query groups, the
     output keeps the head split, the step has no collectives, and the values equal the
     reference's. With one KV head (which cannot split over tp=2) the op takes the
     reference on the whole arrays instead.
     """
     from jax.sharding import NamedSharding
-    from mtp.pallas import paged_attention as pa
+    from mtp.ops.paged_attention import mosaic, paged_attention, paged_attention_reference
 
     mesh = S.make_mesh(2)
     heads, whole = NamedSharding(mesh, P(None, None, S.TP, None)), NamedSharding(mesh, P())
@@ -240,9 +240,9 @@ def kernel_case() -> dict:
 
     def per_shard(q, k, v, tables, lengths, *, scale, gate):
         seen.append((q.shape[2], k.shape[2]))
-        return pa.paged_attention_reference(q, k, v, tables, lengths, scale=scale, gate=gate)
+        return paged_attention_reference(q, k, v, tables, lengths, scale=scale, gate=gate)
 
-    kernel, pa._paged_attention_pallas = pa._paged_attention_pallas, per_shard
+    kernel, mosaic.paged_attention_mosaic = mosaic.paged_attention_mosaic, per_shard
     out = {}
     try:
         for hkv in (2, 1):
@@ -252,11 +252,11 @@ def kernel_case() -> dict:
             kp, vp = (jax.random.normal(k, (9, page, hkv, d), jnp.bfloat16) for k in ks[1:3])
             tables = jnp.array([[1, 2, 3, 4], [5, 6, 7, 8]], jnp.int32)
             lengths = jnp.array([41, 23], jnp.int32)  # ragged, partial last pages
-            want = pa.paged_attention_reference(q, kp, vp, tables, lengths, gate=gate)
+            want = paged_attention_reference(q, kp, vp, tables, lengths, gate=gate)
             kv_layout = heads if hkv % 2 == 0 else whole
             args = (jax.device_put(q, heads), jax.device_put(kp, kv_layout), jax.device_put(vp, kv_layout),
                     jax.device_put(tables, whole), jax.device_put(lengths, whole), jax.device_put(gate, heads))
-            fn = jax.jit(lambda q, k, v, t, n, g: pa.paged_attention(q, k, v, t, n, gate=g, impl="pallas"))
+            fn = jax.jit(lambda q, k, v, t, n, g: paged_attention(q, k, v, t, n, gate=g, impl="pallas"))
             seen.clear()
             with jax.set_mesh(mesh):
                 got = fn(*args)
@@ -272,7 +272,7 @@ def kernel_case() -> dict:
                 check(not seen, "one KV head over tp=2: the kernel ran, the reference was expected")
             out[f"hkv{hkv}_max_error"] = err
     finally:
-        pa._paged_attention_pallas = kernel
+        mosaic.paged_attention_mosaic = kernel
     out["gdn_step_under_mesh"] = gdn_step_case(mesh)
     return out
 
@@ -285,7 +285,8 @@ def gdn_step_case(mesh) -> dict:
     (which cannot split over tp=2) the op takes the reference instead.
     """
     from jax.sharding import NamedSharding
-    from mtp.pallas import gdn_step as gs
+    from mtp.ops.gdn_step import gdn_step, gdn_step_reference
+    from mtp.ops.gdn_step.triton import kernel_unsupported
 
     out = {}
     for nk in (2, 1):
@@ -295,13 +296,13 @@ def gdn_step_case(mesh) -> dict:
                 jax.random.normal(ks[2], (b, 2 * nv)), jnp.array([True, False]),
                 jax.random.normal(ks[4], (b, nv, d, d)), 0.5 * jax.random.normal(ks[5], (nv,)),
                 0.5 * jax.random.normal(ks[6], (nv,)), jnp.linspace(0.5, 1.5, d))
-        check(gs.kernel_unsupported(*args[:3], args[4], nk) is None, "gdn_step_case: the kernel should take these inputs")
-        want_y, want_s = gs.gdn_step_reference(*args, num_k_heads=nk, eps=1e-6)
+        check(kernel_unsupported(*args[:3], args[4], nk) is None, "gdn_step_case: the kernel should take these inputs")
+        want_y, want_s = gdn_step_reference(*args, num_k_heads=nk, eps=1e-6)
         split = nk % 2 == 0
         specs = [P(None, S.TP), P(None, S.TP), P(None, S.TP), P(),
                  P(None, S.TP, None, None), P(S.TP), P(S.TP), P()] if split else [P()] * 8
         placed = [jax.device_put(x, NamedSharding(mesh, sp)) for x, sp in zip(args, specs)]
-        fn = jax.jit(lambda *a: gs.gdn_step(*a, num_k_heads=nk, eps=1e-6, impl="interpret"))
+        fn = jax.jit(lambda *a: gdn_step(*a, num_k_heads=nk, eps=1e-6, impl="interpret"))
         with jax.set_mesh(mesh):
             y, state = fn(*placed)
             hlo = fn.lower(*placed).compile().as_text()

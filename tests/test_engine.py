@@ -14,8 +14,9 @@ from mtp.cache.prefix import PrefixCache, TurnEndStore
 from mtp.carry import DrafterContext
 from mtp.engine import Engine, EngineConfig, TurnRequest, run_sessions, session_hash, session_waves
 from mtp.model import target
-from mtp.model.layers import attention_kv, rms_norm
+from mtp.model.layers import attention_kv
 from mtp.mtp_head import DrafterCache, fc_input, prefill_drafter
+from mtp.ops.norms import rms_norm
 from mtp.speculative import SpecConfig
 from tests.conftest import IdPrompts, agreeing_params, id_sessions, random_params, tiny_config
 

@@ -25,7 +25,7 @@ from mtp.data.sessions import Session, Turn
 from mtp.engine import Engine, EngineConfig, run_sessions
 from mtp.generation import generate
 from mtp.model import target
-from mtp.pallas.paged_attention import kernel_unsupported
+from mtp.ops.paged_attention.mosaic import kernel_unsupported
 from mtp.speculative import SpecConfig
 from tests.conftest import IdPrompts
 
@@ -108,11 +108,11 @@ def test_carry_engine_with_kernels_is_lossless(shipped):
 
 def test_speculative_with_the_triton_attention_equals_plain(shipped, monkeypatch):
     """The Triton-lowered paged attention (opt-in, `MTP_KERNELS`) in both loops: still lossless."""
-    from mtp.pallas import paged_attention as pa
+    from mtp.ops.paged_attention import triton
 
     calls = []
-    run = pa.paged_attention_triton
-    monkeypatch.setattr(pa, "paged_attention_triton", lambda *a, **k: calls.append(1) or run(*a, **k))
+    run = triton.paged_attention_triton
+    monkeypatch.setattr(triton, "paged_attention_triton", lambda *a, **k: calls.append(1) or run(*a, **k))
     choice = "pallas" if jax.default_backend() == "gpu" else "interpret"
     monkeypatch.setenv("MTP_KERNELS", f"paged_attention_triton={choice}")
     jax.clear_caches()  # the switch is read when a function is traced
@@ -130,11 +130,11 @@ def test_speculative_with_the_fc_kernel_as_loaded_equals_plain(shipped, monkeypa
     """The fc kernel as a GPU load sets it up (`quantize_head` folds the weight and adds the
     per-token embed mean squares, so the embed rows arrive normalised): still lossless, and the
     normalised form is the one that ran."""
-    from mtp.pallas import fc_gemm as fcmod
+    from mtp.ops.fc_gemm import mosaic
 
     normed = []
-    run = fcmod.fc_gemm_folded
-    monkeypatch.setattr(fcmod, "fc_gemm_folded",
+    run = mosaic.fc_gemm_folded
+    monkeypatch.setattr(mosaic, "fc_gemm_folded",
                         lambda *a, **k: normed.append(k.get("embed_normed")) or run(*a, **k))
     monkeypatch.setenv("MTP_KERNELS", "fc_gemm=interpret")
     jax.clear_caches()  # the switch is read when a function is traced

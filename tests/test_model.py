@@ -13,20 +13,24 @@ from mtp.config import ConfigError, ModelConfig
 from mtp.model import target
 from mtp.model import gated_deltanet as gdn
 from mtp.model import layers
+from mtp.ops.add_rms_norm import add_rows
+from mtp.ops.conv_step.reference import grouped_conv_weight
+from mtp.ops.gdn_step.reference import recurrent_delta_rule
+from mtp.ops.norms import l2norm
 from tests.conftest import GEMM_LAYOUTS, ROOT, paged_cache, random_params, tiny_config
 
 def test_chunked_delta_rule_matches_recurrent():
     key = jax.random.key(3)
     ks = jax.random.split(key, 6)
     b, t, h, dk, dv = 2, 150, 3, 8, 5  # t spans several 64-token chunks, last one partial
-    q = layers.l2norm(jax.random.normal(ks[0], (b, t, h, dk)))
-    k = layers.l2norm(jax.random.normal(ks[1], (b, t, h, dk)))
+    q = l2norm(jax.random.normal(ks[0], (b, t, h, dk)))
+    k = l2norm(jax.random.normal(ks[1], (b, t, h, dk)))
     v = jax.random.normal(ks[2], (b, t, h, dv))
     beta = jax.nn.sigmoid(jax.random.normal(ks[3], (b, t, h)))
     g = -jax.nn.softplus(jax.random.normal(ks[4], (b, t, h)))
     s0 = jax.random.normal(ks[5], (b, h, dk, dv))
     out_c, s_c = gdn.chunked_delta_rule(q, k, v, beta, g, s0)
-    out_r, s_r, steps = gdn.recurrent_delta_rule(q, k, v, beta, g, s0)
+    out_r, s_r, steps = recurrent_delta_rule(q, k, v, beta, g, s0)
     np.testing.assert_allclose(out_c, out_r, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(s_c, s_r, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(steps[:, -1], s_r, rtol=1e-6)
@@ -54,7 +58,7 @@ def test_grouped_conv_equals_the_checkpoint_order_conv(value_dim_factor):
     w = p["conv1d"]["weight"][:, 0, :]
     out_hf = jax.nn.silu(sum(full[:, i:i + t] * w[:, i] for i in range(kern)))
     # The model's order; the regrouping of any channel axis is the weight's.
-    regroup = lambda a: gdn.grouped_conv_weight(a.reshape(-1, c).T[:, None, :], cfg).T.reshape(a.shape)
+    regroup = lambda a: grouped_conv_weight(a.reshape(-1, c).T[:, None, :], cfg).T.reshape(a.shape)
     mixed, *_ = gdn.project(p, x, cfg, x.shape[:-1])
     np.testing.assert_array_equal(mixed, regroup(mixed_hf))
     out = gdn.conv_windows(p, cfg, regroup(state_hf), mixed)
@@ -62,9 +66,9 @@ def test_grouped_conv_equals_the_checkpoint_order_conv(value_dim_factor):
     q, k, v, _, _ = gdn.split_heads(out, jnp.zeros((bsz, t, nv)), jnp.zeros((bsz, t, nv)), p, cfg)
     np.testing.assert_allclose(v, out_hf[..., 2 * kd:].reshape(bsz, t, nv, dv), rtol=1e-6, atol=1e-6)
     q_hf = out_hf[..., :kd].reshape(bsz, t, nk, dk)
-    np.testing.assert_allclose(q, layers.l2norm(jnp.repeat(q_hf, r, axis=-2)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(q, l2norm(jnp.repeat(q_hf, r, axis=-2)), rtol=1e-5, atol=1e-6)
     k_hf = out_hf[..., kd:2 * kd].reshape(bsz, t, nk, dk)
-    np.testing.assert_allclose(k, layers.l2norm(jnp.repeat(k_hf, r, axis=-2)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(k, l2norm(jnp.repeat(k_hf, r, axis=-2)), rtol=1e-5, atol=1e-6)
 
 
 def test_dense_pads_one_row_products_of_large_weights(monkeypatch):
@@ -128,8 +132,8 @@ def test_padded_stream_rows(monkeypatch):
     assert "pad" not in jaxpr(big) and "slice" not in jaxpr(big)  # both rows, as they are
     assert "slice" in jaxpr(small)  # a small weight multiplies the real row only
     y = jax.random.normal(jax.random.key(3), (1, 1, 32))
-    np.testing.assert_allclose(layers.add_rows(rows, y)[:1], (x + y).reshape(1, 32))
-    assert not layers.add_rows(rows, y)[1:].any()
+    np.testing.assert_allclose(add_rows(rows, y)[:1], (x + y).reshape(1, 32))
+    assert not add_rows(rows, y)[1:].any()
 
 
 def test_dense_columns_merges_projections_of_one_input(monkeypatch):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mtp.cache.pages import PageAllocator, block_table_row
-from mtp.cache.state import write_pages
+from mtp.ops.paged_kv import write_pages
 
 
 def _state(pool):

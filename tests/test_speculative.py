@@ -14,7 +14,6 @@ from mtp.generation import generate, prepare_decode
 from mtp.mtp_head import DrafterCache, draft_step, forward_sequence, prefill_drafter, quantize_head
 from mtp.model import target
 from mtp.model.params import flatten, unflatten
-from mtp.pallas import backend
 from mtp.speculative import SpecConfig
 from tests.conftest import agreeing_params, random_params, tiny_config
 
@@ -371,22 +370,22 @@ def test_gpu_gemm_layout_keeps_speculative_equal_to_plain(greedy_reference, gemm
 
 
 def test_decode_loop_graph_options_are_valid_xla_options(monkeypatch):
-    monkeypatch.setenv(backend.LOOP_GRAPH_ENV_VAR, "1")
-    opts = backend.decode_loop_compiler_options()
+    monkeypatch.setenv(speculative_mod.LOOP_GRAPH_ENV_VAR, "1")
+    opts = speculative_mod.decode_loop_compiler_options()
     assert "WHILE" in opts["xla_gpu_enable_command_buffer"].split(",")
     # XLA rejects an unknown field or value when it compiles, on every backend.
     assert float(jax.jit(lambda x: x + 1, compiler_options=opts)(1.0)) == 2.0
     with pytest.raises(Exception, match="xla_gpu_no_such_option"):
         jax.jit(lambda x: x + 1, compiler_options={"xla_gpu_no_such_option": "1"})(1.0)
-    monkeypatch.setenv(backend.LOOP_GRAPH_ENV_VAR, "while")  # the graphs, XLA's own scheduling
-    graphs_only = backend.decode_loop_compiler_options()
+    monkeypatch.setenv(speculative_mod.LOOP_GRAPH_ENV_VAR, "while")  # the graphs, XLA's own scheduling
+    graphs_only = speculative_mod.decode_loop_compiler_options()
     assert graphs_only == {k: v for k, v in opts.items() if k != "xla_gpu_command_buffer_scheduling_mode"}
     assert float(jax.jit(lambda x: x + 1, compiler_options=graphs_only)(1.0)) == 2.0
-    monkeypatch.setenv(backend.LOOP_GRAPH_ENV_VAR, "0")
-    assert backend.decode_loop_compiler_options() == {}
-    monkeypatch.setenv(backend.LOOP_GRAPH_ENV_VAR, "on")
+    monkeypatch.setenv(speculative_mod.LOOP_GRAPH_ENV_VAR, "0")
+    assert speculative_mod.decode_loop_compiler_options() == {}
+    monkeypatch.setenv(speculative_mod.LOOP_GRAPH_ENV_VAR, "on")
     with pytest.raises(ValueError, match="MTP_DECODE_LOOP_GRAPH='on'"):
-        backend.decode_loop_compiler_options()
+        speculative_mod.decode_loop_compiler_options()
 
 
 def test_generate_names_missing_and_empty_prompts():

@@ -14,7 +14,7 @@ import operator
 
 import numpy as np
 
-from mtp.cache.state import NULL_PAGE
+from mtp.ops.paged_kv import NULL_PAGE
 
 
 class PagePoolExhausted(RuntimeError):

@@ -5,12 +5,8 @@ the state of a decode is always an explicit value. Layers are kept as tuples of
 per-layer arrays rather than one stacked array: a layer's update then rewrites only
 that layer's buffer, which XLA performs in place under donation.
 
-Paged-KV convention (shared with `mtp.pallas.paged_attention`): one layer's pages are
-``[num_pages, page_size, num_kv_heads, head_dim]``; ``block_tables[b, j]`` is the page
-that holds positions ``j * page_size ... (j + 1) * page_size - 1`` of batch slot ``b``;
-``lengths[b]`` counts the valid positions. Page `NULL_PAGE` is never handed out by the
-allocator: an idle slot's block table points there, and padding tokens, whose writes
-are dropped, read it; no sequence's page is ever written by padding.
+The paged KV's layout, its null page and its page writes are `mtp.ops.paged_kv`'s, shared
+with the attention kernels.
 """
 
 from __future__ import annotations
@@ -20,8 +16,6 @@ import jax.numpy as jnp
 from flax import struct
 
 from mtp.config import ModelConfig
-
-NULL_PAGE = 0
 
 
 @struct.dataclass
@@ -99,21 +93,3 @@ class TargetCache:
             lengths=jnp.zeros((batch,), jnp.int32),
         )
 
-
-def write_pages(pages: jax.Array, values: jax.Array, block_tables: jax.Array,
-                positions: jax.Array, valid: jax.Array) -> jax.Array:
-    """Scatter ``values[b, t]`` to position ``positions[b, t]`` of slot ``b``.
-
-    Invalid entries, positions past the block table and positions whose block is
-    `NULL_PAGE` are dropped (their index points past the last page), so nothing ever
-    writes the null page. Routing them all to one spot instead, as this once did, made
-    XLA's GPU scatter serialise every padding row on that address (a partial prefill
-    chunk or a carry's tail is padded to a bucket width).
-    """
-    page_size = pages.shape[1]
-    max_blocks = block_tables.shape[1]
-    block = positions // page_size
-    valid = valid & (positions >= 0) & (block < max_blocks)
-    page = jnp.take_along_axis(block_tables, jnp.clip(block, 0, max_blocks - 1), axis=1)
-    page = jnp.where(valid & (page != NULL_PAGE), page, pages.shape[0])
-    return pages.at[page, positions % page_size].set(values.astype(pages.dtype), mode="drop")

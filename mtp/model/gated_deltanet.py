@@ -6,38 +6,34 @@ evaluations of the same recurrence:
 
 * `chunked_delta_rule` — the chunk-parallel (WY) form over 64-token chunks: prefill
   and training, where a token-by-token scan would serialise thousands of steps;
-* `recurrent_delta_rule` — a token-by-token scan that also returns the state after
-  every step: decode and speculative verify, which must be able to keep the state
-  at whichever position acceptance stops (no recompute).
+* `mtp.ops.gdn_step` — decode and speculative verify, token by token, with the state
+  after every step, which must be able to keep the state at whichever position
+  acceptance stops (no recompute): one kernel on a GPU, whose reference
+  (`mtp.ops.gdn_step.reference`) holds the layer's per-token math (the gates, the head
+  split, the masked update and the token-by-token recurrence) that prefill runs too.
 
 Masked positions (padding of a ragged batch) leave the state untouched: their key,
 ``beta`` and log-decay are zeroed, which makes their update the identity.
 
-The depthwise conv runs on its channels grouped per key head, ``[q, k, v of its value
-heads]`` for each key head in turn: the order ``in_proj_qkvz`` produces them in, so the
-conv input is a slice of the projection, and a split of the channel axis on key-head
-boundaries gives every device of a tensor-parallel mesh its own heads' q, k and v
-(`mtp.sharding`). The checkpoint's ``conv1d`` weight stays in Hugging Face's
-``[q of all heads | k | v]`` order and is regrouped where it is used
-(`grouped_conv_weight`); the conv state (`LinearState.conv`) is kept grouped. A
-depthwise conv multiplies each channel by its own taps, so the order changes no value.
+The depthwise conv and its grouped channel order are `mtp.ops.conv_step`'s (its
+reference, `mtp.ops.conv_step.reference`, says why the order); the conv state
+(`LinearState.conv`) is kept grouped.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mtp.config import ModelConfig
-from mtp.model.layers import MERGED_GROUPS, dense, gated_rms_norm, l2norm, module_columns
-from mtp.pallas import conv_step  # modules: they import mtp.model.layers too
-from mtp.pallas import gdn_step as fused_step
+from mtp.model.layers import MERGED_GROUPS, dense, module_columns
+from mtp.ops.conv_step import conv_steps
+from mtp.ops.conv_step.reference import conv_state_after, conv_windows
+from mtp.ops.gdn_step import HeadShape, gdn_steps
+from mtp.ops.gdn_step.reference import gates, mask_updates, qkvz_groups, split_heads
+from mtp.ops.norms import gated_rms_norm
 
 CHUNK = 64
-UNROLL_STEPS = 8  # verify widths up to this many steps run as straight-line code
 
 
 def project(p, x: jax.Array, cfg: ModelConfig, lead: tuple[int, ...]):
@@ -52,80 +48,9 @@ def project(p, x: jax.Array, cfg: ModelConfig, lead: tuple[int, ...]):
     ``x`` is ``[*lead, H]`` or the padded stream's rows (`layers.stream_rows`).
     """
     qkvz, ba = module_columns(p, x, MERGED_GROUPS["linear_attn"], lead)
-    groups, qkv_width = _qkvz_groups(qkvz.view(lead), cfg)
+    groups, qkv_width = qkvz_groups(qkvz.view(lead), cfg)
     mixed = groups[..., :qkv_width].reshape(*lead, -1)
     return mixed, qkvz, ba
-
-
-def _qkvz_groups(qkvz: jax.Array, cfg):
-    """``qkvz`` as ``[.., nk, 2 Dk + 2 r Dv]`` key-head groups, and the width of a group's q, k, v."""
-    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
-    return qkvz.reshape(*qkvz.shape[:-1], nk, 2 * dk + 2 * r * dv), 2 * dk + r * dv
-
-
-def output_gate(qkvz: jax.Array, cfg) -> jax.Array:
-    """``z [.., nv, Dv]``, the output norm's gate, out of ``in_proj_qkvz``'s output."""
-    groups, qkv_width = _qkvz_groups(qkvz, cfg)
-    return groups[..., qkv_width:].reshape(*qkvz.shape[:-1], cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-
-
-def gates(qkvz: jax.Array, ba: jax.Array, cfg) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``z [.., nv, Dv]``, ``b [.., nv]``, ``a [.., nv]`` out of the projections of `project`."""
-    lead = qkvz.shape[:-1]
-    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    r = nv // nk
-    ba = ba.reshape(*lead, nk, 2 * r)
-    return output_gate(qkvz, cfg), ba[..., :r].reshape(*lead, nv), ba[..., r:].reshape(*lead, nv)
-
-
-@functools.lru_cache(maxsize=16)
-def _grouped_channels(nk: int, nv: int, dk: int, dv: int) -> np.ndarray:
-    """For each channel of the grouped order, its index in the checkpoint's ``[q | k | v]``."""
-    kd = nk * dk
-    q = np.arange(kd).reshape(nk, dk)
-    v = 2 * kd + np.arange(nv * dv).reshape(nk, -1)  # value heads are numbered group-major
-    return np.concatenate([q, kd + q, v], axis=1).reshape(-1)
-
-
-def grouped_conv_weight(w: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """The ``conv1d`` weight ``[C, 1, K]`` (HF order ``[q | k | v]``) as ``[C, K]`` in the grouped order.
-
-    A gather with constant indices rather than slices and a concat: under a
-    tensor-parallel mesh the partitioner gathers each device's rows of the replicated
-    weight locally, where slicing the q, k and v blocks at their offsets made it move
-    weight pieces between devices every step.
-    """
-    order = _grouped_channels(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
-                              cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-    return jnp.take(w[:, 0, :], order, axis=0)
-
-
-def conv_windows(p, cfg: ModelConfig, conv_state: jax.Array, mixed: jax.Array) -> jax.Array:
-    """Causal depthwise conv + SiLU over ``[conv_state, mixed]``: ``[B, T, C]`` out."""
-    w = grouped_conv_weight(p["conv1d"]["weight"], cfg)  # [C, K]
-    kern = w.shape[-1]
-    full = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
-    t = mixed.shape[1]
-    out = sum(full[:, i : i + t, :].astype(jnp.float32) * w[:, i].astype(jnp.float32) for i in range(kern))
-    return jax.nn.silu(out).astype(mixed.dtype)
-
-
-def split_heads(mixed: jax.Array, b: jax.Array, a: jax.Array, p, cfg: ModelConfig):
-    """Grouped conv output to per-value-head ``q, k`` (l2-normalised, f32), ``v``, ``beta``, ``g``."""
-    lead = mixed.shape[:-1]
-    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    groups = mixed.reshape(*lead, nk, -1)
-    q, k = groups[..., :dk], groups[..., dk : 2 * dk]
-    v = groups[..., 2 * dk :].reshape(*lead, nv, dv).astype(jnp.float32)
-    r = nv // nk
-    q = l2norm(jnp.repeat(q, r, axis=-2).astype(jnp.float32))
-    k = l2norm(jnp.repeat(k, r, axis=-2).astype(jnp.float32))
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
-        a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
-    return q, k, v, beta, g
 
 
 def chunked_delta_rule(q, k, v, beta, g, state):
@@ -172,36 +97,6 @@ def chunked_delta_rule(q, k, v, beta, g, state):
     return jnp.swapaxes(out, 1, 2), state
 
 
-def recurrent_delta_rule(q, k, v, beta, g, state):
-    """Token-by-token gated delta rule; also returns the state after every step.
-
-    Shapes as in `chunked_delta_rule`; returns ``(out, final_state, states [B, T, H, Dk, Dv])``.
-    """
-    scale = q.shape[-1] ** -0.5
-
-    def step(s, xs):
-        q_t, k_t, v_t, b_t, g_t = xs  # [B, H, ...]
-        s = s * jnp.exp(g_t)[..., None, None]
-        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
-        delta = (v_t - kv_mem) * b_t[..., None]
-        s = s + k_t[..., :, None] * delta[..., None, :]
-        out = jnp.einsum("bhkv,bhk->bhv", s, q_t * scale)
-        return s, (out, s)
-
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, beta, g))
-    # Verify runs T = K <= 8 steps: unrolled, they are straight-line code, where a
-    # loop would cost a GPU while-loop (a predicate read back by the host) per layer.
-    state, (out, states) = jax.lax.scan(step, state.astype(jnp.float32), xs,
-                                        unroll=min(q.shape[1], UNROLL_STEPS))
-    return jnp.moveaxis(out, 0, 1), state, jnp.moveaxis(states, 0, 1)
-
-
-def mask_updates(k, beta, g, valid):
-    """Zero the update of masked positions so they leave the state as it was."""
-    m = valid[..., None]
-    return jnp.where(m[..., None], k, 0.0), jnp.where(m, beta, 0.0), jnp.where(m, g, 0.0)
-
-
 def out_project(p, y: jax.Array) -> jax.Array:
     """``out_proj`` over the gated, normed per-head outputs ``[.., H, Dv]``."""
     return dense(y.reshape(*y.shape[:-2], -1), p["out_proj"]["weight"])
@@ -211,40 +106,14 @@ def output(p, core: jax.Array, z: jax.Array, x_dtype, cfg: ModelConfig) -> jax.A
     return out_project(p, gated_rms_norm(core.astype(x_dtype), z, p["norm"]["weight"], cfg.rms_norm_eps))
 
 
-def conv_state_after(conv_state: jax.Array, mixed: jax.Array, counts: jax.Array | int) -> jax.Array:
-    """The last ``K - 1`` conv inputs after consuming ``counts[b]`` of ``mixed[b]`` (an int: of every row).
-
-    A static count is a plain slice; XLA keeps a per-row one (a gather) as a kernel of
-    its own even at constant counts.
-    """
-    keep = conv_state.shape[1]
-    full = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)
-    if isinstance(counts, int):
-        return full[:, counts:counts + keep]
-    return jax.vmap(lambda f, c: jax.lax.dynamic_slice_in_dim(f, c, keep, axis=0))(full, counts)
-
-
-def conv_states_per_step(conv_state: jax.Array, mixed: jax.Array, valid: jax.Array) -> jax.Array:
-    """The conv state after each of ``mixed``'s ``T`` positions, ``[B, T, K-1, C]``.
-
-    A masked position keeps the state before it, as the recurrent state does (`mask_updates`),
-    so every position of an inactive slot returns its old state: a commit can take any position
-    without a select against the old state (`mtp.model.target.commit`'s ``masked_verify``).
-    """
-    before, steps = conv_state.astype(mixed.dtype), []
-    for i in range(mixed.shape[1]):
-        before = jnp.where(valid[:, i, None, None], conv_state_after(conv_state, mixed, i + 1), before)
-        steps.append(before)
-    return jnp.stack(steps, axis=1)
-
-
 def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bool,
               impl: str = "reference"):
     """One Gated DeltaNet layer over ``x [B, T, H]`` (or the padded stream's rows, `layers.stream_rows`).
 
     ``valid [B, T]`` marks the real tokens, which are a prefix of each row. With
     ``per_step`` (decode and verify) the state after every position is returned as well,
-    and the tokens after the conv are `mtp.pallas.gdn_step.gdn_steps` (one kernel for up
+    and the conv and the tokens after it are `mtp.ops.conv_step.conv_steps` and
+    `mtp.ops.gdn_step.gdn_steps` (one kernel each for up
     to 8 tokens where ``impl`` picks it). Returns ``(y, new_conv, new_rec, step_states)``.
     """
     lead = valid.shape
@@ -253,16 +122,15 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
     steps = None
     if per_step:  # decode and verify: the conv and the state after every token as one op
         assert qkvz.start == 0, "conv_steps reads in_proj_qkvz from the GEMM output's first columns"
-        conv_out, conv_steps = conv_step.conv_steps(mixed, qkvz.rows, valid, conv_state, p["conv1d"]["weight"],
-                                                    heads=fused_step.HeadShape.of(cfg), impl=impl)
-        y, rec_steps = fused_step.gdn_steps(conv_out, qkvz.rows, ba.rows, valid, rec_state, p["A_log"],
-                                            p["dt_bias"], p["norm"]["weight"],
-                                            num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
-                                            ba_col=ba.start, impl=impl)
+        conv_out, conv_states = conv_steps(mixed, qkvz.rows, valid, conv_state, p["conv1d"]["weight"],
+                                           heads=HeadShape.of(cfg), impl=impl)
+        y, rec_steps = gdn_steps(conv_out, qkvz.rows, ba.rows, valid, rec_state, p["A_log"], p["dt_bias"],
+                                 p["norm"]["weight"], num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
+                                 ba_col=ba.start, impl=impl)
         out = out_project(p, y)
         # A masked token keeps the states: the last step's are the final ones.
-        new_conv, new_rec = conv_steps[:, -1], rec_steps[:, -1]
-        steps = (conv_steps, rec_steps)
+        new_conv, new_rec = conv_states[:, -1], rec_steps[:, -1]
+        steps = (conv_states, rec_steps)
     else:
         conv_out = conv_windows(p, cfg, conv_state, mixed)
         z, b, a = gates(qkvz.view(lead), ba.view(lead), cfg)

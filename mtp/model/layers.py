@@ -1,7 +1,9 @@
-"""Building blocks of the Qwen3-Next hybrid: norms, RoPE, gated attention, FFNs.
+"""Building blocks of the Qwen3-Next hybrid: GEMMs, gated attention, FFNs.
 
 Each block is a plain function of ``(params_subtree, inputs)``; parameter subtrees
-are the checkpoint's own nesting. Numerics follow the Hugging Face implementation
+are the checkpoint's own nesting. The math a kernel reproduces is its op's: the norms
+(`mtp.ops.norms`), the attention's q/k norms, RoPE and gate split
+(`mtp.ops.attn_prologue.reference`), the routed experts (`mtp.ops.moe`). Numerics follow the Hugging Face implementation
 (norms in float32 and cast back, f32 softmax, f32 matmul accumulation).
 """
 
@@ -9,16 +11,59 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from mtp.config import ModelConfig
-from mtp.ops import fp8
+from mtp.ops import fp8, lowering
+from mtp.ops.attn_prologue.reference import key_values, qkv_of, rope
+from mtp.ops.lowering import tensor_parallel_mesh
 from mtp.ops.moe import routed_experts
-from mtp.pallas.backend import (merge_projections, pad_small_gemms, small_gemms_as_reduce,
-                                tensor_parallel_mesh)
+
+PAD_ENV_VAR = "MTP_PAD_SMALL_GEMMS"
+MERGE_ENV_VAR = "MTP_MERGE_PROJECTIONS"
+REDUCE_ENV_VAR = "MTP_SMALL_GEMMS_AS_REDUCE"
+
+
+def _gpu_default_switch(env_var: str) -> bool:
+    """A 0/1 switch read from ``env_var`` when a function is traced; unset, on exactly on a GPU."""
+    value = os.environ.get(env_var)
+    if value is None:
+        return lowering.on_gpu()
+    if value not in ("0", "1"):
+        raise ValueError(f"{env_var}={value!r}: set it to 0 or 1")
+    return value == "1"
+
+
+def pad_small_gemms() -> bool:
+    """Whether `dense` pads a one-row product with a large weight to 2 rows.
+
+    On by default on a GPU, where XLA's GEMM streams such weights faster for 2 rows
+    than for 1 (measured, see ``PAD_ROWS``); ``MTP_PAD_SMALL_GEMMS=0`` or ``1`` decides
+    instead (benchmarks flip it to compare).
+    """
+    return _gpu_default_switch(PAD_ENV_VAR)
+
+
+def merge_projections() -> bool:
+    """Whether `dense_columns` runs projections of one input as one GEMM.
+
+    On by default on a GPU, where a decode step's launches cost more than its small
+    GEMMs' bytes (see ``dense_columns``); ``MTP_MERGE_PROJECTIONS=0`` or ``1`` decides instead.
+    """
+    return _gpu_default_switch(MERGE_ENV_VAR)
+
+
+def small_gemms_as_reduce() -> bool:
+    """Whether `linear` writes a few-row product with a small weight as a reduction.
+
+    On by default on a GPU, where a small model's verify ran faster so (see ``linear``);
+    ``MTP_SMALL_GEMMS_AS_REDUCE=0`` or ``1`` decides instead (benchmarks flip it to compare).
+    """
+    return _gpu_default_switch(REDUCE_ENV_VAR)
 
 
 # Plain decode at batch 1 multiplies one row by each weight: a weight stream. On the
@@ -57,7 +102,7 @@ def linear(x: jax.Array, w) -> jax.Array:
 
     A product of 2..``REDUCE_MAX_ROWS`` rows with a weight of at most ``REDUCE_MAX_WEIGHT``
     elements (a small model's verify) is written as multiply + sum where
-    `backend.small_gemms_as_reduce` says, and not under a tensor-parallel mesh (whose
+    `small_gemms_as_reduce` says, and not under a tensor-parallel mesh (whose
     shardings were measured with GEMMs): XLA then emits one reduction kernel, as it does
     for a one-row product, instead of a Triton GEMM, and fuses its elementwise neighbours
     into it. The default model's speculative loop at batch 1 ran 1.11x faster at K = 2
@@ -150,7 +195,7 @@ def dense_columns(x: jax.Array, ws, lead: tuple[int, ...] | None = None,
     with the large one's inside the trace: XLA fuses the concatenation into its Triton
     GEMM, which reads each weight in place (as its own dot merger does for gate and up),
     so nothing is copied and the step loses a launch per merged weight. Merged only
-    where `backend.merge_projections` says (a GPU by default), for plain weights, at
+    where `merge_projections` says (a GPU by default), for plain weights, at
     most ``MERGE_MAX_ROWS`` rows, and not under a tensor-parallel mesh (the weights are
     split on the concatenated axis there). ``x`` and ``lead`` as in ``dense_rows``;
     ``merged``: ``ws`` already concatenated (`with_merged_weights`).
@@ -235,90 +280,21 @@ def stream_rows(x: jax.Array, pad: bool) -> jax.Array:
     return x2
 
 
-def add_rows(x: jax.Array, y: jax.Array) -> jax.Array:
-    """``x + y`` where ``x`` may be the padded stream's rows and ``y`` is ``[*lead, H]``."""
-    y2 = y.reshape(x.shape) if y.size == x.size else y.reshape(-1, y.shape[-1])
-    if y2.shape != x.shape:  # x carries padding rows
-        y2 = jnp.pad(y2, ((0, x.shape[0] - y2.shape[0]), (0, 0)))
-    return x + y2
-
-
 def first_rows(y_rows: jax.Array, lead: tuple[int, ...]) -> jax.Array:
     """The ``prod(lead)`` real rows of a `dense_rows` result (or of the padded stream), as ``[*lead, out]``."""
     return y_rows.reshape(-1, y_rows.shape[-1])[:math.prod(lead)].reshape(*lead, y_rows.shape[-1])
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """Qwen3-Next RMSNorm: scale by ``(1 + w)``, so a zero-initialised ``w`` is identity."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
-
-
-def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """Unit L2 norm over the last axis (the Gated DeltaNet's queries and keys)."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def gated_rms_norm(x: jax.Array, z: jax.Array, w: jax.Array, eps: float,
-                   sum_sq: jax.Array | None = None) -> jax.Array:
-    """The Gated DeltaNet output norm: plain ``w`` scale (not ``1 + w``), then ``silu(z)``.
-
-    ``sum_sq`` (``x.shape[:-1]``): the rows' sums of squares of ``x`` (in f32), where a
-    kernel that wrote ``x`` in pieces already summed them (`mtp.pallas.gdn_step`).
-    """
-    xf = x.astype(jnp.float32)
-    if sum_sq is None:
-        mean_sq = jnp.mean(xf * xf, axis=-1, keepdims=True)
-    else:
-        mean_sq = sum_sq[..., None] / x.shape[-1]
-    y = xf * jax.lax.rsqrt(mean_sq + eps)
-    y = w * y.astype(x.dtype)
-    return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
-
-
-def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Partial rotary embedding on the first ``rotary_dim`` channels of each head.
-
-    x: ``[..., T, H, D]``; positions: ``[..., T]`` (sequence space, any integer).
-    """
-    rd = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, rd, 2, dtype=jnp.float32) / rd))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, rd/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., T, 1, rd]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
-    rot, keep = x[..., :rd], x[..., rd:]
-    half = rd // 2
-    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    return jnp.concatenate([rot * cos + rotated * sin, keep], axis=-1)
 
 
 # ------------------------------------------------------------------ gated attention
 def attention_qkv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
     """Project to rotated ``q [.., T, Hq, D]``, ``k, v [.., T, Hkv, D]`` and the output gate."""
     lead = _lead(x, positions)
-    return attention_qkv_of(p, attention_columns(p, x, lead), positions, lead, cfg)
+    return qkv_of(attention_columns(p, x, lead), p["q_norm"]["weight"], p["k_norm"]["weight"], positions, lead, cfg)
 
 
 def attention_columns(p, x: jax.Array, lead: tuple[int, ...]) -> list[Columns]:
     """The q (with its gate), k and v projections of ``x``, as `module_columns`."""
     return module_columns(p, x, MERGED_GROUPS["self_attn"], lead)
-
-
-def attention_qkv_of(p, columns: list[Columns], positions: jax.Array, lead: tuple[int, ...], cfg: ModelConfig):
-    """``attention_qkv`` from the projections' ``attention_columns``: the norms, the RoPE and the gate's split."""
-    q, gate = query_and_gate(columns[0], lead, cfg)
-    k, v = (c.view(lead) for c in columns[1:])
-    q = rms_norm(q, p["q_norm"]["weight"], cfg.rms_norm_eps)
-    k, v = _key_values(p, k, v, lead, cfg)
-    return rope(q, positions, cfg), rope(k, positions, cfg), v, gate
-
-
-def query_and_gate(q_columns: Columns, lead: tuple[int, ...], cfg: ModelConfig):
-    """``q_proj``'s output split per head into the query and the output gate, each ``[*lead, Hq, D]``."""
-    d = cfg.head_dim
-    qg = q_columns.view(lead).reshape(*lead, cfg.num_attention_heads, 2 * d)
-    return qg[..., :d], qg[..., d:]
 
 
 def _lead(x, positions):
@@ -331,17 +307,10 @@ def _projections(p, x, lead, names):
     return [c.view(lead) for c in module_columns(p, x, names, lead)]
 
 
-def _key_values(p, k, v, lead, cfg):
-    """Projected keys (normed) and values as ``[*lead, Hkv, D]``."""
-    d, hkv = cfg.head_dim, cfg.num_key_value_heads
-    k = rms_norm(k.reshape(*lead, hkv, d), p["k_norm"]["weight"], cfg.rms_norm_eps)
-    return k, v.reshape(*lead, hkv, d)
-
-
 def attention_kv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
     """Only the rotated keys and values: all a drafter prefill needs (no queries)."""
     lead = _lead(x, positions)
-    k, v = _key_values(p, *_projections(p, x, lead, ("k_proj", "v_proj")), lead, cfg)
+    k, v = key_values(*_projections(p, x, lead, ("k_proj", "v_proj")), p["k_norm"]["weight"], lead, cfg)
     return rope(k, positions, cfg), v
 
 

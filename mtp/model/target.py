@@ -20,12 +20,12 @@ from mtp.cache.state import LinearState, TargetCache
 from mtp.config import ModelConfig
 from mtp.model import gated_deltanet as gdn
 from mtp.model import layers
-from mtp.model.layers import (attention_out, attention_qkv, causal_attention, ffn, first_rows,
-                              rms_norm, stream_rows)
+from mtp.model.layers import attention_out, attention_qkv, causal_attention, ffn, first_rows, stream_rows
 from mtp.model.params import Params
-from mtp.pallas.add_rms_norm import add_rms_norm
-from mtp.pallas.attn_prologue import attn_prologue
-from mtp.pallas.paged_attention import paged_attention
+from mtp.ops.add_rms_norm import add_rms_norm
+from mtp.ops.attn_prologue import AttentionShape, attn_prologue
+from mtp.ops.norms import rms_norm
+from mtp.ops.paged_attention import paged_attention
 
 
 @struct.dataclass
@@ -64,7 +64,7 @@ def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer, impl: str = "referen
 
     ``x`` is ``[*lead, H]`` or the padded stream's rows (`layers.stream_rows`): the
     norms and the FFN are row-wise, and the mixer returns ``[*lead, H]``. The mixer's
-    residual add and the FFN's norm are one op (`mtp.pallas.add_rms_norm`, a kernel
+    residual add and the FFN's norm are one op (`mtp.ops.add_rms_norm`, a kernel
     where ``impl`` picks it).
     """
     y = mixer(rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps))
@@ -88,7 +88,8 @@ def paged_attention_mixer(cfg, p, rope_positions, slots, k_pages, v_pages, block
         attn = p["self_attn"]
         columns = layers.attention_columns(attn, h, rope_positions.shape)
         q, gate, kp, vp = attn_prologue(columns, attn["q_norm"]["weight"], attn["k_norm"]["weight"], rope_positions,
-                                        slots, k_pages, v_pages, block_tables, write, cfg=cfg, impl=impl)
+                                        slots, k_pages, v_pages, block_tables, write, heads=AttentionShape.of(cfg),
+                                        impl=impl)
         result["kv"] = (kp, vp)
         o = paged_attention(q, kp, vp, block_tables, attn_lengths, gate=gate, impl=impl)
         return attention_out(attn, o)

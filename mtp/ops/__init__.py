@@ -1,6 +1,11 @@
-"""Self-contained ops of the model, each a package in tokamax's shape.
+"""The kernel layer: self-contained ops of the model, each a package in tokamax's shape.
 
-An op package imports only JAX and numpy, never the model or the caches: ``api.py`` holds
-the public entry point with its ``impl`` switch (`mtp.pallas.backend`), ``reference.py``
-its pure-JAX reference, and kernel files beside them implement the same signature.
+An op package imports only JAX, numpy and other modules of ``mtp.ops``, never the model, the
+caches or the config: ``reference.py`` holds its pure-JAX definition, which is the model's own
+math for what the kernel fuses (the model imports it from there), the kernel files
+(``triton.py``, ``mosaic.py``: the Pallas lowering they use) implement the same signature, and
+``api.py`` holds the public entry point, whose ``impl`` goes through the one switch
+(`dispatch.choose`). Shared beside them: `dispatch` (the switch and ``MTP_KERNELS``),
+`lowering` (the target device, meshes, compiler parameters, interpreter scopes), `norms` (the
+model's norms) and `paged_kv` (the paged KV layout and its page writes).
 """

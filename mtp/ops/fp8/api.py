@@ -1,6 +1,6 @@
 """The FP8 GEMM entry point: ``x @ w.T`` for a `BlockFp8Weight`, reference or kernel.
 
-`matmul` resolves ``impl`` through the project's kernel switch (`mtp.pallas.backend.resolve_impl`,
+`matmul` resolves ``impl`` through the project's kernel switch (`mtp.ops.dispatch.choose`,
 op ``"fp8_gemm"``, so ``MTP_KERNELS=fp8_gemm=...`` names it like every other op). The reference
 (`reference.w8a16` / `w8a8`) dequantizes right before XLA's dot. The kernel (`triton`, with the
 reference's signature and an ``unsupported`` that names the inputs it declines) runs where the
@@ -20,9 +20,10 @@ import math
 
 import jax
 
+from mtp.ops import dispatch
 from mtp.ops.fp8 import reference, triton
 from mtp.ops.fp8.reference import BlockFp8Weight
-from mtp.pallas.backend import run_triton_op
+from mtp.ops.lowering import triton_interpret_scope
 
 OP = "fp8_gemm"
 MODES = ("w8a16", "w8a8")
@@ -36,13 +37,13 @@ def matmul(x: jax.Array, w: BlockFp8Weight, *, mode: str = "w8a16", impl: str = 
     """
     if mode not in MODES:
         raise ValueError(f"fp8 matmul mode={mode!r}; choose one of {', '.join(MODES)}")
-    ref = lambda: getattr(reference, mode)(x, w)
-    if mode != "w8a16":
-        return run_triton_op(OP, impl, lambda: f"mode {mode}", ref, None)
-    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    return run_triton_op(OP, impl, lambda: unsupported(x, w), ref,
-                         lambda interpret: triton.w8a16(x2, w, interpret=interpret).reshape(*x.shape[:-1], -1),
-                         kernel_pays=lambda: triton.pays(x2.shape[0], w.shape[0]))
+    rows = math.prod(x.shape[:-1])
+    path = dispatch.choose(OP, impl, lambda: unsupported(x, w) if mode == "w8a16" else f"mode {mode}",
+                           kernel_pays=lambda: triton.pays(rows, w.shape[0]))
+    if path == "reference":
+        return getattr(reference, mode)(x, w)
+    with triton_interpret_scope(path) as interpret:
+        return triton.w8a16(x.reshape(rows, x.shape[-1]), w, interpret=interpret).reshape(*x.shape[:-1], -1)
 
 
 def unsupported(x: jax.Array, w: BlockFp8Weight) -> str | None:

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from mtp.ops.fp8.reference import BlockFp8Weight
-from mtp.pallas.backend import num_sms, triton_compiler_params
+from mtp.ops.lowering import num_sms, triton_compiler_params
 
 MAX_ROWS = 16  # the rows the kernel is for: a decode or verify step
 DOT_ROWS = 16  # Triton's smallest dot M: the rows are padded to it

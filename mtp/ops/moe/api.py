@@ -3,7 +3,7 @@
 The model's MoE layer (`mtp.model.layers.moe`) routes (softmax, top-k, normalisation, the
 weights' rounding) and adds the shared expert; this op computes the rest, what the selected
 experts cost and no more (`reference` for the definition and the two sparse forms). ``impl``
-is resolved by `mtp.pallas.backend.resolve_impl` under the op name ``"moe"`` (so
+is resolved by `mtp.ops.dispatch.choose` under the op name ``"moe"`` (so
 ``MTP_KERNELS=moe=reference`` and the global switch apply): on a GPU ``"auto"`` runs the
 grouped-GEMM kernels of `mosaic` (Mosaic GPU; ``"interpret"`` runs them in Pallas' GPU
 interpreter), except where `mosaic.unsupported` names why they cannot take the inputs (f32,
@@ -21,8 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mtp.ops import dispatch
 from mtp.ops.moe import mosaic, reference
-from mtp.pallas.backend import auto_decides, resolve_impl
 
 
 def _shape(weight) -> tuple[int, ...]:
@@ -74,16 +74,19 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, impl: str =
     """
     check_inputs(x, expert_ids, expert_weights, gate, up, down)
     ids = expert_ids.astype(jnp.int32)
-    mode = resolve_impl(impl, "moe")
-    if (mode != "reference" and not _under_mesh()
-            and mosaic.unsupported(x, ids, expert_weights, gate, up, down) is None):
-        if not auto_decides(impl, "moe") or pays(ids):
+    mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or mosaic.unsupported(
+        x, ids, expert_weights, gate, up, down), mesh_kernel=True)
+    if mode != "reference":
+        if not dispatch.auto_decides(impl, "moe") or pays(ids):
             return mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
         return reference.routed_experts_gather(x, ids, expert_weights, gate, up, down)
     return reference.routed_experts(x, ids, expert_weights, gate, up, down)
 
 
-def _under_mesh() -> bool:
-    """Whether the trace runs under a mesh of more than one device (``jax.set_mesh``)."""
+def _mesh_unsupported() -> str | None:
+    """Why a trace under a mesh of more than one device (``jax.set_mesh``) runs the reference, or None:
+    the kernels see whole arrays, and XLA partitions the reference."""
     mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and mesh.size > 1
+    if not mesh.empty and mesh.size > 1:
+        return f"a mesh of {mesh.size} devices"
+    return None

@@ -92,7 +92,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mtp.pallas.backend import swizzle_transforms
+from mtp.ops.lowering import swizzle_transforms
 
 _SMEM_LIMIT = 232_448 - 4096  # bytes per block, less headroom for barriers and Mosaic's scratch
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -1,13 +1,14 @@
-"""The conv of decode and verify tokens and the states after them (`mtp.pallas.conv_step`): the kernel (interpret mode) against the model."""
+"""The conv of decode and verify tokens and the states after them (`mtp.ops.conv_step`): the kernel (interpret mode) against the model."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp.model import gated_deltanet as gdn
-from mtp.pallas import conv_step as cs
-from mtp.pallas.gdn_step import HeadShape
+from mtp.ops.conv_step import conv_steps, conv_steps_reference
+from mtp.ops.conv_step import triton as cs
+from mtp.ops.gdn_step import HeadShape
+from mtp.ops.gdn_step.reference import qkvz_groups
 from tests.conftest import decode_through_kernel
 
 
@@ -19,7 +20,7 @@ def _case(seed, bsz, heads, dtype, steps=1, extra_rows=0, extra_cols=0):
     qkvz = jax.random.normal(ks[0], (bsz * steps + extra_rows, heads.qkvz_width + extra_cols)).astype(dtype)
     counts = jnp.asarray([steps, 0, 1, steps - 1][:bsz] + [steps] * max(bsz - 4, 0))
     valid = jnp.arange(steps)[None, :] < counts[:, None]
-    groups, qkv_width = gdn._qkvz_groups(qkvz[:bsz * steps, :heads.qkvz_width], heads)
+    groups, qkv_width = qkvz_groups(qkvz[:bsz * steps, :heads.qkvz_width], heads)
     mixed = jnp.where(valid[..., None], groups[..., :qkv_width].reshape(bsz, steps, -1), 0)
     state = jax.random.normal(ks[1], (bsz, 3, heads.conv_dim)).astype(dtype)
     w = (0.5 * jax.random.normal(ks[2], (heads.conv_dim, 1, 4))).astype(dtype)
@@ -37,8 +38,8 @@ def _case(seed, bsz, heads, dtype, steps=1, extra_rows=0, extra_cols=0):
 def test_kernel_matches_reference(bsz, heads, dtype, steps, extra_rows, extra_cols):
     args = _case(bsz, bsz, heads, dtype, steps, extra_rows, extra_cols)
     assert cs.kernel_unsupported(*args[1:], heads) is None
-    out, states = cs.conv_steps(*args, heads=heads, impl="interpret")
-    out_ref, states_ref = cs.conv_steps_reference(*args, heads=heads)
+    out, states = conv_steps(*args, heads=heads, impl="interpret")
+    out_ref, states_ref = conv_steps_reference(*args, heads=heads)
     assert out.shape == (bsz, steps, heads.conv_dim) and out.dtype == dtype
     assert states.shape == (bsz, steps) + args[3].shape[1:]
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_ref, np.float32), atol=1e-6, rtol=1e-6)
@@ -69,36 +70,36 @@ def test_mismatched_conv_shapes_are_named(impl):
     c = heads.conv_dim
     w5 = jnp.zeros((c, 1, 5), w.dtype)  # K = 5 against a 3-row state
     with pytest.raises(ValueError, match=rf"conv_state \(2, 3, {c}\).*conv_w \({c}, 1, 5\)"):
-        cs.conv_steps(mixed, qkvz, valid, state, w5, heads=heads, impl=impl)
+        conv_steps(mixed, qkvz, valid, state, w5, heads=heads, impl=impl)
     with pytest.raises(ValueError, match=rf"conv_w \({c}, 4\)"):
-        cs.conv_steps(mixed, qkvz, valid, state, w[:, 0], heads=heads, impl=impl)
+        conv_steps(mixed, qkvz, valid, state, w[:, 0], heads=heads, impl=impl)
     with pytest.raises(ValueError, match=rf"conv_state \(2, 3, {c - 16}\)"):
-        cs.conv_steps(mixed, qkvz, valid, state[..., :-16], w, heads=heads, impl=impl)
+        conv_steps(mixed, qkvz, valid, state[..., :-16], w, heads=heads, impl=impl)
     with pytest.raises(ValueError, match=rf"mixed \(2, 1, {c - 16}\)"):
-        cs.conv_steps(mixed[..., :-16], qkvz, valid, state, w, heads=heads, impl=impl)
+        conv_steps(mixed[..., :-16], qkvz, valid, state, w, heads=heads, impl=impl)
 
 
 def test_auto_takes_the_kernel_on_a_gpu_unless_opt_in(monkeypatch):
-    """Timed faster in the step (session 10), so ``auto`` takes it on a GPU; an op listed in
-    ``backend.OPT_IN`` stays on its reference there until named in ``MTP_KERNELS``."""
-    from mtp.pallas import backend
+    """Timed faster in the step (2026-11-30), so ``auto`` takes it on a GPU; an op listed in
+    ``dispatch.OPT_IN`` stays on its reference there until named in ``MTP_KERNELS``."""
+    from mtp.ops import dispatch, lowering
 
     calls = []
-    monkeypatch.setattr(cs, "_conv_steps_pallas", lambda *a, **k: calls.append(1) or ("kernel", None))
-    monkeypatch.setattr(backend, "on_gpu", lambda: True)
+    monkeypatch.setattr(cs, "conv_steps_triton", lambda *a, **k: calls.append(1) or ("kernel", None))
+    monkeypatch.setattr(lowering, "on_gpu", lambda: True)
     heads = HeadShape(2, 4, 16, 16)
     args = _case(0, 2, heads, jnp.float32)
-    assert cs.conv_steps(*args, heads=heads)[0] == "kernel" and len(calls) == 1
-    monkeypatch.setattr(backend, "OPT_IN", {"conv_step": "a test"})
-    assert isinstance(cs.conv_steps(*args, heads=heads)[0], jax.Array) and len(calls) == 1
+    assert conv_steps(*args, heads=heads)[0] == "kernel" and len(calls) == 1
+    monkeypatch.setattr(dispatch, "OPT_IN", {"conv_step": "a test"})
+    assert isinstance(conv_steps(*args, heads=heads)[0], jax.Array) and len(calls) == 1
     monkeypatch.setenv("MTP_KERNELS", "conv_step=pallas")
-    assert cs.conv_steps(*args, heads=heads)[0] == "kernel" and len(calls) == 2
+    assert conv_steps(*args, heads=heads)[0] == "kernel" and len(calls) == 2
 
 
 @pytest.mark.parametrize("gemm_layout", ["plain", "padded_merged"], indirect=True)
 def test_model_decode_with_the_kernel_equals_the_reference(gemm_layout, monkeypatch):
     """Decode and a verify of 3 tokens through the kernel alone (the other ops on their references) equals decode without it."""
-    runs = decode_through_kernel(monkeypatch, cs, "_conv_steps_pallas", "conv_step", verify=3)
+    runs = decode_through_kernel(monkeypatch, cs, "conv_steps_triton", "conv_step", verify=3)
     (want, ref_cache), (got, cache) = runs["reference"], runs["interpret"]
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     for g, w in zip(cache.linear.conv, ref_cache.linear.conv):  # later layers' inputs carry the rounding

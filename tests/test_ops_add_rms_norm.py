@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from mtp.model import layers
-from mtp.pallas.add_rms_norm import add_rms_norm, add_rms_norm_reference, kernel_unsupported, row_pieces
+from mtp.ops.add_rms_norm import add_rms_norm, add_rms_norm_reference
+from mtp.ops.add_rms_norm.triton import kernel_unsupported, row_pieces
 
 # The compiled Triton kernel on a GPU, the same kernel code in Pallas' interpreter elsewhere.
 IMPL = "pallas" if jax.default_backend() == "gpu" else "interpret"
@@ -85,13 +86,13 @@ def test_auto_takes_the_kernel_for_one_row_only(monkeypatch):
     """On a GPU ``auto`` takes the kernel when ``y`` is one row (``kernel_pays``), also inside the
     padded stream, and the reference above (XLA fuses its split-K GEMMs' reduction with the add and
     the norm); ``MTP_KERNELS=add_rms_norm=pallas`` takes the kernel at any rows."""
-    from mtp.pallas import add_rms_norm as arn
-    from mtp.pallas import backend
+    from mtp.ops import lowering
+    from mtp.ops.add_rms_norm import triton
 
     calls = []
-    monkeypatch.setattr(arn, "_add_rms_norm_pallas", lambda x, y, *a, **k: calls.append(y.shape) or ("s", "h"))
-    monkeypatch.setattr(backend, "on_gpu", lambda: True)
-    run = lambda x_rows, y_rows: arn.add_rms_norm(*_case(0, (x_rows, 64), (y_rows, 1, 64), jnp.float32), eps=1e-6)
+    monkeypatch.setattr(triton, "add_rms_norm_triton", lambda x, y, *a, **k: calls.append(y.shape) or ("s", "h"))
+    monkeypatch.setattr(lowering, "on_gpu", lambda: True)
+    run = lambda x_rows, y_rows: add_rms_norm(*_case(0, (x_rows, 64), (y_rows, 1, 64), jnp.float32), eps=1e-6)
     assert run(layers.PAD_ROWS, 1)[0] == "s" and calls == [(1, 1, 64)]
     assert isinstance(run(2, 2)[0], jax.Array) and len(calls) == 1
     monkeypatch.setenv("MTP_KERNELS", "add_rms_norm=pallas")

@@ -21,11 +21,11 @@ On the H200 (2026-11-30, results/decode/decode_h200.md) the decode form makes th
 ``auto`` takes it on a GPU. A related form measured before it (2026-11-29), the shift inside the fused
 delta-rule kernel with the conv left to XLA: 1.0% faster at batch 1 but 3.2% slower at batch 8.
 
-Pallas' Triton lowering, like `mtp.pallas.gdn_step`: elementwise work along the channels
+Pallas' Triton lowering, like `mtp.ops.gdn_step`: elementwise work along the channels
 with no matmul, where Mosaic GPU's wgmma-shaped register layouts offer nothing.
 
-``conv_steps_reference`` is the definition: the model's own ``conv_windows`` and
-``conv_states_per_step``.
+`reference.conv_steps_reference` is the definition: the model's own ``conv_windows`` and
+``conv_states_per_step``; `api.conv_steps` picks between the two.
 """
 
 from __future__ import annotations
@@ -36,47 +36,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from mtp.pallas.backend import run_triton_op, triton_compiler_params
-from mtp.pallas.gdn_step import MAX_STEPS, HeadShape
-
-
-def _check_inputs(mixed, valid, conv_state, conv_w, heads: HeadShape):
-    """Raises on shapes no path can take: the reference would slice them into an empty or
-    misaligned output without a word."""
-    c = heads.conv_dim
-    if conv_w.ndim != 3 or conv_w.shape[:2] != (c, 1):
-        raise ValueError(f"conv_w {conv_w.shape} is not the conv1d weight [C={c}, 1, K]")
-    want = (valid.shape[0], conv_w.shape[2] - 1, c)
-    if conv_state.shape != want:
-        raise ValueError(f"conv_state {conv_state.shape} is not [B, K - 1, C] = {want} for valid "
-                         f"{valid.shape} and conv_w {conv_w.shape}")
-    if mixed.shape != (*valid.shape, c):
-        raise ValueError(f"mixed {mixed.shape} is not [B, T, C] = {(*valid.shape, c)} for valid {valid.shape}")
-
-
-def conv_steps_reference(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadShape):
-    """``T`` tokens' conv outputs ``[B, T, C]`` and the state after each ``[B, T, K - 1, C]``, as the model computes them.
-
-    mixed: ``[B, T, C]``, the conv input (`gated_deltanet.project`'s, zero at masked tokens);
-    qkvz: ``[R >= B T, >= nk (2 Dk + 2 r Dv)]``, the ``in_proj_qkvz`` output it was sliced from,
-    in its first columns (the GEMM's whole output, padding rows and a merged ``in_proj_ba``
-    included: `layers.dense_rows`, `layers.dense_columns`; token t of sequence b in row
-    b T + t), which the kernel reads in place instead; valid: ``[B, T]``, a prefix of each row;
-    conv_state: ``[B, K - 1, C]`` in the grouped channel order; conv_w: the checkpoint's
-    ``conv1d`` weight ``[C, 1, K]``. A masked token leaves the state as it was, as it leaves the
-    recurrent state (``gated_deltanet.mask_updates``): a loop can then keep a finished row's
-    state without selecting between old and new (`target.commit`).
-    """
-    from mtp.model import gated_deltanet as gdn  # imports this package: so here, not at the top
-
-    del qkvz
-    _check_inputs(mixed, valid, conv_state, conv_w, heads)
-    out = gdn.conv_windows({"conv1d": {"weight": conv_w}}, heads, conv_state, mixed)
-    return out, gdn.conv_states_per_step(conv_state, mixed, valid)
+from mtp.ops.gdn_step.reference import HeadShape
+from mtp.ops.gdn_step.triton import MAX_STEPS
+from mtp.ops.lowering import triton_compiler_params
 
 
 def kernel_unsupported(qkvz, valid, conv_state, conv_w, heads: HeadShape) -> str | None:
-    """Why the kernel cannot take these (well-formed, `_check_inputs`) inputs, or None: the caller
+    """Why the kernel cannot take these (well-formed, `reference.check_inputs`) inputs, or None: the caller
     then runs the reference."""
     d = heads.linear_key_head_dim
     bsz, steps = valid.shape
@@ -110,7 +76,9 @@ def _kernel(x_ref, valid_ref, state_ref, w_ref, out_ref, states_ref):
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "interpret"))
-def _conv_steps_pallas(qkvz, valid, conv_state, conv_w, *, heads: HeadShape, interpret=False):
+def conv_steps_triton(qkvz, valid, conv_state, conv_w, *, heads: HeadShape, interpret=False):
+    """The kernel path of `reference.conv_steps_reference` (which also takes ``mixed``: the kernel
+    reads its channels in place in ``qkvz``); ``interpret``: Pallas' interpreter (CPU tests)."""
     bsz, steps = valid.shape
     keep = conv_state.shape[1]
     nk, d = heads.linear_num_key_heads, heads.linear_key_head_dim
@@ -141,15 +109,3 @@ def _conv_steps_pallas(qkvz, valid, conv_state, conv_w, *, heads: HeadShape, int
     )(qkvz, valid.astype(jnp.int32), conv_state[:, None], conv_w)
     return out.reshape(bsz, steps, heads.conv_dim), states
 
-
-def conv_steps(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadShape, impl="auto"):
-    """``conv_steps_reference``'s signature and results; ``impl`` picks the path (``backend``).
-
-    Inputs the kernel cannot take (``kernel_unsupported``) and traces under a
-    tensor-parallel mesh go to the reference. No autodiff rule: training never decodes.
-    """
-    _check_inputs(mixed, valid, conv_state, conv_w, heads)  # the kernel reads no mixed, so here too
-    return run_triton_op(
-        "conv_step", impl, lambda: kernel_unsupported(qkvz, valid, conv_state, conv_w, heads),
-        lambda: conv_steps_reference(mixed, qkvz, valid, conv_state, conv_w, heads=heads),
-        lambda interpret: _conv_steps_pallas(qkvz, valid, conv_state, conv_w, heads=heads, interpret=interpret))

@@ -23,101 +23,24 @@ rows and an outer-product update, on 128 x 128 f32 blocks with no matmul to feed
 wgmma; Triton expresses reductions along either axis of a block directly, while the
 Mosaic GPU register layouts are built around wgmma tiles.
 
-``gdn_steps_reference`` is the definition: the model's own functions, composed.
+`reference.gdn_steps_reference` is the definition: the model's own functions, composed;
+`api.gdn_steps` picks between the two.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.sharding import PartitionSpec as P
 
-from mtp.pallas.backend import (TENSOR_AXIS, num_sms, resolve_impl, tensor_parallel_mesh, triton_compiler_params,
-                                triton_interpret_scope)
-
+from mtp.ops.gdn_step.reference import HeadShape, heads_of, output_gate
+from mtp.ops.lowering import num_sms, triton_compiler_params
+from mtp.ops.norms import gated_rms_norm, l2norm
 
 MAX_STEPS = 8  # tokens per sequence a call unrolls (verify widths); more go to the reference
-
-
-def gdn_steps_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
-                        ba_col=0):
-    """T steps as the model computes them (``gates`` + ``split_heads`` + the delta rule + gated norm).
-
-    mixed: [B, T, 2 nk Dk + nv Dv] conv output, grouped per key head ([q, k, v of its
-    value heads] for each key head, `gated_deltanet`'s conv order); qkvz: [R >= B T, >= nk
-    (2 Dk + 2 r Dv)] with the ``in_proj_qkvz`` output in its first columns (token t of
-    sequence b in row b T + t), and ba: [R' >= B T, >= ba_col + 2 nv] with the
-    ``in_proj_ba`` output at columns ``ba_col...``: where ``z`` and ``b, a`` come from. Rows
-    past B T and other columns are ignored: the model passes whole GEMM outputs, padding
-    rows and merged projections included (`layers.dense_rows`, `layers.dense_columns`; qkvz
-    and ba are then one buffer), so that XLA need not copy a slice of them; valid: [B, T]
-    bool (a masked token leaves the state as it was); state: [B, nv, Dk, Dv] f32; a_log,
-    dt_bias: [nv]; norm_w: [Dv]. Returns ``(y [B, T, nv, Dv] in mixed's dtype, states [B,
-    T, nv, Dk, Dv])``, the state after every step (verify keeps the accepted one). The
-    kernel takes Dk = Dv (Qwen3-Next's 128) only.
-    """
-    from mtp.model import gated_deltanet as gdn  # imports this module: so here, not at the top
-    from mtp.model.layers import gated_rms_norm  # likewise (through mtp.model)
-
-    cfg_like = _heads(num_k_heads, state)
-    nv = cfg_like.linear_num_value_heads
-    bsz, t = mixed.shape[:2]
-    rows = lambda x, lo, n: x[:bsz * t, lo:lo + n].reshape(bsz, t, n)
-    z, b, a = gdn.gates(rows(qkvz, 0, cfg_like.qkvz_width), rows(ba, ba_col, 2 * nv), cfg_like)
-    q, k, v, beta, g = gdn.split_heads(mixed, b, a, {"A_log": a_log, "dt_bias": dt_bias}, cfg_like)
-    k, beta, g = gdn.mask_updates(k, beta, g, valid)
-    core, _, states = gdn.recurrent_delta_rule(q, k, v, beta, g, state)
-    return gated_rms_norm(core.astype(mixed.dtype), z, norm_w, eps), states
-
-
-def gdn_step_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
-                       ba_col=0):
-    """One step (decode): ``gdn_steps_reference`` with T = 1, mixed [B, C] and valid [B]; ``(y, new_state)``."""
-    y, states = gdn_steps_reference(mixed[:, None], qkvz, ba, valid[:, None], state, a_log, dt_bias, norm_w,
-                                    num_k_heads=num_k_heads, eps=eps, ba_col=ba_col)
-    return y[:, 0], states[:, 0]
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadShape:
-    """A Gated DeltaNet layer's head counts and dims, under `ModelConfig`'s field names.
-
-    What the model's own functions (``gated_deltanet.gates``, ``split_heads``,
-    ``conv_windows``) read of a config, so that a kernel's reference can call them with
-    the shapes of its inputs (a tensor-parallel shard has fewer heads than the config).
-    Hashable: a jit static.
-    """
-
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-
-    @classmethod
-    def of(cls, cfg) -> "HeadShape":
-        return cls(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                   cfg.linear_value_head_dim)
-
-    @property
-    def conv_dim(self) -> int:
-        """The conv's channels: q and k of every key head, v of every value head."""
-        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
-                + self.linear_num_value_heads * self.linear_value_head_dim)
-
-    @property
-    def qkvz_width(self) -> int:
-        """``in_proj_qkvz``'s output channels: the conv's, and z of every value head."""
-        return self.conv_dim + self.linear_num_value_heads * self.linear_value_head_dim
-
-
-def _heads(num_k_heads, state) -> HeadShape:
-    """The layer's heads from a recurrent state ``[B, nv, Dk, Dv]`` and its key-head count."""
-    return HeadShape(num_k_heads, *state.shape[1:])
 
 
 def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, ba_col=0) -> str | None:
@@ -135,7 +58,7 @@ def kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, ba_col=0) -> str | N
     tokens = math.prod(mixed.shape[:-1])
     if tokens // mixed.shape[0] > MAX_STEPS:
         return f"{tokens // mixed.shape[0]} steps per sequence; the kernel unrolls at most {MAX_STEPS}"
-    for name, x, want in (("qkvz", qkvz, _heads(nk, state).qkvz_width), ("ba", ba, ba_col + 2 * nv)):
+    for name, x, want in (("qkvz", qkvz, heads_of(nk, state).qkvz_width), ("ba", ba, ba_col + 2 * nv)):
         if x.shape[-1] < want:
             return f"{name} has {x.shape[-1]} channels, fewer than {want} (nk={nk}, nv={nv}, D={dk})"
         if x.shape[0] < tokens:
@@ -147,8 +70,6 @@ def _kernel(q_ref, k_ref, v_ref, z_ref, b_ref, a_ref, valid_ref, s_ref, alog_ref
             y_ref, s_out_ref, *chunk_sum_sq, eps):
     """One program: a value head's state columns, all of them or a chunk (``chunk_sum_sq``: the
     output ref of each token's sum of squares over the chunk's columns)."""
-    from mtp.model.layers import gated_rms_norm, l2norm  # imports this module (through mtp.model): so here
-
     d = q_ref.shape[-1]
     f32 = jnp.float32
     steps = y_ref.shape[1]
@@ -214,8 +135,14 @@ def default_chunks(heads: int, d: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "eps", "ba_col", "num_warps", "chunks", "interpret"))
-def _gdn_steps_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
+def gdn_steps_triton(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
                       ba_col=0, num_warps=None, chunks=None, interpret=False):
+    """The kernel path of `reference.gdn_steps_reference`, for inputs `kernel_unsupported` takes.
+
+    ``chunks`` (programs per value head) and ``num_warps`` override the plan
+    (``default_chunks``, ``default_num_warps``: benchmarks sweep them); ``interpret``:
+    Pallas' interpreter (CPU tests).
+    """
     bsz, t = mixed.shape[:2]
     _, nv, d, _ = state.shape
     chunks = chunks or default_chunks(bsz * nv, d)
@@ -275,8 +202,6 @@ def _gdn_steps_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, 
     if sum_sq:  # chunks: y holds o; the gated norm as the model computes it, from the chunks' sums
         # Added one by one, not `jnp.sum`: elementwise adds fuse into the norm's kernel, where a
         # reduction would be a kernel of its own.
-        from mtp.model.layers import gated_rms_norm  # imports this module (through mtp.model): so here
-
         total = functools.reduce(jnp.add, [sum_sq[0][..., c] for c in range(chunks)])
         y = gated_rms_norm(y, _z_of(qkvz, bsz, t, nk, nv, d), norm_w, eps, sum_sq=total)
     return y, states
@@ -284,57 +209,5 @@ def _gdn_steps_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, 
 
 def _z_of(qkvz, bsz, t, nk, nv, d):
     """``z [B, T, nv, D]`` out of the ``in_proj_qkvz`` rows, as the model slices it."""
-    from mtp.model import gated_deltanet as gdn  # imports this module: so here, not at the top
-
     heads = HeadShape(nk, nv, d, d)
-    return gdn.output_gate(qkvz[:bsz * t, :heads.qkvz_width].reshape(bsz, t, heads.qkvz_width), heads)
-
-
-def gdn_steps(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
-              ba_col=0, impl="auto"):
-    """``gdn_steps_reference``'s signature and results; ``impl`` picks the path (``backend``).
-
-    Inputs the kernel cannot take (``kernel_unsupported``) go to the reference. ``auto``
-    takes the kernel on a GPU: reading ``in_proj_qkvz``'s padded GEMM
-    output in place (no device memcpy of a slice of it per layer) made a batch-1 decode
-    step of the 1.38B model 1.290 vs 1.336 ms and a batch-8 step 1.678 vs 1.805 ms, side
-    by side on the H200 (results/decode/decode_h200.md, 2026-11-29). Before that the kernel cut
-    kernel time but not the step. ``MTP_KERNELS=gdn_step=reference`` turns it off.
-    Traced under a mesh that splits ``backend.TENSOR_AXIS`` over the key heads, the
-    kernel runs per shard on each device's key-head groups (a step never mixes heads);
-    where the key heads do not divide, or qkvz and ba come merged (their columns then
-    do not split on groups), the reference, which XLA partitions.
-    """
-    mode = resolve_impl(impl, op="gdn_step")
-    mesh = tensor_parallel_mesh()
-    tp = mesh.shape[TENSOR_AXIS] if mesh is not None else 1
-    # A split of the channel axes falls on key-head groups only for the projections alone.
-    merged = ba_col or qkvz.shape[-1] != _heads(num_k_heads, state).qkvz_width
-    if (mode == "reference" or kernel_unsupported(mixed, qkvz, ba, state, num_k_heads, ba_col)
-            or num_k_heads % tp or (tp > 1 and merged)):
-        return gdn_steps_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
-                                   num_k_heads=num_k_heads, eps=eps, ba_col=ba_col)
-
-    def run(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w):
-        with triton_interpret_scope(mode) as interpret:
-            return _gdn_steps_pallas(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w,
-                                     num_k_heads=num_k_heads // tp, eps=eps, ba_col=ba_col,
-                                     interpret=interpret)
-
-    if mesh is not None:
-        # The channels of mixed, qkvz and ba are grouped per key head, so an even split is a
-        # split on groups.
-        ax = TENSOR_AXIS
-        run = jax.shard_map(run, mesh=mesh, check_vma=False,
-                            in_specs=(P(None, None, ax), P(None, ax), P(None, ax), P(),
-                                      P(None, ax, None, None), P(ax), P(ax), P()),
-                            out_specs=(P(None, None, ax, None), P(None, None, ax, None, None)))
-    return run(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w)
-
-
-def gdn_step(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_heads, eps,
-             ba_col=0, impl="auto"):
-    """One step (decode): ``gdn_steps`` with T = 1, mixed [B, C] and valid [B]; ``(y [B, nv, Dv], new_state)``."""
-    y, states = gdn_steps(mixed[:, None], qkvz, ba, valid[:, None], state, a_log, dt_bias, norm_w,
-                          num_k_heads=num_k_heads, eps=eps, ba_col=ba_col, impl=impl)
-    return y[:, 0], states[:, 0]
+    return output_gate(qkvz[:bsz * t, :heads.qkvz_width].reshape(bsz, t, heads.qkvz_width), heads)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from mtp.model import target
-from mtp.pallas.gdn_step import (MAX_STEPS, _gdn_steps_pallas, default_chunks, gdn_step, gdn_step_reference, gdn_steps,
-                                 gdn_steps_reference, kernel_unsupported)
+from mtp.ops.gdn_step import MAX_STEPS, gdn_step, gdn_step_reference, gdn_steps, gdn_steps_reference
+from mtp.ops.gdn_step.triton import default_chunks, gdn_steps_triton, kernel_unsupported
 from tests.conftest import paged_cache, random_params, tiny_config
 
 
@@ -92,18 +92,18 @@ def test_model_decode_with_the_kernel_equals_the_reference(gemm_layout):
 
 def test_auto_takes_the_kernel_on_a_gpu_unless_the_reference_is_named(monkeypatch):
     """On a GPU ``auto`` resolves to Pallas and takes the kernel; ``gdn_step=reference`` opts out."""
-    import mtp.pallas.gdn_step as g
-    from mtp.pallas import backend
+    from mtp.ops import lowering
+    from mtp.ops.gdn_step import triton
 
     calls = []
     fake = (jnp.full((2, 1, 4, 16), 7.0), jnp.zeros((2, 1, 4, 16, 16)))  # what "the kernel" returns here
-    monkeypatch.setattr(g, "_gdn_steps_pallas", lambda *a, **k: calls.append(1) or fake)
-    monkeypatch.setattr(backend, "on_gpu", lambda: True)
+    monkeypatch.setattr(triton, "gdn_steps_triton", lambda *a, **k: calls.append(1) or fake)
+    monkeypatch.setattr(lowering, "on_gpu", lambda: True)
     args = _case(0, 2, 2, 4, 16, jnp.float32)
     kw = dict(num_k_heads=2, eps=1e-6)
-    assert bool((g.gdn_step(*args, **kw)[0] == 7.0).all()) and len(calls) == 1
+    assert bool((gdn_step(*args, **kw)[0] == 7.0).all()) and len(calls) == 1
     monkeypatch.setenv("MTP_KERNELS", "gdn_step=reference")
-    assert isinstance(g.gdn_step(*args, **kw)[0], jax.Array) and len(calls) == 1
+    assert isinstance(gdn_step(*args, **kw)[0], jax.Array) and len(calls) == 1
 
 
 def test_merged_projection_buffer_is_read_in_place():
@@ -172,20 +172,20 @@ def test_value_columns_split_over_programs(chunks, steps):
     rest = (jax.random.normal(ks[4], (nv,)), jax.random.normal(ks[5], (nv,)), bf(jnp.linspace(0.5, 1.5, d)))
     kw = dict(num_k_heads=nk, eps=1e-6, ba_col=qkvz.shape[1])
     want_y, want_s = gdn_steps_reference(mixed, merged, merged, valid, state, *rest, **kw)
-    y, st = _gdn_steps_pallas(mixed, merged, merged, valid, state, *rest, chunks=chunks, interpret=True, **kw)
+    y, st = gdn_steps_triton(mixed, merged, merged, valid, state, *rest, chunks=chunks, interpret=True, **kw)
     assert y.shape == want_y.shape and y.dtype == jnp.bfloat16
     f = lambda x: np.asarray(x, np.float32)
     np.testing.assert_allclose(f(y), f(want_y), atol=2e-2, rtol=2e-2)  # one bf16 rounding apart at most
     np.testing.assert_allclose(st, want_s, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(st[1, -1], (st[1, -2] if steps > 1 else state[1]))  # the masked token
     with pytest.raises(ValueError, match="does not divide"):
-        _gdn_steps_pallas(mixed, merged, merged, valid, state, *rest, chunks=3, interpret=True, **kw)
+        gdn_steps_triton(mixed, merged, merged, valid, state, *rest, chunks=3, interpret=True, **kw)
 
 
 def test_default_chunks_split_only_grids_that_leave_sms_idle(monkeypatch):
-    from mtp.pallas import gdn_step as g
+    from mtp.ops.gdn_step import triton
 
-    monkeypatch.setattr(g, "num_sms", lambda: 132)
+    monkeypatch.setattr(triton, "num_sms", lambda: 132)
     assert default_chunks(32, 128) == 8      # the 1.38B model at batch 1: ~2 programs per SM
     assert default_chunks(128, 128) == 2     # batch 4
     assert default_chunks(256, 128) == 1     # batch 8: whole heads

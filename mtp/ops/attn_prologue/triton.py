@@ -15,10 +15,10 @@ loop from 105 to 96 (results/decode/decode_h200.md, 2026-11-30).
 Timed off and on, interleaved twice, on the H200 (2026-11-30): the 1.38B step's kernel time
 1.01-1.04x less at batch 1 and 1.01-1.02x at batch 8 (wall 1.00x and 1.02x), the default
 model's loops 1.02x (speculative) and within noise (plain); ``auto`` takes it on a GPU.
-Pallas' Triton lowering, as `mtp.pallas.conv_step`: per-row norms, rotations and stores, no matmul.
+Pallas' Triton lowering, as `mtp.ops.conv_step`: per-row norms, rotations and stores, no matmul.
 
-``attn_prologue_reference`` is the definition: the model's own ``attention_qkv_of`` and
-``write_pages``.
+`reference.attn_prologue_reference` is the definition: the model's own ``qkv_of`` and
+``write_pages``; `api.attn_prologue` picks between the two.
 """
 
 from __future__ import annotations
@@ -31,32 +31,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from mtp.config import ModelConfig
-from mtp.pallas.backend import run_triton_op, triton_compiler_params
+from mtp.ops.attn_prologue.reference import AttentionShape
+from mtp.ops.lowering import triton_compiler_params
+from mtp.ops.paged_kv import NULL_PAGE
 
 MAX_TOKENS = 8  # new tokens per sequence the kernel takes (decode, verify, drafts); prefill runs the reference
 
 
-def attn_prologue_reference(columns, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages,
-                            block_tables, write, *, cfg: ModelConfig):
-    """``(q [B, T, Hq, D], gate [B, T, Hq, D], k_pages, v_pages)`` as the model computes them.
-
-    columns: `layers.attention_columns` (q with its gate, k, v), of the tokens ``[B, T]`` of
-    ``rope_positions`` (RoPE's sequence positions); ``slots [B, T]``: where each token's K/V
-    land in its sequence's pages (``block_tables``); ``write [B, T]``: which tokens write.
-    """
-    from mtp.cache.state import write_pages  # imports mtp.pallas: so here, not at the top
-    from mtp.model import layers
-
-    norms = {"q_norm": {"weight": q_norm_w}, "k_norm": {"weight": k_norm_w}}
-    q, k, v, gate = layers.attention_qkv_of(norms, columns, rope_positions, rope_positions.shape, cfg)
-    return (q, gate, write_pages(k_pages, k, block_tables, slots, write),
-            write_pages(v_pages, v, block_tables, slots, write))
-
-
-def kernel_unsupported(columns, k_pages, rope_positions, cfg: ModelConfig) -> str | None:
+def kernel_unsupported(columns, k_pages, rope_positions, heads: AttentionShape) -> str | None:
     """Why the kernel cannot take these inputs (the caller then runs the reference), or None."""
-    d, half = cfg.head_dim, cfg.rotary_dim // 2
+    d, half = heads.head_dim, heads.rotary_dim // 2
     if d & (d - 1) or half & (half - 1) or half < 2:
         return f"head dim {d} and half rotary dim {half} are not powers of two >= 2"
     if any(c.start % d or c.rows.dtype != k_pages.dtype for c in columns):
@@ -70,22 +54,21 @@ def kernel_unsupported(columns, k_pages, rope_positions, cfg: ModelConfig) -> st
 
 
 def _kernel(pos_ref, slot_ref, write_ref, table_ref, qg_ref, k_ref, v_ref, wq_ref, wk_ref, _k_in, _v_in,
-            q_ref, gate_ref, k_pages_ref, v_pages_ref, *, cfg: ModelConfig, starts):
-    from mtp.cache.state import NULL_PAGE  # imports mtp.pallas: so here, not at the top
+            q_ref, gate_ref, k_pages_ref, v_pages_ref, *, heads: AttentionShape, starts):
     f32 = jnp.float32
-    d, hq, half = cfg.head_dim, cfg.num_attention_heads, cfg.rotary_dim // 2
+    d, hq, half = heads.head_dim, heads.num_attention_heads, heads.rotary_dim // 2
     dtype = q_ref.dtype
     h = pl.program_id(1)
-    # RoPE's angles, as `layers.rope`: f32 frequencies, cos and sin rounded to the model's dtype.
-    inv_freq = 1.0 / (cfg.rope_theta ** (jax.lax.broadcasted_iota(f32, (half,), 0) * 2.0 / cfg.rotary_dim))
+    # RoPE's angles, as `reference.rope`: f32 frequencies, cos and sin rounded to the model's dtype.
+    inv_freq = 1.0 / (heads.rope_theta ** (jax.lax.broadcasted_iota(f32, (half,), 0) * 2.0 / heads.rotary_dim))
     angle = pos_ref[0, 0].astype(f32) * inv_freq
     cos, sin = jnp.cos(angle).astype(dtype), jnp.sin(angle).astype(dtype)
-    keep = jax.lax.broadcasted_iota(jnp.int32, (d,), 0) >= cfg.rotary_dim
+    keep = jax.lax.broadcasted_iota(jnp.int32, (d,), 0) >= heads.rotary_dim
 
     def normed_rotated(x_ref, col, w_ref, store):
-        """`layers.rms_norm` then `layers.rope` of the head at ``col``; ``store(sl, value, mask)``."""
+        """`mtp.ops.norms.rms_norm` then `reference.rope` of the head at ``col``; ``store(sl, value, mask)``."""
         x = x_ref[0, pl.ds(col, d)].astype(f32)
-        inv_rms = jax.lax.rsqrt(jnp.mean(x * x) + cfg.rms_norm_eps)
+        inv_rms = jax.lax.rsqrt(jnp.mean(x * x) + heads.rms_norm_eps)
         normed = lambda sl: ((x_ref[0, pl.ds(col + sl.start, sl.size)].astype(f32) * inv_rms)
                              * (1.0 + w_ref[sl].astype(f32))).astype(dtype)
         store(pl.ds(0, d), normed(pl.ds(0, d)), keep)  # the channels past the rotary ones, as normed
@@ -123,17 +106,19 @@ def _kernel(pos_ref, slot_ref, write_ref, table_ref, qg_ref, k_ref, v_ref, wq_re
             v_pages_ref[page, row, j, :] = v_ref[0, pl.ds(starts[2] + j * d, d)].astype(v_pages_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "starts", "interpret"))
-def _attn_prologue_pallas(rows, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages, block_tables, write,
-                          *, cfg: ModelConfig, starts, interpret=False):
+@functools.partial(jax.jit, static_argnames=("heads", "starts", "interpret"))
+def attn_prologue_triton(rows, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages, block_tables, write,
+                         *, heads: AttentionShape, starts, interpret=False):
+    """The kernel path of `reference.attn_prologue_reference`, its columns given as the GEMM outputs
+    ``rows`` and each projection's first column ``starts``; ``interpret``: Pallas' interpreter (CPU tests)."""
     b, t = rope_positions.shape
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hq, hkv, d = heads.num_attention_heads, heads.num_key_value_heads, heads.head_dim
     per_token = lambda a: a.reshape(b * t, 1).astype(jnp.int32)
     token = pl.BlockSpec((1, 1), lambda r, h: (r, 0))
     whole = lambda a: pl.BlockSpec(a.shape, lambda r, h: (0,) * a.ndim)
     row = lambda a: pl.BlockSpec((1, a.shape[1]), lambda r, h: (r, 0))
     q, gate, k_pages, v_pages = pl.pallas_call(
-        functools.partial(_kernel, cfg=cfg, starts=starts),
+        functools.partial(_kernel, heads=heads, starts=starts),
         grid=(b * t, hq + hkv),
         in_specs=[token, token, token, pl.BlockSpec((1, block_tables.shape[1]), lambda r, h: (r // t, 0)),
                   *(row(a) for a in rows), whole(q_norm_w), whole(k_norm_w), whole(k_pages), whole(v_pages)],
@@ -148,19 +133,3 @@ def _attn_prologue_pallas(rows, q_norm_w, k_norm_w, rope_positions, slots, k_pag
       q_norm_w, k_norm_w, k_pages, v_pages)
     return q.reshape(b, t, hq, d), gate.reshape(b, t, hq, d), k_pages, v_pages
 
-
-def attn_prologue(columns, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages, block_tables, write,
-                  *, cfg: ModelConfig, impl="auto"):
-    """``attn_prologue_reference``'s signature and results; ``impl`` picks the path (``backend``).
-
-    Inputs the kernel cannot take (``kernel_unsupported``, a prefill among them) and traces
-    under a tensor-parallel mesh go to the reference. No autodiff rule: training has no cache.
-    """
-    def kernel(interpret):
-        return _attn_prologue_pallas(
-            tuple(c.rows for c in columns), q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages,
-            block_tables, write, cfg=cfg, starts=tuple(c.start for c in columns), interpret=interpret)
-
-    args = (columns, q_norm_w, k_norm_w, rope_positions, slots, k_pages, v_pages, block_tables, write)
-    return run_triton_op("attn_prologue", impl, lambda: kernel_unsupported(columns, k_pages, rope_positions, cfg),
-                         lambda: attn_prologue_reference(*args, cfg=cfg), kernel)

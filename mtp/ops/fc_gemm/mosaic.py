@@ -1,13 +1,13 @@
-"""The MTP drafter's input projection: both RMSNorms, the concat and the fc GEMM in one op.
+"""The MTP drafter's input projection as Mosaic GPU kernels: both RMSNorms, the concat and the fc GEMM.
 
 ``out = concat(norm_e(embed), norm_h(hidden)) @ w.T`` with Qwen3-Next's ``(1 + w)``
 RMSNorm, ``w`` in the Hugging Face Linear layout ``[H, 2H]`` (embedding columns first).
-``fc_gemm_reference`` is the definition (the Hugging Face numerics); ``fc_gemm`` is the
-one public op and picks the path.
+`reference.fc_gemm_reference` is the definition (the Hugging Face numerics); `api.fc_gemm` is
+the one public op and picks the path.
 
 How the kernel path computes it. The norm is ``x * r * (1 + w_n)`` with a per-row
 ``r = rsqrt(mean(x^2) + eps)`` and a per-column ``(1 + w_n)``. The column factor is
-folded into the weight once, at load (``fold_fc_weight``):
+folded into the weight once, at load (`reference.fold_fc_weight`):
 ``W_f = bf16(W * (1 + concat(w_ne, w_nh)))``, so that
 
     out = r_e * (embed @ W_f[:, :H].T) + r_h * (hidden @ W_f[:, H:].T)
@@ -18,10 +18,10 @@ columns and from ``hidden`` for the rest, and applies the row scales in its epil
 the single accumulator is multiplied by ``r_e / r_h`` at the half boundary and by
 ``r_h`` at the end (``r > 0`` always). The ratio is needed before the hidden half is
 read, so the rows' sums of squares come from a small memory-bound kernel that runs
-first (``_row_sumsq``: it reads embed and hidden once, ``4 M H`` bytes, at ~4 TB/s where
+first (``row_sumsq``: it reads embed and hidden once, ``4 M H`` bytes, at ~4 TB/s where
 XLA's reduction ran at 1.75; the GEMM takes the rsqrt itself). An embed row's norm depends
 on its token alone, so the model passes each row's mean square from a per-token table made
-at load (``row_mean_squares``) and normalises the embed rows where the embedding gather
+at load (`reference.row_mean_squares`) and normalises the embed rows where the embedding gather
 makes them: then ``r_e = 1`` and the pre-pass reads the hidden rows alone (``2 M H`` bytes;
 at M = 2048, H = 2048 that pass was 6.0 of the op's 50.5 us, the whole gap to XLA's bare
 dot; results/kernels/kernels_h200.md, 2026-11-30). Every way of summing the
@@ -64,8 +64,8 @@ Two kernels (Mosaic GPU, Hopper):
   pipeline with one wgmma in flight, and sums its input tiles' squares meanwhile (its
   share of the row norms). The f32 partials (``splits x M x H``) and shares are summed
   and scaled by ``r`` in one XLA loop fusion: two kernels in all. Reducing the splits
-  inside the kernel, in a thread-block cluster, is built (``reduce="cluster"``) but
-  measured slower (see ``_splitk``). At 128 rows it was 1.04-1.35x faster alone than the
+  inside the kernel, in a thread-block cluster, measured 2.5x slower
+  (docs/tried_and_rejected.md). At 128 rows it was 1.04-1.35x faster alone than the
   GEMM's plan (32-64 tiles of 128 x 64 for 132 SMs) and than XLA's norm + concat + dot; at
   192-256 rows (64-column tiles, 3-5 stages) it lost to both (results/kernels/kernels_h200.md, 2026-11-30).
 """
@@ -80,25 +80,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mtp.pallas.backend import auto_decides, interpret_forced, num_sms, resolve_impl, swizzle_transforms
+from mtp.ops.lowering import num_sms, swizzle_transforms
 
 SMALL_M = 128  # by default at most this many rows take the split-K weight-streaming kernel (module docstring)
 SPLITK_MAX_M = 256  # the most rows the split-K kernel can hold (64-row blocks in one warpgroup)
-_SMEM_LIMIT = 232_448 - 2048  # bytes per block, less headroom for Mosaic's own scratch
-
-
-def row_mean_squares(x):
-    """Each row's mean square in f32, the statistic its RMSNorm needs.
-
-    Of the embedding table it is a per-token table: an embed row's norm depends on its token
-    alone, so the drafter gathers it (made once, at load: ``mtp.mtp_head.quantize_head``)
-    instead of a pass over the rows.
-    """
-    return jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1)
-
-
-def _rms_scale(x, eps):
-    return lax.rsqrt(row_mean_squares(x) + eps)
+SMEM_LIMIT = 232_448 - 2048  # bytes per block, less headroom for Mosaic's own scratch
 
 
 def _scale_of(sum_sq, h: int, eps):
@@ -106,32 +92,10 @@ def _scale_of(sum_sq, h: int, eps):
     return lax.rsqrt(sum_sq * (1.0 / h) + eps)
 
 
-def _rms_norm(x, weight, eps):
-    """Qwen3-Next RMSNorm: f32 throughout, scale by (1 + w), one cast back."""
-    y = x.astype(jnp.float32) * _rms_scale(x, eps)[..., None]
-    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-
-
-def _check_inputs(embed, hidden, norm_e_w, norm_h_w, w):
-    if embed.ndim != 2 or embed.shape != hidden.shape:
-        raise ValueError(
-            f"embed and hidden must both be [M, H]; got {embed.shape} and {hidden.shape}"
-        )
-    m, h = embed.shape
-    if norm_e_w.shape != (h,) or norm_h_w.shape != (h,):
-        raise ValueError(
-            f"norm weights must be [H={h}]; got {norm_e_w.shape} and {norm_h_w.shape}"
-        )
-    if w.shape != (h, 2 * h):
-        raise ValueError(
-            f"w must be [H, 2H] = [{h}, {2 * h}] (out_features, in_features); got {w.shape}"
-        )
-
-
 def kernel_unsupported(embed, hidden, w, small_m: int = SMALL_M) -> str | None:
     """Why the kernels cannot take these (well-formed) inputs, or None when they can.
 
-    ``fc_gemm`` sends such calls to the reference whatever ``impl`` says, so that one
+    `api.fc_gemm` sends such calls to the reference whatever ``impl`` says, so that one
     switch can turn the kernels on for a whole model; ``fc_gemm_folded`` raises this.
     """
     m, h = embed.shape
@@ -165,44 +129,12 @@ def _check_kernel_inputs(embed, hidden, w_folded, small_m):
         raise ValueError(why)
 
 
-def fc_gemm_reference(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="reference"):
-    """Norm both inputs, concat (embedding first), one f32-accumulated dot; bf16 out.
-
-    The definition the kernel is tested against and the CPU path of the model.
-    ``impl`` is accepted (and ignored) so both functions share one signature.
-    """
-    del impl
-    _check_inputs(embed, hidden, norm_e_w, norm_h_w, w)
-    x = jnp.concatenate(
-        [_rms_norm(embed, norm_e_w, eps), _rms_norm(hidden, norm_h_w, eps)], axis=-1
-    )
-    out = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
-    return out.astype(embed.dtype)
-
-
-def fold_fc_weight(norm_e_w, norm_h_w, w):
-    """``W_f = W * (1 + concat(norm_e_w, norm_h_w))`` per column, in ``w``'s dtype.
-
-    The kernel path's weight: do it once, at load (``mtp.mtp_head.quantize_head``), not
-    per step (it reads and writes all of ``w``).
-    """
-    h = w.shape[0] if w.ndim == 2 else None
-    if w.ndim != 2 or w.shape[1] != 2 * w.shape[0]:
-        raise ValueError(f"w must be [H, 2H] (out_features, in_features); got {w.shape}")
-    if norm_e_w.shape != (h,) or norm_h_w.shape != (h,):
-        raise ValueError(
-            f"norm weights must be [H={h}]; got {norm_e_w.shape} and {norm_h_w.shape}")
-    col = 1.0 + jnp.concatenate([norm_e_w, norm_h_w]).astype(jnp.float32)
-    return (w.astype(jnp.float32) * col[None, :]).astype(w.dtype)
-
-
 # ------------------------------------------------------------------ small M: split-K stream
 
-MAX_CLUSTER = 8  # the portable thread-block cluster size: at most this many K splits reduce in-kernel
-REDUCE_COLS = 32  # width of a partial's f32 slabs: one 128-byte swizzle tile (a cluster block reduces whole slabs)
+SLAB_COLS = 32  # width of a partial's f32 slabs, each its own buffer and TMA store: one 128-byte swizzle tile
 
 
-def _plan_small(m: int, h: int, num_sms: int, tile_n=None, k_splits=None, stages=None):
+def plan_small(m: int, h: int, num_sms: int, tile_n=None, k_splits=None, stages=None):
     """(tile_n, k_splits, stages) of the split-K stream for M rows.
 
     By default ~one wave of 128-column tiles with 6 stages. One measured bucket differs:
@@ -215,7 +147,7 @@ def _plan_small(m: int, h: int, num_sms: int, tile_n=None, k_splits=None, stages
     """
     if h >= 4096 and 1 < m <= 16 and (tile_n, k_splits, stages) == (None, None, None):
         tile_n, k_splits, stages = 256, 8, 3
-    tile_m = _splitk_rows(m)
+    tile_m = splitk_rows(m)
     tile_n = tile_n or (128 if tile_m <= 128 else 64)
     while h % tile_n:
         tile_n //= 2
@@ -229,46 +161,25 @@ def _plan_small(m: int, h: int, num_sms: int, tile_n=None, k_splits=None, stages
         raise ValueError(f"k_splits={k_splits} must be even and split H={h} into 64-column tiles")
     if stages is None:
         stages = 6
-        while stages > 2 and _splitk_smem(tile_m, tile_n, stages) > _SMEM_LIMIT:
+        while stages > 2 and splitk_smem(tile_m, tile_n, stages) > SMEM_LIMIT:
             stages -= 1
     return tile_n, k_splits, stages
 
 
-def _splitk_rows(m: int) -> int:
+def splitk_rows(m: int) -> int:
     """The split-K program's row tile: M rounded up to 64-row blocks (rows past M are zero-fill)."""
     return 64 * -(-m // 64)
 
 
-def _splitk_smem(tile_m: int, tile_n: int, stages: int, cluster: bool = False, tile_k: int = 64) -> int:
-    """Shared memory of a split-K program: its ring, its f32 partial, (cluster) a bf16 slab,
-    and what Mosaic GPU adds beyond ``_SMEM_LIMIT``'s headroom (the pipeline's barriers,
+def splitk_smem(tile_m: int, tile_n: int, stages: int, tile_k: int = 64) -> int:
+    """Shared memory of a split-K program: its ring, its f32 partial,
+    and what Mosaic GPU adds beyond ``SMEM_LIMIT``'s headroom (the pipeline's barriers,
     the row shares and alignment: ~3.1 KB at 128-256 rows by the deviceless compile of
     ``.venv-aot``, which rejected a ring 40 bytes over the limit)."""
-    return (stages * (tile_m + tile_n) * tile_k * 2 + tile_m * tile_n * 4
-            + (tile_m * REDUCE_COLS * 2 if cluster else 0) + 2048)
+    return stages * (tile_m + tile_n) * tile_k * 2 + tile_m * tile_n * 4 + 2048
 
 
-def _cluster_sync():
-    """Every thread of every block in the cluster arrives, then waits (release / acquire).
-
-    Orders each block's shared-memory writes before its peers' reads of them through
-    distributed shared memory, and keeps a block's shared memory alive until its peers
-    are done reading it. Pallas has no primitive for the hardware cluster barrier, so it
-    is one line of PTX.
-    """
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-
-    @plgpu.inline_mgpu()
-    def sync(_ctx):
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
-                        "barrier.cluster.arrive.aligned;\nbarrier.cluster.wait.aligned;", "",
-                        has_side_effects=True)
-
-    sync()
-
-
-def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, embed_normed=False, tile_k=64):
+def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, embed_normed=False, tile_k=64):
     """The propose path and short appends (M <= 128 by default, up to 256): ``fc_gemm`` as a
     split-K weight stream.
 
@@ -280,42 +191,26 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, embed_
     wgmma runs, sums the squares of the input tile's rows: its split's share of the row
     norms, so no separate pass over the inputs is needed.
 
-    ``reduce="partials"`` (the default): the kernel writes the partials ``[S, M, H]`` and
-    shares ``[S, tile_m]`` and one XLA loop fusion finishes. ``reduce="cluster"`` (GPU only;
-    Pallas' interpreter has no clusters): the K splits of a column tile form one
-    thread-block cluster; after a cluster barrier, block r reads every peer's f32 partial
-    of its 32-column slabs and the peers' shares through distributed shared memory and
-    stores the bf16 result, so the op is one kernel. On the H200 that measured 2.5x
-    slower than the partials form (17.5 vs 7.1 us at M = 8, H = 2048): launching the
-    grid as clusters alone cost ~3.5 us, the barrier 1.5 and the remote reads 7
-    (results/kernels/kernels_h200.md, 2026-11-29). ``embed_normed``: the embed rows arrive normalised
+    The kernel writes the partials ``[S, M, H]`` and shares ``[S, tile_m]`` and one XLA loop
+    fusion finishes. ``embed_normed``: the embed rows arrive normalised
     (``r_e = 1``; their shares are summed all the same, at no measurable cost). Returns [M, H].
     """
     m, h = embed.shape
     dtype = embed.dtype
-    tile_m = _splitk_rows(m)
+    tile_m = splitk_rows(m)
     per_half = k_splits // 2
     chunk = h // per_half  # reduction columns per program
     nk = chunk // tile_k
     stages = max(1, min(stages, nk))
     delay = 1 if stages > 1 else 0
     in_tr = swizzle_transforms(tile_k, dtype)
-    slabs = tile_n // REDUCE_COLS
-    part_tr = swizzle_transforms(REDUCE_COLS, jnp.float32)
+    slabs = tile_n // SLAB_COLS
+    part_tr = swizzle_transforms(SLAB_COLS, jnp.float32)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    cluster = reduce == "cluster"
-    if reduce not in ("cluster", "partials"):
-        raise ValueError(f"reduce={reduce!r}: choose 'cluster' or 'partials'")
-    if tile_n % REDUCE_COLS or (cluster and k_splits > MAX_CLUSTER):
-        raise ValueError(f"the split-K kernel needs tile_n a multiple of {REDUCE_COLS} and, to "
-                         f"reduce in a cluster, k_splits <= {MAX_CLUSTER}; got tile_n={tile_n}, "
-                         f"k_splits={k_splits}")
+    if tile_n % SLAB_COLS:
+        raise ValueError(f"the split-K kernel needs tile_n a multiple of {SLAB_COLS}; got tile_n={tile_n}")
 
-    def kernel(e_ref, h_ref, w_ref, *outs, part_smem, ss_smem, out_smem=None):
-        if cluster:
-            (o_ref,) = outs
-        else:
-            parts_ref, ss_ref = outs
+    def kernel(e_ref, h_ref, w_ref, parts_ref, ss_ref, *, part_smem, ss_smem):
         ni = lax.axis_index("n")
         si = lax.axis_index("k")
         zero = ni * 0  # a traced 0: row windows past M are TMA zero-fill / clipped stores
@@ -347,65 +242,31 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, embed_
 
             acc, ss = pl.run_scoped(scope, plgpu.ACC((tile_m, tile_n), jnp.float32))
             for j, slab_smem in enumerate(part_smem):
-                slab_smem[...] = acc[:, j * REDUCE_COLS:(j + 1) * REDUCE_COLS]
+                slab_smem[...] = acc[:, j * SLAB_COLS:(j + 1) * SLAB_COLS]
             ss_smem[...] = ss
 
         pl.when(si < per_half)(lambda: half(e_ref, 0))
         pl.when(si >= per_half)(lambda: half(h_ref, h))
 
-        if not cluster:
-            plgpu.commit_smem()
-            for j, slab_smem in enumerate(part_smem):
-                plgpu.copy_smem_to_gmem(slab_smem, parts_ref.at[
-                    si, pl.ds(zero, tile_m), pl.ds(ni * tile_n + j * REDUCE_COLS, REDUCE_COLS)])
-
-            @pl.when(ni == 0)
-            def _():
-                plgpu.copy_smem_to_gmem(ss_smem, ss_ref.at[si])
-
-            plgpu.wait_smem_to_gmem(0)
-            return
-
-        _cluster_sync()  # every block's partial and share are in its shared memory
-        peer = lambda ref, p: plgpu.cluster_ref(ref, {"k": p})
-        r_e, r_h = (_scale_of(sum(plgpu.load(peer(ss_smem, p), layout=row_layout, optimized=False)
-                                  for p in splits), h, eps)
-                    for splits in (range(per_half), range(per_half, k_splits)))
-        bcast = lambda v: lax.broadcast_in_dim(v, (tile_m, REDUCE_COLS), [0])
-        scaled_e = (lambda a: a) if embed_normed else (lambda a: a * bcast(r_e))
+        plgpu.commit_smem()
         for j, slab_smem in enumerate(part_smem):
-            @pl.when(si == j % k_splits)
-            def _(j=j, slab_smem=slab_smem):
-                part = lambda p: plgpu.load(peer(slab_smem, p), layout=plgpu.Layout.WGMMA)
-                acc_e = sum(part(p) for p in range(per_half))
-                acc_h = sum(part(p) for p in range(per_half, k_splits))
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                out_smem[...] = (scaled_e(acc_e) + acc_h * bcast(r_h)).astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    out_smem, o_ref.at[pl.ds(zero, tile_m), pl.ds(ni * tile_n + j * REDUCE_COLS,
-                                                                  REDUCE_COLS)])
+            plgpu.copy_smem_to_gmem(slab_smem, parts_ref.at[
+                si, pl.ds(zero, tile_m), pl.ds(ni * tile_n + j * SLAB_COLS, SLAB_COLS)])
+
+        @pl.when(ni == 0)
+        def _():
+            plgpu.copy_smem_to_gmem(ss_smem, ss_ref.at[si])
 
         plgpu.wait_smem_to_gmem(0)
-        _cluster_sync()  # no block leaves while a peer may still read its shared memory
 
-    smem = _splitk_smem(tile_m, tile_n, stages, cluster, tile_k)
-    if smem > _SMEM_LIMIT:
+    smem = splitk_smem(tile_m, tile_n, stages, tile_k)
+    if smem > SMEM_LIMIT:
         raise ValueError(f"split-K fc kernel needs {smem} bytes of shared memory "
                          f"(M={m} in {tile_m} rows, tile_n={tile_n}, stages={stages}); "
-                         f"the limit is {_SMEM_LIMIT}")
-    # One buffer per 32-column slab: a peer's view of a buffer must start at its base.
-    scratch = dict(part_smem=[plgpu.SMEM((tile_m, REDUCE_COLS), jnp.float32, transforms=part_tr)
+                         f"the limit is {SMEM_LIMIT}")
+    scratch = dict(part_smem=[plgpu.SMEM((tile_m, SLAB_COLS), jnp.float32, transforms=part_tr)
                               for _ in range(slabs)],
                    ss_smem=plgpu.SMEM((tile_m,), jnp.float32))
-    if cluster:
-        scratch["out_smem"] = plgpu.SMEM((tile_m, REDUCE_COLS), dtype,
-                                         transforms=swizzle_transforms(REDUCE_COLS, dtype))
-        return plgpu.kernel(
-            kernel, out_type=jax.ShapeDtypeStruct((m, h), dtype),
-            grid=(h // tile_n,), grid_names=("n",), cluster=(k_splits,), cluster_names=("k",),
-            scratch_types=scratch,
-        )(embed, hidden, w_f)
     parts, ss = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((k_splits, m, h), jnp.float32),
@@ -427,7 +288,7 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, reduce, embed_
 # ------------------------------------------------------------------ row sums of squares
 
 
-def _plan_sumsq(m: int, h: int, num_sms: int, tile_c=None, splits=None, stages=None):
+def plan_sumsq(m: int, h: int, num_sms: int, tile_c=None, splits=None, stages=None):
     """(tile_c, splits, stages): about two programs per SM, and at most 4 splits (8 of
     128 columns where there are 16 row blocks or fewer).
 
@@ -455,7 +316,7 @@ def _plan_sumsq(m: int, h: int, num_sms: int, tile_c=None, splits=None, stages=N
 SUMSQ_ROWS = 64  # rows per program: one warpgroup's WGMMA-layout row block
 
 
-def _row_sumsq(*inputs, m_pad, tile_c, splits, stages):
+def row_sumsq(*inputs, m_pad, tile_c, splits, stages):
     """[splits, len(inputs), M_pad] f32: split s's share of each row's sum of squares, per input.
 
     The inputs are the GEMM's halves whose rows still need their norm: (embed, hidden), or
@@ -501,9 +362,9 @@ def _row_sumsq(*inputs, m_pad, tile_c, splits, stages):
         plgpu.wait_smem_to_gmem(0)
 
     smem = stages * n * SUMSQ_ROWS * tile_c * inputs[0].dtype.itemsize
-    if smem > _SMEM_LIMIT:
+    if smem > SMEM_LIMIT:
         raise ValueError(f"row sum-of-squares kernel needs {smem} bytes of shared memory "
-                         f"(tile_c={tile_c}, stages={stages}); the limit is {_SMEM_LIMIT}")
+                         f"(tile_c={tile_c}, stages={stages}); the limit is {SMEM_LIMIT}")
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, n, m_pad), jnp.float32),
@@ -517,13 +378,13 @@ def _row_sumsq(*inputs, m_pad, tile_c, splits, stages):
 # ------------------------------------------------------------------ large M: warp-specialised
 
 
-def _cta_shape(wg_m: int, tile_n: int, split: str) -> tuple[int, int]:
+def cta_shape(wg_m: int, tile_n: int, split: str) -> tuple[int, int]:
     """(rows, columns) of a program's output tile: its two consumers' ``wg_m x tile_n`` tiles,
     stacked (``split="m"``) or side by side (``"n"``)."""
     return (2 * wg_m, tile_n) if split == "m" else (wg_m, 2 * tile_n)
 
 
-def _plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=None,
+def plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=None,
                 num_programs=None, acc="two", split=None):
     """(wg_m, tile_n, stages, programs, split): each consumer warpgroup owns a wg_m x tile_n tile.
 
@@ -540,7 +401,7 @@ def _plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=Non
     wg_m = wg_m or (128 if (acc, split) == ("rescale", "n") else 64)  # n: 128x128 each
     auto_n = tile_n is None and (acc, split) == ("rescale", "m")
     tile_n = tile_n or (256 if auto_n else 128)
-    cta_m, cta_n = _cta_shape(wg_m, tile_n, split)
+    cta_m, cta_n = cta_shape(wg_m, tile_n, split)
     m_tiles = -(-m // cta_m)
     # A drafter-prefill chunk (512-1024 rows) has too few 256-wide tiles to fill the chip:
     # narrower ones, with deeper rings, until there are about as many tiles as SMs (measured 2026-11-30:
@@ -560,14 +421,14 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
     """bf16 [M, H] = r_e * (embed @ W_f[:, :H].T) + r_h * (hidden @ W_f[:, H:].T).
 
     Persistent and warp-specialised: warpgroup 2 is the TMA producer, warpgroups 0 and 1
-    consume, each a ``wg_m x tile_n`` tile (``split``: see ``_plan_large``). ``acc="two"``:
+    consume, each a ``wg_m x tile_n`` tile (``split``: see ``plan_large``). ``acc="two"``:
     each consumer keeps two f32 accumulators (embed half, hidden half). ``acc="rescale"``:
     one accumulator, multiplied by ``r_e / r_h`` at the half boundary and by ``r_h`` at the
     end, so a consumer can own a larger tile. The epilogue stores a consumer's tile
     through shared memory in chunks of up to 64 rows, as wide as the stage ring leaves
     room for. Pallas' GPU interpreter cannot store to an accumulator, so only ``"two"``
     runs in CPU tests. The row scales come from
-    ``ss_parts`` = ``_row_sumsq(...)``: each consumer sums the splits of its rows and takes
+    ``ss_parts`` = ``row_sumsq(...)``: each consumer sums the splits of its rows and takes
     ``r = rsqrt(ss / H + eps)`` when a tile starts (the ratio must be known at the half
     boundary, before the hidden half is read; see the module docstring). With one input's sums
     (``[splits, 1, M_pad]``, the hidden's) the embedding half arrives normalised: ``r_e = 1``.
@@ -575,7 +436,7 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
     m, h = embed.shape
     dtype = embed.dtype
     split_m = split == "m"
-    cta_m, cta_n = _cta_shape(wg_m, tile_n, split)
+    cta_m, cta_n = cta_shape(wg_m, tile_n, split)
     m_tiles = -(-m // cta_m)
     n_tiles = h // cta_n
     num_tiles = m_tiles * n_tiles
@@ -586,15 +447,15 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
     ring = stages * (cta_m + cta_n) * tile_k * 2
     # A WGMMA-layout tile splits into 64-row blocks only; columns split down to 64.
     epi_m, epi_n = min(64, wg_m), tile_n
-    while epi_n > 64 and ring + 2 * epi_m * epi_n * 2 > _SMEM_LIMIT:
+    while epi_n > 64 and ring + 2 * epi_m * epi_n * 2 > SMEM_LIMIT:
         epi_n //= 2
     smem = ring + 2 * epi_m * epi_n * 2
     in_tr = swizzle_transforms(tile_k, dtype)
     out_tr = swizzle_transforms(epi_n, dtype)
-    if smem > _SMEM_LIMIT:
+    if smem > SMEM_LIMIT:
         raise ValueError(f"warp-specialised fc kernel needs {smem} bytes of shared memory "
                          f"(wg_m={wg_m}, tile_n={tile_n}, stages={stages}, acc={acc}, split={split}); "
-                         f"the limit is {_SMEM_LIMIT}")
+                         f"the limit is {SMEM_LIMIT}")
 
     def kernel(e_ref, h_ref, w_ref, ss_ref, o_ref, a_smem, b_smem, o_smem, full, empty):
         pid = lax.axis_index("p")
@@ -726,16 +587,13 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
     return call(embed, hidden, w_f, ss_parts)
 
 
-# ------------------------------------------------------------------ entry points
-
-
 @functools.partial(jax.jit, static_argnames=("eps", "wg_m", "tile_n", "k_splits", "stages",
-                                             "num_programs", "small_m", "acc", "split", "sumsq", "reduce",
+                                             "num_programs", "small_m", "acc", "split", "sumsq",
                                              "embed_normed"))
 def fc_gemm_folded(embed, hidden, w_folded, *, eps, embed_normed=False, wg_m=None, tile_n=None,
                    k_splits=None, stages=None, num_programs=None, small_m=SMALL_M, acc="rescale",
-                   split=None, sumsq=None, reduce="partials"):
-    """The kernel path: ``fc_gemm`` given the folded weight ``fold_fc_weight(...)``.
+                   split=None, sumsq=None):
+    """The kernel path: `api.fc_gemm` given the folded weight `reference.fold_fc_weight(...)`.
 
     embed, hidden: [M, H]; w_folded: [H, 2H]; all three the same 16-bit dtype. The tile
     arguments override the plan (benchmarks, tests); M <= ``small_m`` takes the
@@ -743,12 +601,10 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, embed_normed=False, wg_m=Non
     accumulator per consumer (``acc="rescale"``: 128x256 CTA tiles, measured 13-15%
     faster than ``acc="two"`` on the H200, results/kernels/kernels_h200.md, 2026-11-29). Pallas' GPU
     interpreter cannot store to an accumulator, so interpret mode needs ``acc="two"``
-    (``fc_gemm(impl="interpret")`` passes it). ``split``: how the two consumer warpgroups
-    share a CTA tile (``_plan_large``). ``sumsq``: ``(tile_c, splits, stages)`` of
-    the row sum-of-squares kernel that runs before the large-M GEMM. ``reduce``: how the
-    split-K path sums its splits (``_splitk``): ``"partials"`` in one XLA fusion after the
-    kernel, or ``"cluster"`` inside it (GPU only; measured slower, see ``_splitk``).
-    ``embed_normed``: ``embed``'s rows are already RMS-normalised (``normed_embed_rows``; in the
+    (`api.fc_gemm` passes it when interpreted). ``split``: how the two consumer warpgroups
+    share a CTA tile (``plan_large``). ``sumsq``: ``(tile_c, splits, stages)`` of
+    the row sum-of-squares kernel that runs before the large-M GEMM.
+    ``embed_normed``: ``embed``'s rows are already RMS-normalised (`reference.normed_embed_rows`; in the
     model that happens inside the embedding gather, from a per-token table), so only the hidden
     half's row norms are computed and the large-M pre-pass reads half the bytes.
     """
@@ -757,87 +613,15 @@ def fc_gemm_folded(embed, hidden, w_folded, *, eps, embed_normed=False, wg_m=Non
     if small_m > SPLITK_MAX_M:
         raise ValueError(f"small_m={small_m}: the split-K kernel holds at most {SPLITK_MAX_M} rows")
     if m <= small_m:
-        tn, ks, st = _plan_small(m, h, num_sms(), tile_n, k_splits, stages)
+        tn, ks, st = plan_small(m, h, num_sms(), tile_n, k_splits, stages)
         return _splitk(embed, hidden, w_folded, tile_n=tn, k_splits=ks, stages=st, eps=eps,
-                       reduce=reduce, embed_normed=embed_normed)
-    wm, tn, st, npg, sm = _plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc,
+                       embed_normed=embed_normed)
+    wm, tn, st, npg, sm = plan_large(m, h, num_sms(), wg_m, tile_n, stages, num_programs, acc,
                                       split)
-    tc, sp, sst = _plan_sumsq(m, h, num_sms(), *(sumsq or ()))
-    cta_m = _cta_shape(wm, tn, sm)[0]
+    tc, sp, sst = plan_sumsq(m, h, num_sms(), *(sumsq or ()))
+    cta_m = cta_shape(wm, tn, sm)[0]
     m_pad = -(-m // cta_m) * cta_m  # rows past M: TMA zero-fill, never stored
-    ss_parts = _row_sumsq(*(() if embed_normed else (embed,)), hidden, m_pad=m_pad, tile_c=tc, splits=sp,
+    ss_parts = row_sumsq(*(() if embed_normed else (embed,)), hidden, m_pad=m_pad, tile_c=tc, splits=sp,
                           stages=sst)
     return _ws_gemm(embed, hidden, w_folded, ss_parts, wg_m=wm, tile_n=tn, stages=st,
                     num_programs=npg, acc=acc, split=sm, eps=eps)
-
-
-def _kernel_wins(m: int, h: int) -> bool:
-    """Where ``auto`` (``impl`` and ``MTP_KERNELS``) takes the kernel on a GPU (results/kernels/).
-
-    What decides is the fc op where the model runs it, a drafter append
-    (``append_rows`` of the 1.38B-shaped model, CUPTI kernel time of the whole call, L2
-    evicted): with the kernel it ran 1.08-1.46x faster at every bucket and batch measured,
-    64-512 rows a sequence at batch 1, 2 and 4, M = 64..2048 (2026-11-30 20:55-21:47 UTC;
-    512 rows at batch 1-4 1.08-1.15x earlier that day too). The op alone is not always faster
-    there: against XLA's norm + concat + dot it is 1.03-1.35x at M = 64-128 (split-K) and from
-    M = 512 (2026-11-29 and 2026-11-30), but 0.88-0.94x at M = 256 (2026-11-30), where the
-    append still ran 1.39-1.41x faster: XLA's fc costs more inside the append than alone. At M <= 32 the op alone is
-    1.13-1.25x (2026-11-30, L2 cold) but in the 1.38B model's propose step the kernel was not faster
-    (0.302 vs 0.297 ms per draft, 2026-11-30; results/decode/decode_h200.md), so the propose step
-    keeps the reference. Every measurement was at H = 2048 or 4096; a narrower model (the
-    shipped default, H = 384) keeps the reference, unmeasured. Above ``small_m`` rows the
-    kernel needs M to be a multiple of 8 (``kernel_unsupported``; appends are multiples of 64).
-    """
-    return m >= 64 and h >= 2048
-
-
-def normed_embed_rows(embed, mean_square, eps):
-    """``embed`` rows times their RMSNorm scale ``rsqrt(mean_square + eps)``, in embed's dtype:
-    the input of ``fc_gemm_folded(embed_normed=True)``. Elementwise, so XLA fuses it into
-    whatever made the rows (the embedding gather)."""
-    scale = lax.rsqrt(mean_square.astype(jnp.float32) + eps)
-    return (embed.astype(jnp.float32) * scale[:, None]).astype(embed.dtype)
-
-
-def fc_gemm(embed, hidden, norm_e_w, norm_h_w, w, *, eps, impl="auto", w_folded=None,
-            embed_mean_square=None):
-    """``concat(norm_e(embed), norm_h(hidden)) @ w.T`` -> [M, H] in embed's dtype.
-
-    embed, hidden: [M, H]; norm_e_w, norm_h_w: [H] Qwen3-Next ``(1 + w)`` RMSNorm
-    weights; w: [H, 2H] in the Hugging Face Linear layout, embedding columns first.
-    f32 accumulation. ``impl`` picks the path (see ``mtp.pallas.backend``); the
-    reference path is the Hugging Face numerics exactly. The kernel path needs the
-    folded weight: pass ``w_folded = fold_fc_weight(norm_e_w, norm_h_w, w)`` made once
-    at load; without it the kernel path folds here, per call (one more read and
-    write of ``w``). ``"interpret"`` must be called eagerly, as interpret mode is
-    switched on around this call's own lowering. Inputs the kernels cannot take
-    (``kernel_unsupported``) go to the reference whatever ``impl`` says.
-    ``embed_mean_square``: [M] f32, each embed row's mean square known ahead (gathered from
-    ``row_mean_squares`` of the embedding table): the kernel path then normalises the embed
-    rows elementwise, which in the model fuses into the embedding gather, and its large-M
-    pre-pass reads the hidden half alone. The reference computes every norm itself.
-    """
-    _check_inputs(embed, hidden, norm_e_w, norm_h_w, w)
-    if embed_mean_square is not None and embed_mean_square.shape != embed.shape[:1]:
-        raise ValueError(f"embed_mean_square must be [M={embed.shape[0]}] (one per embed row); "
-                         f"got {embed_mean_square.shape}")
-    mode = resolve_impl(impl, op="fc_gemm")
-    if mode == "pallas" and auto_decides(impl, "fc_gemm") and not _kernel_wins(embed.shape[0], embed.shape[1]):
-        mode = "reference"
-    if mode != "reference" and kernel_unsupported(embed, hidden, w):
-        mode = "reference"
-    if mode == "reference":
-        return _reference_jit(embed, hidden, norm_e_w, norm_h_w, w, eps=eps)
-    if w_folded is None:
-        w_folded = fold_fc_weight(norm_e_w, norm_h_w, w)
-    normed = embed_mean_square is not None
-    if normed:
-        embed = normed_embed_rows(embed, embed_mean_square, eps)
-    if mode == "interpret":
-        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            return fc_gemm_folded(embed, hidden, w_folded, eps=eps, embed_normed=normed, acc="two")
-    return fc_gemm_folded(embed, hidden, w_folded, eps=eps, embed_normed=normed,
-                          acc="two" if interpret_forced() else "rescale")
-
-
-_reference_jit = jax.jit(fc_gemm_reference, static_argnames=("eps", "impl"))

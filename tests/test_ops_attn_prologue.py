@@ -1,4 +1,4 @@
-"""The attention layer's norms, RoPE and page writes as one kernel (`mtp.pallas.attn_prologue`):
+"""The attention layer's norms, RoPE and page writes as one kernel (`mtp.ops.attn_prologue`):
 the kernel (interpret mode) against the model's own functions."""
 
 import dataclasses
@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp.cache.state import NULL_PAGE
 from mtp.model.layers import Columns
-from mtp.pallas import attn_prologue as ap
+from mtp.ops.attn_prologue import AttentionShape, attn_prologue, attn_prologue_reference
+from mtp.ops.attn_prologue import triton as ap
+from mtp.ops.paged_kv import NULL_PAGE
 from tests.conftest import decode_through_kernel, tiny_config
 
 
@@ -59,9 +60,10 @@ def _case(cfg, seed, b, t, dtype, merged, extra_rows=0, page=4, blocks=3):
 def test_kernel_matches_reference(name, b, t, dtype, merged, extra_rows):
     cfg = tiny_config(name)
     args = _case(cfg, b * 10 + t, b, t, dtype, merged, extra_rows)
-    assert ap.kernel_unsupported(args[0], args[5], args[3], cfg) is None
-    got = ap.attn_prologue(*args, cfg=cfg, impl="interpret")
-    want = ap.attn_prologue_reference(*args, cfg=cfg)
+    heads = AttentionShape.of(cfg)
+    assert ap.kernel_unsupported(args[0], args[5], args[3], heads) is None
+    got = attn_prologue(*args, heads=heads, impl="interpret")
+    want = attn_prologue_reference(*args, heads=heads)
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == jnp.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), **tol)  # q
     np.testing.assert_array_equal(got[1], want[1])  # the gate, a view of the GEMM output
@@ -80,33 +82,35 @@ def test_kernel_matches_reference(name, b, t, dtype, merged, extra_rows):
 def test_unsupported_inputs_are_named():
     cfg = tiny_config("tiny_dense")
     columns, _, _, positions, _, k_pages, *_ = _case(cfg, 0, 2, 2, jnp.float32, True)
-    odd = dataclasses.replace(cfg, head_dim=12)
+    heads = AttentionShape.of(cfg)
+    odd = dataclasses.replace(heads, head_dim=12)
     assert "powers of two" in ap.kernel_unsupported(columns, k_pages, positions, odd)
     shifted = [Columns(c.rows, c.start + 1, c.width) for c in columns]
-    assert "aligned" in ap.kernel_unsupported(shifted, k_pages, positions, cfg)
-    assert "up to 8" in ap.kernel_unsupported(columns, k_pages, jnp.zeros((2, 9), jnp.int32), cfg)
+    assert "aligned" in ap.kernel_unsupported(shifted, k_pages, positions, heads)
+    assert "up to 8" in ap.kernel_unsupported(columns, k_pages, jnp.zeros((2, 9), jnp.int32), heads)
     huge = jax.ShapeDtypeStruct((2**22, 64, 2, 8), k_pages.dtype)  # 2**31 elements, never allocated
-    assert "int32" in ap.kernel_unsupported(columns, huge, positions, cfg)
+    assert "int32" in ap.kernel_unsupported(columns, huge, positions, heads)
 
 
 def test_auto_takes_the_kernel_on_a_gpu(monkeypatch):
-    """Timed on the H200 (session 11), so ``auto`` takes it on a GPU; ``MTP_KERNELS`` can name the reference."""
-    from mtp.pallas import backend
+    """Timed on the H200 (2026-11-30), so ``auto`` takes it on a GPU; ``MTP_KERNELS`` can name the reference."""
+    from mtp.ops import lowering
 
     calls = []
-    monkeypatch.setattr(ap, "_attn_prologue_pallas", lambda *a, **k: calls.append(1) or ("q", None, None))
-    monkeypatch.setattr(backend, "on_gpu", lambda: True)
+    monkeypatch.setattr(ap, "attn_prologue_triton", lambda *a, **k: calls.append(1) or ("q", None, None))
+    monkeypatch.setattr(lowering, "on_gpu", lambda: True)
     cfg = tiny_config("tiny_dense")
     args = _case(cfg, 0, 2, 1, jnp.float32, True)
-    assert ap.attn_prologue(*args, cfg=cfg)[0] == "q" and len(calls) == 1
+    heads = AttentionShape.of(cfg)
+    assert attn_prologue(*args, heads=heads)[0] == "q" and len(calls) == 1
     monkeypatch.setenv("MTP_KERNELS", "attn_prologue=reference")
-    assert isinstance(ap.attn_prologue(*args, cfg=cfg)[0], jax.Array) and len(calls) == 1
+    assert isinstance(attn_prologue(*args, heads=heads)[0], jax.Array) and len(calls) == 1
 
 
 @pytest.mark.parametrize("gemm_layout", ["plain", "padded_merged"], indirect=True)
 def test_model_decode_and_verify_with_the_kernel_equal_the_reference(gemm_layout, monkeypatch):
     """Decode and a verify of 3 through the kernel alone (the other ops on their references) equal the same without it."""
-    runs = decode_through_kernel(monkeypatch, ap, "_attn_prologue_pallas", "attn_prologue", decode_steps=2, verify=3)
+    runs = decode_through_kernel(monkeypatch, ap, "attn_prologue_triton", "attn_prologue", decode_steps=2, verify=3)
     (want, ref_cache), (got, cache) = runs["reference"], runs["interpret"]
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     for g, w in zip(cache.kv.k + cache.kv.v, ref_cache.kv.k + ref_cache.kv.v):

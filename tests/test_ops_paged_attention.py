@@ -7,9 +7,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from mtp.pallas import backend
-from mtp.pallas import paged_attention as pa
-from mtp.pallas.paged_attention import paged_attention, paged_attention_reference
+from mtp.model import layers
+from mtp.ops import dispatch, lowering
+from mtp.ops.paged_attention import api, mosaic, paged_attention, paged_attention_reference, triton
+from mtp.ops.paged_attention.reference import merge_splits_reference
 from tests.conftest import decode_through_kernel
 
 
@@ -79,11 +80,11 @@ def test_head_dim_192_takes_the_reference():
     """The Mosaic kernel's P @ V runs in whole 128-column chunks, so D = 192 would leave columns
     128-191 uncomputed; neither form claims it, and the public op equals the reference."""
     args, g = _inputs(5, 2, 2, 4, 2, 192, 16, [40, 9], 3, 6, gate=True)
-    assert "64, 128 or 256" in pa.kernel_unsupported(args[0], args[1])
-    assert "powers of two" in pa.triton_unsupported(args[0], args[1])
+    assert "64, 128 or 256" in mosaic.kernel_unsupported(args[0], args[1])
+    assert "powers of two" in triton.triton_unsupported(args[0], args[1])
     out = paged_attention(*args, gate=g, impl="interpret")
     np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                  np.asarray(pa._reference_jit(*args, gate=g), np.float32))
+                                  np.asarray(api._reference_jit(*args, gate=g), np.float32))
 
 
 def test_kernel_custom_scale_and_idle_slots():
@@ -111,25 +112,25 @@ def test_bad_impl_flag_names_the_choices(monkeypatch):
     args, _ = _inputs(0, 1, 1, 2, 1, 64, 16, [4], 1, 2)
     with pytest.raises(ValueError, match="auto, reference, pallas, interpret"):
         paged_attention(*args, impl="triton")
-    monkeypatch.setenv(backend.ENV_VAR, "fast")
+    monkeypatch.setenv(dispatch.ENV_VAR, "fast")
     with pytest.raises(ValueError, match="MTP_KERNELS"):
         paged_attention(*args)
-    monkeypatch.setenv(backend.ENV_VAR, "reference")
-    assert backend.resolve_impl("auto") == "reference"
-    assert backend.resolve_impl("interpret") == "interpret"
-    monkeypatch.setenv(backend.ENV_VAR, "interpret,gdn_step=reference")  # all, then one op
-    assert backend.resolve_impl("auto", op="gdn_step") == "reference"
-    assert backend.resolve_impl("auto", op="paged_attention") == "interpret"
-    assert backend.resolve_impl("pallas", op="gdn_step") == "pallas"  # an explicit choice wins
-    monkeypatch.setenv(backend.ENV_VAR, "gdn-step=pallas")
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    assert dispatch.resolve_impl("auto") == "reference"
+    assert dispatch.resolve_impl("interpret") == "interpret"
+    monkeypatch.setenv(dispatch.ENV_VAR, "interpret,gdn_step=reference")  # all, then one op
+    assert dispatch.resolve_impl("auto", op="gdn_step") == "reference"
+    assert dispatch.resolve_impl("auto", op="paged_attention") == "interpret"
+    assert dispatch.resolve_impl("pallas", op="gdn_step") == "pallas"  # an explicit choice wins
+    monkeypatch.setenv(dispatch.ENV_VAR, "gdn-step=pallas")
     with pytest.raises(ValueError, match="no op named 'gdn-step'; the ops are paged_attention"):
-        backend.resolve_impl("auto", op="gdn_step")
-    monkeypatch.setenv(backend.ENV_VAR, "gdn_step=fast")
+        dispatch.resolve_impl("auto", op="gdn_step")
+    monkeypatch.setenv(dispatch.ENV_VAR, "gdn_step=fast")
     with pytest.raises(ValueError, match="MTP_KERNELS entry gdn_step='fast'"):
-        backend.resolve_impl("auto", op="gdn_step")
-    monkeypatch.delenv(backend.ENV_VAR)
+        dispatch.resolve_impl("auto", op="gdn_step")
+    monkeypatch.delenv(dispatch.ENV_VAR)
     expected = "pallas" if jax.default_backend() == "gpu" else "reference"
-    assert backend.resolve_impl("auto") == expected
+    assert dispatch.resolve_impl("auto") == expected
 
 
 def test_shape_errors_are_named():
@@ -144,32 +145,30 @@ def test_shape_errors_are_named():
         with pytest.raises(ValueError, match=r"q must be \[B, Q, Hq, D\], got shape \(2, 4, 64\)"):
             paged_attention(args[0][:, 0], *args[1:], impl=impl)
     with pytest.raises(ValueError, match="q must be"):
-        pa.paged_attention_triton(args[0][:, 0], *args[1:], interpret=True)
+        triton.paged_attention_triton(args[0][:, 0], *args[1:], interpret=True)
 
 
 def test_kernel_modes_send_what_the_kernel_cannot_take_to_the_reference(monkeypatch):
     """A prefill chunk (Q*G > 64) or f32 caches never reach the kernel, so one switch
     can turn the kernels on for the whole model; the kernel entry itself says why."""
-    from mtp.pallas import paged_attention as pa
-
     calls = []
-    monkeypatch.setattr(pa, "_paged_attention_pallas", lambda *a, **k: calls.append(a[0].shape) or "kernel")
+    monkeypatch.setattr(mosaic, "paged_attention_mosaic", lambda *a, **k: calls.append(a[0].shape) or "kernel")
     ok, _ = _inputs(1, 2, 4, 8, 2, 64, 16, [9, 30], 2, 4)  # Q*G = 16 rows, bf16: the kernel's
-    assert pa.paged_attention(*ok, impl="pallas") == "kernel" and calls == [(2, 4, 8, 64)]
+    assert paged_attention(*ok, impl="pallas") == "kernel" and calls == [(2, 4, 8, 64)]
     long_chunk, _ = _inputs(2, 1, 17, 8, 2, 64, 16, [40], 3, 4)  # Q*G = 68 rows
     f32 = tuple(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in ok)
     for args in (long_chunk, f32):
-        assert pa.kernel_unsupported(args[0], args[1])
+        assert mosaic.kernel_unsupported(args[0], args[1])
         # Against the reference jitted, as the fallback runs it: on a GPU, op-by-op execution
         # rounds differently (and runs f32 dots in TF32).
-        np.testing.assert_allclose(np.asarray(pa.paged_attention(*args, impl="pallas"), np.float32),
+        np.testing.assert_allclose(np.asarray(paged_attention(*args, impl="pallas"), np.float32),
                                    np.asarray(jax.jit(paged_attention_reference)(*args), np.float32), rtol=1e-6)
     assert len(calls) == 1  # neither went to the kernel
     monkeypatch.undo()
     with pytest.raises(ValueError, match="16-bit dtype"):
-        pa._paged_attention_pallas(*f32, scale=None, gate=None)
+        mosaic.paged_attention_mosaic(*f32, scale=None, gate=None)
     with pytest.raises(ValueError, match="query rows"):
-        pa._paged_attention_pallas(*long_chunk, scale=None, gate=None)
+        mosaic.paged_attention_mosaic(*long_chunk, scale=None, gate=None)
 
 
 def test_auto_follows_the_target_device(monkeypatch):
@@ -177,10 +176,10 @@ def test_auto_follows_the_target_device(monkeypatch):
     ``jax_default_device`` when set (a deviceless compile sets a compile-only GPU there)."""
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
-        assert backend.target_device() == cpu and not backend.on_gpu()
-        assert backend.resolve_impl("auto", op="paged_attention") == "reference"
+        assert lowering.target_device() == cpu and not lowering.on_gpu()
+        assert dispatch.resolve_impl("auto", op="paged_attention") == "reference"
     with jax.default_device("cpu"):
-        assert backend.target_device().platform == "cpu"
+        assert lowering.target_device().platform == "cpu"
 
     class CompileOnlyGpu:
         platform, core_count = "gpu", 99
@@ -188,11 +187,11 @@ def test_auto_follows_the_target_device(monkeypatch):
     class Config:
         jax_default_device = CompileOnlyGpu()
 
-    monkeypatch.setattr(backend.jax, "config", Config())
-    monkeypatch.delenv(backend.ENV_VAR, raising=False)
-    monkeypatch.delenv(backend.PAD_ENV_VAR, raising=False)
-    assert backend.on_gpu() and backend.num_sms() == 99 and backend.pad_small_gemms()
-    assert backend.resolve_impl("auto", op="paged_attention") == "pallas"
+    monkeypatch.setattr(lowering.jax, "config", Config())
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    monkeypatch.delenv(layers.PAD_ENV_VAR, raising=False)
+    assert lowering.on_gpu() and lowering.num_sms() == 99 and layers.pad_small_gemms()
+    assert dispatch.resolve_impl("auto", op="paged_attention") == "pallas"
 
 
 @pytest.mark.parametrize(
@@ -210,7 +209,7 @@ def test_auto_follows_the_target_device(monkeypatch):
 )
 def test_triton_form_matches_reference(b, nq, hq, hkv, d, page, lengths, max_blocks, num_pages, gate, splits):
     args, g = _inputs(len(lengths) * 5 + nq, b, nq, hq, hkv, d, page, lengths, max_blocks, num_pages, gate)
-    out = pa.paged_attention_triton(*args, gate=g, splits=splits, interpret=jax.default_backend() != "gpu")
+    out = triton.paged_attention_triton(*args, gate=g, splits=splits, interpret=jax.default_backend() != "gpu")
     ref = paged_attention_reference(*args, gate=g)
     assert out.shape == ref.shape == (b, nq, hq, d) and out.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -220,39 +219,39 @@ def test_triton_form_matches_reference(b, nq, hq, hkv, d, page, lengths, max_blo
 
 
 def test_triton_form_is_taken_only_where_named(monkeypatch):
-    """Opt-in (``backend.OPT_IN``): ``auto`` keeps the Mosaic kernel / reference; a per-op ``MTP_KERNELS``
+    """Opt-in (``dispatch.OPT_IN``): ``auto`` keeps the Mosaic kernel / reference; a per-op ``MTP_KERNELS``
     entry names the Triton form, a global value (``MTP_KERNELS=pallas``, measured slower there) does not;
     shapes it cannot take (a page of 4 tokens) fall through to the usual path."""
     calls = []
-    monkeypatch.setattr(pa, "paged_attention_triton", lambda *a, **k: calls.append(k["interpret"]) or "triton")
+    monkeypatch.setattr(triton, "paged_attention_triton", lambda *a, **k: calls.append(k["interpret"]) or "triton")
     args, _ = _inputs(0, 1, 1, 4, 2, 32, 16, [20], 2, 3)
     assert isinstance(paged_attention(*args), jax.Array) and not calls
     monkeypatch.setenv("MTP_KERNELS", "paged_attention_triton=interpret")
     assert paged_attention(*args) == "triton" and calls == [True]
     assert isinstance(paged_attention(*args, impl="reference"), jax.Array)  # an explicit impl is kept
     small, _ = _inputs(0, 1, 1, 4, 2, 32, 4, [7], 2, 3)
-    assert "page size 4" in pa.triton_unsupported(small[0], small[1])
+    assert "page size 4" in triton.triton_unsupported(small[0], small[1])
     huge = jax.ShapeDtypeStruct((2**22, 16, 2, 32), jnp.bfloat16)  # 2**32 elements, never allocated
-    assert "int32" in pa.triton_unsupported(args[0], huge)
+    assert "int32" in triton.triton_unsupported(args[0], huge)
     assert isinstance(paged_attention(*small), jax.Array) and len(calls) == 1
     for everything in ("pallas", "interpret"):  # a global value is no per-op entry
         monkeypatch.setenv("MTP_KERNELS", everything)
-        assert backend.resolve_impl("auto", op="paged_attention_triton") == "reference"
+        assert dispatch.resolve_impl("auto", op="paged_attention_triton") == "reference"
         assert isinstance(paged_attention(*args), jax.Array) and len(calls) == 1  # D = 32: the reference
     monkeypatch.setenv("MTP_KERNELS", "pallas")
-    monkeypatch.setattr(backend, "on_gpu", lambda: True)
-    assert backend.resolve_impl("auto", op="paged_attention_triton") == "reference"
-    assert backend.resolve_impl("auto", op="paged_attention") == "pallas"
+    monkeypatch.setattr(lowering, "on_gpu", lambda: True)
+    assert dispatch.resolve_impl("auto", op="paged_attention_triton") == "reference"
+    assert dispatch.resolve_impl("auto", op="paged_attention") == "pallas"
     monkeypatch.setenv("MTP_KERNELS", "interpret,paged_attention_triton=pallas")
-    assert backend.resolve_impl("auto", op="paged_attention_triton") == "pallas"
+    assert dispatch.resolve_impl("auto", op="paged_attention_triton") == "pallas"
 
 
 def test_model_decode_and_verify_through_the_triton_form(monkeypatch):
     """The default model's shapes (random weights): decode and a verify of 3 with the Triton form
     equal the same with the reference attention. Full f32 dots on both sides: a GPU would run the
-    interpreted kernel's f32 dots in TF32 otherwise (session 12: 1.4e-3 apart)."""
+    interpreted kernel's f32 dots in TF32 otherwise (1.4e-3 apart, measured)."""
     with jax.default_matmul_precision("highest"):
-        runs = decode_through_kernel(monkeypatch, pa, "paged_attention_triton", "paged_attention_triton",
+        runs = decode_through_kernel(monkeypatch, triton, "paged_attention_triton", "paged_attention_triton",
                                      decode_steps=2, verify=3, model="default", page=16)
     (want, _), (got, _) = runs["reference"], runs["interpret"]
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
@@ -270,11 +269,11 @@ def test_merge_kernel_matches_its_reference(nq, splits, gated, d):
     lse = lse.at[0, 1, :, 0].set(-jnp.inf)  # a row no split saw: zeros out
     q = jnp.zeros((b, nq, hq, d), jnp.bfloat16)
     gate = jax.random.normal(ks[3], q.shape).astype(jnp.bfloat16) if gated else None
-    got = pa.merge_splits(o_part, lse, q, gate, interpret=jax.default_backend() != "gpu")  # compiled on a GPU
-    want = pa.merge_splits_reference(o_part, lse, q, gate)
+    got = triton.merge_splits(o_part, lse, q, gate, interpret=jax.default_backend() != "gpu")  # compiled on a GPU
+    want = merge_splits_reference(o_part, lse, q, gate)
     assert got.shape == q.shape and got.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-2, rtol=1e-2)
     np.testing.assert_array_equal(np.asarray(got[0, 0, hq // hkv]), 0)  # row 0 of KV head 1
     assert float(jnp.abs(want.astype(jnp.float32)).mean()) > 0.05
     with pytest.raises(ValueError, match="head dim 96"):
-        pa.merge_splits(jnp.zeros((b, hkv, splits, rows, 96)), lse, jnp.zeros((b, nq, hq, 96)), None, interpret=True)
+        triton.merge_splits(jnp.zeros((b, hkv, splits, rows, 96)), lse, jnp.zeros((b, nq, hq, 96)), None, interpret=True)

@@ -10,10 +10,11 @@ A row whose width is not a power of two (the shipped default model's 384) is rea
 power-of-two pieces (256 + 128): Triton's tensors must have power-of-two sizes, and XLA
 runs such a norm as two kernels, a reduction and an elementwise pass.
 
-Pallas' Triton lowering, like `mtp.pallas.gdn_step` and for the same reason: the op is a
+Pallas' Triton lowering, like `mtp.ops.gdn_step` and for the same reason: the op is a
 row reduction with no matmul.
 
-``add_rms_norm_reference`` is the definition: the model's own ``add_rows`` and ``rms_norm``.
+`reference.add_rms_norm_reference` is the definition: the model's own ``add_rows`` and
+``rms_norm``; `api.add_rms_norm` picks between the two.
 """
 
 from __future__ import annotations
@@ -24,32 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from mtp.pallas.backend import run_triton_op, triton_compiler_params
+from mtp.ops.lowering import triton_compiler_params
 
 MAX_PIECES = 4  # a row is read as at most this many power-of-two pieces
-
-
-def add_rms_norm_reference(x, y, w, *, eps):
-    """``(s, rms_norm(s, w))`` with ``s = x + y``, ``x`` and ``s`` as ``x`` is.
-
-    x: the residual stream, ``[*lead, H]`` or the padded stream's rows ``[R, H]``
-    (`layers.stream_rows`); y: ``[*lead, H]``, the real rows (``add_rows``: padding rows of
-    ``x`` get zeros); w: ``[H]``, the ``(1 + w)`` norm's weight.
-    """
-    from mtp.model import layers  # imports this module (through mtp.model): so here, not at the top
-
-    _check_inputs(x, y, w)
-    s = layers.add_rows(x, y)
-    return s, layers.rms_norm(s, w, eps)
-
-
-def _check_inputs(x, y, w):
-    """Raises on shapes no path can add: ``add_rows`` would fail deep inside with a negative pad."""
-    h = x.shape[-1]
-    if y.shape[-1] != h or w.shape != (h,):
-        raise ValueError(f"y {y.shape} and w {w.shape} must both end in the stream x {x.shape}'s hidden size {h}")
-    if y.size > x.size:
-        raise ValueError(f"y {y.shape} has more rows than the stream x {x.shape}")
 
 
 def row_pieces(h: int) -> list[tuple[int, int]]:
@@ -63,8 +41,8 @@ def row_pieces(h: int) -> list[tuple[int, int]]:
 
 
 def kernel_unsupported(x, y, w) -> str | None:
-    """Why the kernel cannot take these (well-formed, `_check_inputs`) inputs, or None: the
-    caller then runs the reference."""
+    """Why the kernel cannot take these (well-formed, `reference.check_inputs`) inputs, or None:
+    the caller then runs the reference."""
     h = x.shape[-1]
     if h % 16 or len(row_pieces(h)) > MAX_PIECES:
         return (f"hidden size {h} is not a multiple of 16 made of at most {MAX_PIECES} "
@@ -72,21 +50,6 @@ def kernel_unsupported(x, y, w) -> str | None:
     if y.dtype != x.dtype:
         return f"y's dtype {y.dtype} is not the stream's {x.dtype}"
     return None
-
-
-def kernel_pays(y) -> bool:
-    """Where ``auto`` takes the kernel: ``y`` is one row (a decode step at batch 1).
-
-    XLA computes a one-row product as a row reduction, and the add and norm after it as
-    two kernels more. From two rows on it runs the product as a GEMM that splits K, and
-    fuses the partial sums with the add and the norm; the kernel, a custom call, would
-    leave that reduction a launch of its own. Counted for an H200
-    (`experiments/count_kernels.py`): the default model's plain loop at batch 1 takes 96 -> 80
-    launches with the kernel, while taking it for every stream of up to two rows would add 6
-    launches to the speculative loop's iteration (K = 2: its verify runs 2 rows) and 12 to
-    the plain loop's at batch 8.
-    """
-    return y.size == y.shape[-1]
 
 
 def num_warps(h: int) -> int:
@@ -109,14 +72,15 @@ def _kernel(x_ref, y_ref, w_ref, s_ref, h_ref, *, real_rows, eps):
         sf = s.astype(jnp.float32)
         sum_sq = sum_sq + jnp.sum(sf * sf, axis=-1)
         pieces.append((cols, sf))
-    # `layers.rms_norm`'s arithmetic, with the row's sum of squares taken over its pieces.
+    # `mtp.ops.norms.rms_norm`'s arithmetic, with the row's sum of squares taken over its pieces.
     scale = jax.lax.rsqrt(sum_sq / width + eps)[:, None]
     for cols, sf in pieces:
         h_ref[:, cols] = (sf * scale * (1.0 + w_ref[cols].astype(jnp.float32))).astype(h_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
-def _add_rms_norm_pallas(x, y, w, *, eps, interpret=False):
+def add_rms_norm_triton(x, y, w, *, eps, interpret=False):
+    """The kernel path of `reference.add_rms_norm_reference`; ``interpret``: Pallas' interpreter (CPU tests)."""
     h = x.shape[-1]
     x2, y2 = x.reshape(-1, h), y.reshape(-1, h)
     rows, real_rows = x2.shape[0], y2.shape[0]
@@ -134,17 +98,3 @@ def _add_rms_norm_pallas(x, y, w, *, eps, interpret=False):
     )(x2, y2, w)
     return s.reshape(x.shape), normed.reshape(x.shape)
 
-
-def add_rms_norm(x, y, w, *, eps, impl="auto"):
-    """``add_rms_norm_reference``'s signature and results; ``impl`` picks the path (``backend``).
-
-    Inputs the kernel cannot take (``kernel_unsupported``), streams where it does not pay
-    (``kernel_pays``, for ``impl="auto"``) and traces under a tensor-parallel mesh
-    (where the stream is replicated and XLA's fusions are as cheap) go to the reference.
-    The kernel has no autodiff rule: training passes ``impl="reference"``.
-    """
-    _check_inputs(x, y, w)
-    return run_triton_op("add_rms_norm", impl, lambda: kernel_unsupported(x, y, w),
-                         lambda: add_rms_norm_reference(x, y, w, eps=eps),
-                         lambda interpret: _add_rms_norm_pallas(x, y, w, eps=eps, interpret=interpret),
-                         kernel_pays=lambda: kernel_pays(y))

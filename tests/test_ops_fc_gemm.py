@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mtp.pallas import fc_gemm as fcmod
-from mtp.pallas.fc_gemm import fc_gemm, fc_gemm_folded, fc_gemm_reference, fold_fc_weight
+from mtp.ops.fc_gemm import api, fc_gemm, fc_gemm_reference, fold_fc_weight, mosaic, normed_embed_rows, row_mean_squares
+from mtp.ops.fc_gemm.mosaic import fc_gemm_folded
 
 
 def _inputs(seed, m, h):
@@ -87,41 +87,27 @@ ON_GPU = jax.default_backend() == "gpu"
     (128, 2048, {}), (96, 4096, {}),  # a carry's tail append: 128-row tiles
 ] if ON_GPU else [(5, 256, dict(k_splits=4)), (40, 128, dict(tile_n=32, k_splits=2, stages=2))])
 def test_split_k_compiled_forms_match_reference(m, h, kw):
-    """The propose path as the model runs it: compiled on a GPU, where the in-cluster
-    reduction is checked too; interpreted elsewhere (the interpreter has no clusters)."""
+    """The propose path as the model runs it: compiled on a GPU, interpreted elsewhere."""
     args = _inputs(m * 13 + h, m, h)
     w_f = fold_fc_weight(*args[2:])
     ctx = (contextlib.nullcontext() if ON_GPU
            else plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()))
     with ctx:
         out = fc_gemm_folded(args[0], args[1], w_f, eps=1e-6, **kw)
-        clustered = (fc_gemm_folded(args[0], args[1], w_f, eps=1e-6, reduce="cluster", **kw)
-                     if ON_GPU and m <= 64 else None)  # the propose step's alternative only
     _check_against_reference(out, args)
-    if clustered is not None:  # both forms sum the same partial products: they agree closely
-        _check_against_reference(clustered, args)
-        assert _rel_err(clustered, out) < 4e-3
 
 
 def test_split_k_plan_above_64_rows():
     """Above 64 rows the columns narrow (accumulator <= 128 x 128) and the ring fits shared memory."""
-    assert fcmod._plan_small(64, 2048, 132) == (128, 8, 6)  # the propose plan, unchanged
+    assert mosaic.plan_small(64, 2048, 132) == (128, 8, 6)  # the propose plan, unchanged
     for m in (128, 192, 256):
-        tile_n, _, stages = fcmod._plan_small(m, 2048, 132)
-        tile_m = fcmod._splitk_rows(m)
+        tile_n, _, stages = mosaic.plan_small(m, 2048, 132)
+        tile_m = mosaic.splitk_rows(m)
         assert tile_m * tile_n <= 128 * 128
-        assert fcmod._splitk_smem(tile_m, tile_n, stages) <= fcmod._SMEM_LIMIT
-        assert fcmod._splitk_smem(tile_m, tile_n, stages + 1) > fcmod._SMEM_LIMIT or stages == 6
+        assert mosaic.splitk_smem(tile_m, tile_n, stages) <= mosaic.SMEM_LIMIT
+        assert mosaic.splitk_smem(tile_m, tile_n, stages + 1) > mosaic.SMEM_LIMIT or stages == 6
     with pytest.raises(ValueError, match="at most 256 rows"):
         _kernel(_inputs(0, 8, 128), small_m=512)
-
-
-def test_cluster_reduction_limits():
-    e, hd, ne, nh, w = _inputs(0, 4, 2048)
-    with pytest.raises(ValueError, match="k_splits <= 8"):
-        fcmod._splitk(e, hd, w, tile_n=128, k_splits=16, stages=2, eps=1e-6, reduce="cluster")
-    with pytest.raises(ValueError, match="reduce="):
-        fcmod._splitk(e, hd, w, tile_n=128, k_splits=4, stages=2, eps=1e-6, reduce="atomic")
 
 
 @pytest.mark.parametrize("m,h,kw", [
@@ -160,7 +146,7 @@ def test_row_sumsq_kernel(m, h, splits, tile_c, inputs):
     xs = _inputs(m + splits, m, h)[2 - inputs:2]
     m_pad = -(-m // 128) * 128
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        parts = fcmod._row_sumsq(*xs, m_pad=m_pad, tile_c=tile_c, splits=splits, stages=2)
+        parts = mosaic.row_sumsq(*xs, m_pad=m_pad, tile_c=tile_c, splits=splits, stages=2)
     parts = np.asarray(parts)
     assert parts.shape == (splits, inputs, m_pad)
     cols = h // splits
@@ -189,8 +175,8 @@ def test_embed_normed_kernels_scale_only_the_hidden_half(m, h, kw):
     assert _rel_err(out, want) < 1e-2
     # The same function as the raw form on rows that are normalised (up to their bf16 rounding).
     args = (e, hd, ne, nh, w)
-    ms = fcmod.row_mean_squares(e)
-    _check_against_reference(_kernel((fcmod.normed_embed_rows(e, ms, 1e-6), hd, ne, nh, w),
+    ms = row_mean_squares(e)
+    _check_against_reference(_kernel((normed_embed_rows(e, ms, 1e-6), hd, ne, nh, w),
                                      embed_normed=True, **kw), args)
 
 
@@ -200,7 +186,7 @@ def test_fc_gemm_takes_the_embed_norms_from_their_mean_squares(m):
     reference's answer; a wrong mean square changes the kernel path's output (it is used)
     and not the reference's (it recomputes every norm)."""
     args = _inputs(m + 3, m, 128)
-    ms = fcmod.row_mean_squares(args[0])
+    ms = row_mean_squares(args[0])
     out = fc_gemm(*args, eps=1e-6, impl="interpret", embed_mean_square=ms)
     _check_against_reference(out, args)
     wrong = fc_gemm(*args, eps=1e-6, impl="interpret", embed_mean_square=4.0 * ms)
@@ -277,13 +263,13 @@ def test_inputs_the_kernels_cannot_take_go_to_the_reference():
     cases = [tuple(x.astype(jnp.float32) for x in (e, h, ne, nh, w)),  # not a 16-bit dtype
              (e2, h2, ne, nh, w)]                                       # M = 138 > 128, not 8k
     for args in cases:
-        assert fcmod.kernel_unsupported(args[0], args[1], args[4])
+        assert mosaic.kernel_unsupported(args[0], args[1], args[4])
         out = fc_gemm(*args, eps=1e-6, impl="interpret")
         want = fc_gemm(*args, eps=1e-6, impl="reference")
         np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
-    assert fcmod.kernel_unsupported(e, h, w) is None
-    assert fcmod.kernel_unsupported(e[:5], h[:5], w) is None  # the split-K path takes any M <= 128
-    assert fcmod.kernel_unsupported(e[:70], h[:70], w) is None
+    assert mosaic.kernel_unsupported(e, h, w) is None
+    assert mosaic.kernel_unsupported(e[:5], h[:5], w) is None  # the split-K path takes any M <= 128
+    assert mosaic.kernel_unsupported(e[:70], h[:70], w) is None
 
 
 def test_auto_on_cpu_is_the_reference():
@@ -332,53 +318,53 @@ def test_quantize_head_folds_fc_weight_and_fc_input_uses_it():
 
 
 def test_named_kernel_skips_the_auto_rule(monkeypatch):
-    """``_kernel_wins`` is ``auto``'s rule only: ``MTP_KERNELS=fc_gemm=pallas`` (or a global ``pallas``)
+    """``kernel_pays`` is ``auto``'s rule only: ``MTP_KERNELS=fc_gemm=pallas`` (or a global ``pallas``)
     takes the kernel at the propose step's rows too, so an A/B of reference vs pallas compares two paths."""
-    from mtp.pallas import backend
+    from mtp.ops import dispatch, lowering
 
     calls = []
-    monkeypatch.setattr(fcmod, "fc_gemm_folded", lambda e, *a, **k: calls.append(e.shape) or "kernel")
-    monkeypatch.setattr(backend, "on_gpu", lambda: True)
-    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    monkeypatch.setattr(mosaic, "fc_gemm_folded", lambda e, *a, **k: calls.append(e.shape) or "kernel")
+    monkeypatch.setattr(lowering, "on_gpu", lambda: True)
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     args = _inputs(0, 8, 64)  # 8 rows at H = 64: auto's rule keeps the reference
-    assert not fcmod._kernel_wins(8, 64) and fcmod.kernel_unsupported(args[0], args[1], args[4]) is None
+    assert not api.kernel_pays(8, 64) and mosaic.kernel_unsupported(args[0], args[1], args[4]) is None
     assert isinstance(fc_gemm(*args, eps=1e-6), jax.Array) and not calls
     for named in ("fc_gemm=pallas", "pallas"):
-        monkeypatch.setenv(backend.ENV_VAR, named)
+        monkeypatch.setenv(dispatch.ENV_VAR, named)
         assert fc_gemm(*args, eps=1e-6) == "kernel"
     assert fc_gemm(*args, eps=1e-6, impl="pallas") == "kernel" and len(calls) == 3
 
 
 def test_plans():
-    assert fcmod._plan_small(1, 4096, 132) == fcmod._plan_small(32, 4096, 132) == (128, 4, 6)
-    assert fcmod._plan_small(8, 4096, 132) == (256, 8, 3)  # the measured bucket
-    assert fcmod._plan_small(8, 4096, 132, stages=4) == (128, 4, 4)  # an explicit plan is kept
-    assert fcmod._plan_small(8, 2048, 132)[1] == 8
-    wm, tn, st, npg, split = fcmod._plan_large(12288, 4096, 132)
+    assert mosaic.plan_small(1, 4096, 132) == mosaic.plan_small(32, 4096, 132) == (128, 4, 6)
+    assert mosaic.plan_small(8, 4096, 132) == (256, 8, 3)  # the measured bucket
+    assert mosaic.plan_small(8, 4096, 132, stages=4) == (128, 4, 4)  # an explicit plan is kept
+    assert mosaic.plan_small(8, 2048, 132)[1] == 8
+    wm, tn, st, npg, split = mosaic.plan_large(12288, 4096, 132)
     assert (wm, tn, split) == (64, 128, "m") and npg == 132
-    assert fcmod._plan_large(12288, 4096, 132, acc="rescale") == (64, 256, 4, 132, "m")
-    assert fcmod._plan_large(12288, 4096, 132, acc="rescale", split="n")[:2] == (128, 128)
-    assert fcmod._plan_large(2048, 2048, 132, acc="rescale", split="m")[3] == 128  # 16 x 8 tiles
+    assert mosaic.plan_large(12288, 4096, 132, acc="rescale") == (64, 256, 4, 132, "m")
+    assert mosaic.plan_large(12288, 4096, 132, acc="rescale", split="n")[:2] == (128, 128)
+    assert mosaic.plan_large(2048, 2048, 132, acc="rescale", split="m")[3] == 128  # 16 x 8 tiles
     # A drafter-prefill chunk: narrower tiles (with deeper rings) until they about fill 132 SMs.
-    assert fcmod._plan_large(512, 2048, 132, acc="rescale")[:4] == (64, 64, 8, 128)
-    assert fcmod._plan_large(1024, 2048, 132, acc="rescale")[:4] == (64, 128, 6, 128)
-    assert fcmod._plan_large(512, 4096, 132, acc="rescale")[:4] == (64, 128, 6, 128)
-    assert fcmod._plan_large(1024, 4096, 132, acc="rescale")[:4] == (64, 256, 4, 128)
-    assert fcmod._plan_large(128, 256, 132, acc="rescale")[:2] == (64, 64)  # never below 64 columns
-    assert fcmod._plan_large(2048, 2048, 132, acc="rescale", split="n")[2] == 4  # explicit: as before
+    assert mosaic.plan_large(512, 2048, 132, acc="rescale")[:4] == (64, 64, 8, 128)
+    assert mosaic.plan_large(1024, 2048, 132, acc="rescale")[:4] == (64, 128, 6, 128)
+    assert mosaic.plan_large(512, 4096, 132, acc="rescale")[:4] == (64, 128, 6, 128)
+    assert mosaic.plan_large(1024, 4096, 132, acc="rescale")[:4] == (64, 256, 4, 128)
+    assert mosaic.plan_large(128, 256, 132, acc="rescale")[:2] == (64, 64)  # never below 64 columns
+    assert mosaic.plan_large(2048, 2048, 132, acc="rescale", split="n")[2] == 4  # explicit: as before
     # The row sums' pre-pass: 8 splits of 128 columns over a chunk's few row blocks, else 4 of 256.
-    assert fcmod._plan_sumsq(512, 2048, 132) == fcmod._plan_sumsq(1024, 4096, 132) == (128, 8, 2)
-    assert fcmod._plan_sumsq(2048, 2048, 132) == (256, 4, 2)
-    assert fcmod._plan_sumsq(512, 2048, 132, splits=2) == (256, 2, 2)  # an explicit plan is kept
-    assert fcmod._plan_large(130, 128, 132)[3] == 2
+    assert mosaic.plan_sumsq(512, 2048, 132) == mosaic.plan_sumsq(1024, 4096, 132) == (128, 8, 2)
+    assert mosaic.plan_sumsq(2048, 2048, 132) == (256, 4, 2)
+    assert mosaic.plan_sumsq(512, 2048, 132, splits=2) == (256, 2, 2)  # an explicit plan is kept
+    assert mosaic.plan_large(130, 128, 132)[3] == 2
 
 
 def test_auto_rule():
-    assert fcmod._kernel_wins(2048, 4096) and fcmod._kernel_wins(12288, 2048)
-    assert fcmod._kernel_wins(512, 2048)  # a drafter-prefill chunk at batch 1
-    assert fcmod._kernel_wins(64, 2048) and fcmod._kernel_wins(256, 4096)  # a carry's tail appends
-    assert not fcmod._kernel_wins(32, 4096) and not fcmod._kernel_wins(8, 2048)  # the propose step
-    assert not fcmod._kernel_wins(2048, 384)  # the shipped default's width: never measured
+    assert api.kernel_pays(2048, 4096) and api.kernel_pays(12288, 2048)
+    assert api.kernel_pays(512, 2048)  # a drafter-prefill chunk at batch 1
+    assert api.kernel_pays(64, 2048) and api.kernel_pays(256, 4096)  # a carry's tail appends
+    assert not api.kernel_pays(32, 4096) and not api.kernel_pays(8, 2048)  # the propose step
+    assert not api.kernel_pays(2048, 384)  # the shipped default's width: never measured
     # Rows the kernel cannot take go to the reference whatever the rule says.
     x = jax.ShapeDtypeStruct((2052, 4096), jnp.bfloat16)
-    assert "multiple of 8" in fcmod.kernel_unsupported(x, x, jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16))
+    assert "multiple of 8" in mosaic.kernel_unsupported(x, x, jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16))
