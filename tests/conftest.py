@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 
 import jax
 import pytest
@@ -240,3 +241,18 @@ def pytest_collection_modifyitems(config, items):
     stale = [k for k in listed if k not in used and k.split("::", 1)[0] in files]
     if stale and whole_files:
         raise pytest.UsageError(f"{SLOW_LIST.name} names tests that do not exist: {', '.join(stale)}")
+    _costliest_files_first(items, listed)
+
+
+def _costliest_files_first(items, listed: dict[str, str]) -> None:
+    """Orders the files by the longest test ``slow_tests.txt`` lists for each, longest first, each
+    file's tests kept together and in order (a module's fixtures are made once). Under
+    pytest-xdist's worksteal the longest tests then start at once while the other worker takes the
+    rest, instead of one long test (the sharding worker's minutes) starting last and running alone."""
+    cost: dict[str, float] = {}
+    for test_id, note in listed.items():
+        m = re.match(r"([0-9.]+) s", note)
+        file = test_id.split("::", 1)[0]
+        cost[file] = max(cost.get(file, 0.0), float(m.group(1)) if m else 0.0)
+    position = {item: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-cost.get(item.nodeid.split("::", 1)[0], 0.0), position[item]))
