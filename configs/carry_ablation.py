@@ -9,6 +9,7 @@ import ml_collections
 from experiments import cli
 from experiments.harness import STINTS
 from mtp.checkpoint import WEIGHT_QUANT_CHOICES
+from mtp.carry import DEFAULT_MARCONI_MIN_TOKENS
 from mtp.config import MTP_HIDDEN_SOURCES
 from mtp.engine import DRAFTER_POLICIES, TextPrompts
 from mtp.quant import QUANT_CHOICES, parse_quant
@@ -28,9 +29,8 @@ def get_config() -> ml_collections.ConfigDict:
     # load, as Qwen's FP8 checkpoints are (mtp.checkpoint.load_pretrained); "none": as stored.
     c.weight_quant = "none"
     c.dtype = "float32"  # compute dtype on the host CPU (fp32 keeps greedy ties stable)
-    # None: MTP_MARCONI_MIN_TOKENS, else the shipped 256. A value is set process-wide
-    # through carry.set_marconi_min_tokens (first writer wins) and recorded in the results.
-    c.marconi_min_tokens = ml_collections.config_dict.placeholder(int)
+    # Every variant's engine (EngineConfig.marconi_min_tokens); recorded in the results.
+    c.marconi_min_tokens = DEFAULT_MARCONI_MIN_TOKENS
     c.refeed_accepted = False
     # The carry's turns rewrite their output's drafter rows from the target's hiddens at the
     # turn's end (EngineConfig.rebuild_output_rows), so the entry holds a rebuild's rows.
@@ -96,8 +96,7 @@ MODEL_FIELDS = {
                        "on a CPU).", cli.one_of("float32", "bfloat16")),
     "marconi_min_tokens": cli.Field(
         "The shortest matched prefix for which an SSM snapshot is restored rather than recomputed with a "
-        "full drafter prefill (set process-wide, first writer wins).",
-        cli.optional(MARCONI_MIN_TOKENS, "MTP_MARCONI_MIN_TOKENS, else 256")),
+        "full drafter prefill (every variant's engine).", MARCONI_MIN_TOKENS),
     "rebuild_output_rows": cli.Field("At a turn's end, rewrite the drafter rows of its output from the target's "
                                      "hiddens of the committed positions (inside the decode call), so the carried "
                                      "entry holds what a full rebuild writes.", cli.BOOLEAN),

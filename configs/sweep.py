@@ -50,7 +50,7 @@ _NOT_SWEPT = "means the axis is not swept"
 FIELDS = {
     **{k: f for k, f in carry_ablation.FIELDS.items() if k in carry_ablation.MODEL_FIELDS},
     "marconi_min_tokens": cli.Field("The Marconi threshold of every axis but its own.",
-                                    cli.optional(carry_ablation.MARCONI_MIN_TOKENS, "MTP_MARCONI_MIN_TOKENS, else 256")),
+                                    carry_ablation.MARCONI_MIN_TOKENS),
     "preamble_only_sessions": cli.Field("Sessions that share only the preamble: the Marconi axis runs over them.",
                                         cli.existing_path("file")),
     "num_preamble_only": cli.Field("How many of the preamble-only sessions, from the first.",

@@ -31,7 +31,6 @@ from experiments import cli
 from experiments.harness import (eos_id, greedy_reference, index_turns, load_experiment, lossless,
                                  lossless_reference, run_policies_interleaved)
 from experiments.results_io import provenance, write_atomic, write_json
-from mtp import carry as carry_lib
 from mtp import runtime
 from mtp.analysis import MIN_BOOTSTRAP_SESSIONS, interval_caveat, paired_bootstrap, summarize
 from mtp.metrics import AcceptanceStats
@@ -174,9 +173,7 @@ def main(argv):
     start, origin = time.time(), provenance(c)  # the code and command as the run starts
     if not c.variants:
         raise app.UsageError("--config.variants: empty; give at least one (policy, batch_slots, carry_slots)")
-    if c.marconi_min_tokens is not None and not carry_lib.set_marconi_min_tokens(c.marconi_min_tokens):
-        logging.warning("the Marconi threshold was fixed before --config.marconi_min_tokens could set it")
-    marconi = carry_lib.marconi_min_tokens()
+    marconi = c.marconi_min_tokens
     cfg, params, mesh, sessions, prompts = load_experiment(c)
     max_new = max(t.max_new_tokens for s in sessions for t in s.turns)
     spec = SpecConfig(verify_width=c.verify_width, max_new_tokens=max_new, refeed_accepted=c.refeed_accepted,
@@ -188,7 +185,8 @@ def main(argv):
                            reference.plain_width)
     ecfgs = {name: EngineConfig(policy=policy, batch_slots=slots, carry_slots=carry_slots,
                                 max_context=c.max_context, num_pages=c.num_pages, drafter_pages=c.num_pages,
-                                mtp_quant=c.mtp_quant, rebuild_output_rows=c.rebuild_output_rows)
+                                mtp_quant=c.mtp_quant, rebuild_output_rows=c.rebuild_output_rows,
+                                marconi_min_tokens=marconi)
              for name, (policy, slots, carry_slots) in c.variants.items()}
     per_turn, same = {}, {}
     for name, res in run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs, total, mesh,

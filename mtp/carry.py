@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Optional
 
@@ -41,11 +40,9 @@ __all__ = [
     "adopt",
     "carry_armed_with",
     "carry_debug_enabled",
-    "marconi_min_tokens",
     "merge_interval",
     "mtp_rows_to_trim",
     "plan_append",
-    "set_marconi_min_tokens",
     "stamped_merge",
 ]
 
@@ -55,7 +52,6 @@ __all__ = [
 ENV_DRAFTER_CONTEXT_OFF = "MTP_DRAFTER_CONTEXT_OFF"
 ENV_DRAFTER_CARRY_OFF = "MTP_DRAFTER_CARRY_OFF"
 ENV_CARRY_DEBUG = "MTP_CARRY_DEBUG"
-ENV_MARCONI_MIN_TOKENS = "MTP_MARCONI_MIN_TOKENS"
 
 
 def _check_count(name: str, value: Any) -> int:
@@ -622,69 +618,5 @@ DEFAULT_MARCONI_MIN_TOKENS = 256
 """Restoring a recurrent-state snapshot skips the target prefill, so the drafter cannot
 be prefilled for that prefix; below this matched length the drafter loss outweighs the
 prefill saved. The crossover was measured between ~99 and ~219 tokens; 256 is inside
-the win region and a whole number of 16-token pages."""
-
-
-class _MarconiHolder:
-    """The process-wide threshold: set once by a flag or the first read, then constant.
-
-    Private and lock-guarded so that a flag applied at startup and a concurrent first
-    read agree on who won.
-    """
-
-    __slots__ = ("lock", "value")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.value: int | None = None
-
-
-_MARCONI = _MarconiHolder()
-
-
-def _marconi_from_env(environ: Mapping[str, str]) -> int:
-    raw = environ.get(ENV_MARCONI_MIN_TOKENS)
-    if raw is None:
-        return DEFAULT_MARCONI_MIN_TOKENS
-    try:
-        value = int(raw.strip(), 10)
-    except ValueError:
-        raise ValueError(f"{ENV_MARCONI_MIN_TOKENS}={raw!r} is not an integer") from None
-    if value < 0:
-        raise ValueError(f"{ENV_MARCONI_MIN_TOKENS}={raw!r} must be >= 0")
-    return value
-
-
-def marconi_min_tokens() -> int:
-    """The threshold; the first call fixes it from ``MTP_MARCONI_MIN_TOKENS`` or the default.
-
-    Fixing it on first read keeps every decision in a process consistent: a threshold
-    that moved mid-run would make the same prompt restore on one turn and not another.
-    0 means always restore.
-    """
-    with _MARCONI.lock:
-        if _MARCONI.value is None:
-            _MARCONI.value = _marconi_from_env(os.environ)
-        return _MARCONI.value
-
-
-def set_marconi_min_tokens(v: int) -> bool:
-    """Pin the threshold from a flag, so an experiment's record can state the value it ran with.
-
-    First writer wins and a later call is ignored rather than raising, so a startup
-    path that applies the flag twice cannot abort a run. Returns whether this call set
-    the value; ``False`` means something read (or set) it first and the flag had no
-    effect, which the caller should report.
-    """
-    _check_count("marconi_min_tokens", v)
-    with _MARCONI.lock:
-        if _MARCONI.value is not None:
-            return False
-        _MARCONI.value = v
-        return True
-
-
-def _reset_marconi_for_tests() -> None:
-    """Forget the pinned threshold. Tests only: in a running process the value is constant."""
-    with _MARCONI.lock:
-        _MARCONI.value = None
+the win region and a whole number of 16-token pages. `mtp.engine.EngineConfig`'s
+``marconi_min_tokens`` is the one setting of it; an experiment records the value it ran with."""

@@ -78,7 +78,7 @@ class EngineConfig:
     num_pages: int = 4096
     drafter_pages: int = 4096
     max_context: int = 2048  # prompt + reply tokens one slot can address
-    marconi_min_tokens: int | None = None  # None: carry.marconi_min_tokens()
+    marconi_min_tokens: int = carry_lib.DEFAULT_MARCONI_MIN_TOKENS  # 0: always restore a snapshot
     # The one policy object and kill switch (MTP_DRAFTER_CONTEXT_OFF=1 / MTP_DRAFTER_CARRY_OFF=1).
     drafter_context: carry_lib.DrafterContext = dataclasses.field(default_factory=carry_lib.DrafterContext.from_env)
     turn_end_snapshots: bool = True  # also snapshot the GDN state at each turn's end
@@ -94,6 +94,9 @@ class EngineConfig:
         quant.parse_quant(self.mtp_quant)
         if self.batch_slots < 1 or self.carry_slots < 1:
             raise ValueError("batch_slots and carry_slots must be >= 1")
+        if isinstance(self.marconi_min_tokens, bool) or not isinstance(self.marconi_min_tokens, int) \
+                or self.marconi_min_tokens < 0:
+            raise ValueError(f"marconi_min_tokens={self.marconi_min_tokens!r}: an integer >= 0")
         if SNAPSHOT_INTERVAL % self.page_size:
             raise ValueError(f"page_size {self.page_size} must divide the snapshot interval {SNAPSHOT_INTERVAL}")
 
@@ -365,8 +368,7 @@ class Engine:
         self.params = params
         self.head_params = quantize_head(params, engine_cfg.mtp_quant) if engine_cfg.speculative else params
         self.dtype = params["model"]["embed_tokens"]["weight"].dtype
-        self.marconi = (engine_cfg.marconi_min_tokens if engine_cfg.marconi_min_tokens is not None
-                        else carry_lib.marconi_min_tokens())
+        self.marconi = engine_cfg.marconi_min_tokens
         ps = engine_cfg.page_size
         self.max_blocks = math.ceil((engine_cfg.max_context + spec.verify_width + 1) / ps)
         b = engine_cfg.batch_slots

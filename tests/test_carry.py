@@ -23,11 +23,9 @@ from mtp.carry import (
     adopt,
     carry_armed_with,
     carry_debug_enabled,
-    marconi_min_tokens,
     merge_interval,
     mtp_rows_to_trim,
     plan_append,
-    set_marconi_min_tokens,
     stamped_merge,
 )
 
@@ -591,54 +589,14 @@ def test_rows_to_trim_arrays_numpy_and_jit(rows, dtype):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-# ------------------------------------------------------------------ Marconi threshold
+def test_the_marconi_threshold_is_the_engine_configs_own():
+    from mtp.engine import EngineConfig
 
-
-@pytest.fixture
-def fresh_marconi(monkeypatch):
-    monkeypatch.delenv("MTP_MARCONI_MIN_TOKENS", raising=False)
-    carry._reset_marconi_for_tests()
-    yield monkeypatch
-    carry._reset_marconi_for_tests()
-
-
-def test_marconi_default(fresh_marconi):
-    assert DEFAULT_MARCONI_MIN_TOKENS == 256
-    assert marconi_min_tokens() == 256
-
-
-def test_marconi_env_is_read_once(fresh_marconi):
-    fresh_marconi.setenv("MTP_MARCONI_MIN_TOKENS", "99")
-    assert marconi_min_tokens() == 99
-    fresh_marconi.setenv("MTP_MARCONI_MIN_TOKENS", "1000")
-    assert marconi_min_tokens() == 99  # first read won
-    assert set_marconi_min_tokens(5) is False
-    assert marconi_min_tokens() == 99
-
-
-def test_marconi_setter_first_writer_wins_over_env(fresh_marconi):
-    fresh_marconi.setenv("MTP_MARCONI_MIN_TOKENS", "99")
-    assert set_marconi_min_tokens(0) is True  # flag applied before any read beats the env
-    assert set_marconi_min_tokens(512) is False
-    assert marconi_min_tokens() == 0
-
-
-@pytest.mark.parametrize("raw", ["abc", "12.5", "", "-3"])
-def test_marconi_bad_env_names_the_variable(fresh_marconi, raw):
-    fresh_marconi.setenv("MTP_MARCONI_MIN_TOKENS", raw)
-    with pytest.raises(ValueError, match="MTP_MARCONI_MIN_TOKENS"):
-        marconi_min_tokens()
-    fresh_marconi.setenv("MTP_MARCONI_MIN_TOKENS", "300")
-    assert marconi_min_tokens() == 300  # a failed read did not pin anything
-
-
-def test_marconi_setter_rejects_bad_values(fresh_marconi):
-    with pytest.raises(ValueError, match=">= 0"):
-        set_marconi_min_tokens(-1)
-    with pytest.raises(TypeError):
-        set_marconi_min_tokens(True)  # type: ignore[arg-type]
-    assert set_marconi_min_tokens(128) is True
-    assert marconi_min_tokens() == 128
+    assert DEFAULT_MARCONI_MIN_TOKENS == 256 == EngineConfig().marconi_min_tokens
+    assert EngineConfig(marconi_min_tokens=0).marconi_min_tokens == 0  # always restore
+    for bad in (-1, True, 12.5):
+        with pytest.raises(ValueError, match=f"marconi_min_tokens={bad!r}: an integer >= 0"):
+            EngineConfig(marconi_min_tokens=bad)
 
 
 def test_cut_keeps_the_first_rows_and_the_pages():
