@@ -115,12 +115,9 @@ def _time(fn, arg_sets, reps):
         jax.block_until_ready(fn(*a))
     if _CUPTI["ok"] is not False:
         try:
-            times = []
-            for i in range(reps):
-                timings = cupti.kernel_timings(fn, arg_sets[i % len(arg_sets)])
-                times.append(sum(ms for _, ms in timings) * 1e-3)
+            seconds, _ = cupti.median_seconds(fn, arg_sets, reps)
             _CUPTI["ok"] = True
-            return statistics.median(times), "cupti"
+            return seconds, "cupti"
         except Exception as e:  # noqa: BLE001 - any profiler failure means: fall back
             logging.warning("CUPTI timing unavailable (%s); using wall-clock loops", e)
             _CUPTI["ok"] = False

@@ -156,7 +156,7 @@ def gemm_peak():
     a = jax.random.normal(k1, (8192, 8192), jnp.bfloat16)
     b = jax.random.normal(k2, (8192, 8192), jnp.bfloat16)
     f = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    t, _ = _device_time(f, [(a, b)], 10)
+    t, _ = cupti.median_seconds(f, [(a, b)], 10)
     return 2 * 8192 ** 3 / t
 
 
@@ -172,17 +172,6 @@ def _wall(fn, arg_sets, reps):
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) / reps)
     return statistics.median(samples), "wall"
-
-
-def _device_time(fn, arg_sets, reps):
-    """(median s, per-kernel ms of the last call) from CUPTI with the L2 evicted."""
-    for a in arg_sets[:2]:
-        jax.block_until_ready(fn(*a))
-    times, kernels = [], []
-    for r in range(reps):
-        kernels = cupti.kernel_timings(fn, arg_sets[r % len(arg_sets)])
-        times.append(sum(ms for _, ms in kernels) * 1e-3)
-    return statistics.median(times), kernels
 
 
 def _rel_err(a, b):
@@ -220,7 +209,7 @@ def bench_row(shape_name, n, kind, weight_sets, ceilings, interpret):
             if not v["finite"] or v["rel_err"] > FLAGS.max_err or interpret:
                 continue
             sets = [(x, ids, w, ws) for ws in weight_sets]
-            t, kernels = _device_time(jfn, sets, FLAGS.reps)
+            t, kernels = cupti.median_seconds(jfn, sets, FLAGS.reps)
             v["device_s"] = t
             v["kernels_ms"] = [[name_, ms] for name_, ms in kernels]
             v["wall_s"], _ = _wall(jfn, sets, FLAGS.reps)

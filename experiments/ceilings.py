@@ -34,8 +34,7 @@ def device_seconds(fn, args, reps: int) -> float:
         return median_seconds(fn, args, reps, warmup=1)
     from experiments import cupti
 
-    jax.block_until_ready(fn(*args))
-    return statistics.median(sum(ms for _, ms in cupti.kernel_timings(fn, args)) * 1e-3 for _ in range(reps))
+    return cupti.median_seconds(fn, [args], reps)[0]
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> tuple[float, str]:

@@ -9,7 +9,7 @@ second weight, and 13.5-14.0 µs in every program with the L2 cold. Here the cal
 timed one reads a buffer five times the L2 instead, so the timed call finds none of its
 inputs there, as a decode step finds its next weight.
 
-Every CUPTI timing of the experiments goes through `kernel_timings` (`bench_kernels.py`,
+Every CUPTI timing of the experiments goes through `kernel_timings` (most through `median_seconds`: `bench_kernels.py`,
 `bench_decode.py`, `gemm_probe.per_kernel_us`). A program that profiles a CUDA graph (XLA's
 command buffers; a decode loop runs as one) calls `start` before it builds the graph.
 """
@@ -17,6 +17,7 @@ command buffers; a decode loop runs as one) calls `start` before it builds the g
 from __future__ import annotations
 
 import functools
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,19 @@ def kernel_timings(fn, args) -> list[tuple[str, float]]:
     finally:
         timings = ext._cupti_get_timings(True)
     return list(timings or [])
+
+
+def median_seconds(fn, arg_sets, reps: int) -> tuple[float, list[tuple[str, float]]]:
+    """``(median seconds of a call's kernels, the last call's kernel_timings)`` over ``reps`` calls
+    rotating through ``arg_sets``, each with L2 cold; the first two sets are run once untimed (the
+    compile). Raises as `kernel_timings` does where CUPTI is unavailable."""
+    for a in arg_sets[:2]:
+        jax.block_until_ready(fn(*a))
+    times, kernels = [], []
+    for r in range(reps):
+        kernels = kernel_timings(fn, arg_sets[r % len(arg_sets)])
+        times.append(sum(ms for _, ms in kernels) * 1e-3)
+    return statistics.median(times), kernels
 
 
 @functools.cache
