@@ -1,11 +1,10 @@
 r"""The model family at its real shapes on one GPU, random weights, every figure a ratio of one run.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.94 \
-        PYTHONPATH=. python3 -m experiments.bench_real_shape --config.out_dir=$OUT
+    PYTHONPATH=. python3 -m experiments.bench_real_shape --config.out_dir=$OUT
     python -m experiments.bench_real_shape --config.model=tiny      # the same on a CPU, small configs
 
-JAX's memory pool grows on demand (the peer's torch and the 80B's weights need the room a
-preallocated pool would hold); ``ml_collections`` and, for the peer's fast path, ``fla-core`` and
+JAX's memory pool grows on demand (`grow_memory_pool_on_demand`: the peer's torch and the 80B's
+weights need the room a preallocated pool would hold); ``ml_collections`` and, for the peer's fast path, ``fla-core`` and
 ``flash-linear-attention`` must be importable (pure-Python wheels: `pip install flash-linear-attention`).
 
 Models (`configs/models/`, each the published ``config.json``; `configs/models/real_shapes.md` says
@@ -928,8 +927,20 @@ def run_peer(peer: ModelBench, conf, report: Report, deadline: Deadline):
             sys.modules["torch"].cuda.empty_cache()  # hand the peer's memory back for the next model
 
 
+def grow_memory_pool_on_demand(environ=os.environ) -> None:
+    """Let JAX's GPU memory pool grow as needed up to 94% of the device, unless the caller chose.
+
+    The peer's torch and the 80B's FP8 weights need the room a preallocated pool (75% of the
+    device, taken at start) would hold. JAX reads these when its backend starts, so this runs
+    first in `main`; a value the caller set is kept.
+    """
+    environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+
+
 def main(argv):
     del argv
+    grow_memory_pool_on_demand()  # before anything starts JAX's backend
     data = run(_CONFIG.value)
     failed = len(data["errors"])
     if failed:

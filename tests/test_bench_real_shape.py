@@ -180,3 +180,9 @@ def test_tiny_fp8_run_sets_fp8_beside_bf16_at_one_depth(tmp_path):
     fmt = [v for v in data["verdicts"] if "FP8 decode step" in v["goal"]]
     assert len(fmt) == 1 and fmt[0]["verdict"] in ("met", "missed")
     assert "fp8" in (tmp_path / "results.md").read_text()
+
+
+def test_the_memory_pool_grows_on_demand_unless_the_caller_chose():
+    environ = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    brs.grow_memory_pool_on_demand(environ)
+    assert environ == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
