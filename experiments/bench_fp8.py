@@ -19,6 +19,8 @@ projection shapes and its routed experts (top-10 of 512), each form of ``x @ w.T
 * ``pallas``: `mtp.ops.fp8.triton`'s weight-streaming kernel at its default tiling
   (`triton.default_config`; on a CPU it runs in Pallas' interpreter, and only under ``--small``);
   ``kernel_pays`` on its rows says whether the model's ``"auto"`` takes it there;
+* with ``--tilings``, ``pallas <tiling>``: the kernel at every `tilings` candidate as well, each
+  checked against the exact product like the rest, to choose `triton.default_config` by;
 * ``experts``: the routed-expert FFN's gather form (`mtp.ops.moe.reference.routed_experts_gather`)
   over bf16 and FP8 expert stacks, one random routing per row count.
 
@@ -30,6 +32,8 @@ must read over the measured copy bandwidth. Writes ``results.json`` and ``result
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import pathlib
 import time
 
@@ -76,9 +80,38 @@ def bf16_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
 
 
-def kernel(x, w):
-    """The Triton kernel (compiled on a GPU, interpreted elsewhere) at its default tiling."""
-    return fp8_triton.w8a16(x, w, interpret=not on_gpu())
+def kernel(x, w, config=None):
+    """The Triton kernel (compiled on a GPU, interpreted elsewhere), at ``config`` or its default tiling."""
+    return fp8_triton.w8a16(x, w, config=config, interpret=not on_gpu())
+
+
+def tilings(out: int, inp: int) -> list[fp8_triton.Fp8GemvConfig]:
+    """The tilings ``--tilings`` times for an ``[out, in]`` weight beside the default one.
+
+    Output tiles of 32-128 rows over whole 128-column scale blocks, every power-of-two split up to
+    the input tiles, 4 or 8 warps and 2 or 4 pipeline stages; a candidate giving fewer than 32 or
+    more than 2048 programs is left out (too few to fill the SMs, or pure overhead).
+    """
+    default = fp8_triton.default_config(out, inp)
+    found = []
+    for bo in (32, 64, 128):
+        for bi in (128,):
+            tiles = -(-inp // bi)
+            for splits in (1, 2, 4, 8, 16):
+                programs = -(-out // bo) * splits
+                if splits > tiles or not 32 <= programs <= 2048:
+                    continue
+                for warps in (4, 8):
+                    for stages in (2, 4):
+                        cfg = fp8_triton.Fp8GemvConfig(block_out=bo, block_in=bi, splits=splits,
+                                                       num_warps=warps, num_stages=stages)
+                        if cfg != default:
+                            found.append(cfg)
+    return found
+
+
+def tiling_name(cfg: fp8_triton.Fp8GemvConfig) -> str:
+    return (f"pallas {cfg.block_out}x{cfg.block_in}/s{cfg.splits}/w{cfg.num_warps}/p{cfg.num_stages}")
 
 
 GEMM_FORMS = {"w8a16": lambda x, w: fp8.matmul(x, w, impl="reference"), "post_scale": post_scale,
@@ -90,11 +123,17 @@ def _nbytes(tree) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
-def bench_gemms(shapes, rows_list, reps, bw, key, forms=None) -> list[dict]:
-    """One row per (shape, rows, form): bf16 first, then ``forms`` (default: XLA's and the kernel's)."""
+def bench_gemms(shapes, rows_list, reps, bw, key, forms=None, sweep=False) -> list[dict]:
+    """One row per (shape, rows, form): bf16 first, then ``forms`` (default: XLA's and the kernel's),
+    then, with ``sweep``, the kernel at each of `tilings` (named by `tiling_name`)."""
     forms = {**GEMM_FORMS, **KERNEL_FORMS} if forms is None else forms
     out = []
     for name, o, i in shapes:
+        shape_forms = dict(forms)
+        configs = {"pallas": fp8_triton.default_config(o, i)} if "pallas" in forms else {}
+        if sweep:
+            configs.update({tiling_name(c): c for c in tilings(o, i)})
+            shape_forms.update({f: functools.partial(kernel, config=c) for f, c in configs.items() if f != "pallas"})
         kw, kx = jax.random.split(jax.random.fold_in(key, o * 7919 + i))
         w = (jax.random.normal(kw, (o, i), jnp.float32) * 0.02).astype(jnp.bfloat16)
         q = fp8.quantize(w)
@@ -104,7 +143,7 @@ def bench_gemms(shapes, rows_list, reps, bw, key, forms=None) -> list[dict]:
             base_s = device_seconds(jax.jit(bf16_dot), (x, w), reps)
             out.append(dict(what=name, out=o, **{"in": i}, rows=rows, form="bf16", us=1e6 * base_s,
                             floor_us=1e6 * _nbytes(w) / bw, ratio_to_bf16=1.0))
-            for form, fn in forms.items():
+            for form, fn in shape_forms.items():
                 t0 = time.perf_counter()
                 fn = jax.jit(fn)
                 got = jax.block_until_ready(fn(x, q))
@@ -114,7 +153,8 @@ def bench_gemms(shapes, rows_list, reps, bw, key, forms=None) -> list[dict]:
                 out.append(dict(what=name, out=o, **{"in": i}, rows=rows, form=form, us=1e6 * s,
                                 floor_us=1e6 * _nbytes(q) / bw, ratio_to_bf16=s / base_s, rel_err=err,
                                 first_call_s=first_s,
-                                auto_takes=fp8_triton.pays(rows, o) if form == "pallas" else None))
+                                auto_takes=fp8_triton.pays(rows, o) if form == "pallas" else None,
+                                tiling=dataclasses.asdict(configs[form]) if form in configs else None))
                 print(f"{name} [{o}, {i}] rows={rows} {form}: {1e6 * s:.1f} us ({s / base_s:.2f}x bf16), "
                       f"error {err}, first call {first_s:.1f} s", flush=True)
     return out
@@ -175,7 +215,7 @@ def main(argv):
     forms = {**GEMM_FORMS, **KERNEL_FORMS} if small or on_gpu() else GEMM_FORMS
     forms = {f: fn for f, fn in forms.items() if f in FLAGS.forms}
     shapes = [s for s in (SMALL_SHAPES if small else SHAPES) if not FLAGS.shapes or s[0].split()[0] in FLAGS.shapes]
-    data["rows"] += bench_gemms(shapes, rows, FLAGS.reps, bw, key, forms)
+    data["rows"] += bench_gemms(shapes, rows, FLAGS.reps, bw, key, forms, sweep=FLAGS.tilings and "pallas" in forms)
     if FLAGS.experts:
         data["rows"] += bench_experts(SMALL_EXPERTS if small else EXPERTS, rows, FLAGS.reps, bw, key)
     write_json(out / "results.json", data)
@@ -194,6 +234,7 @@ def define_flags():
                             "GEMM forms timed beside bf16 (the kernel's only on a GPU or with --small).")
     flags.DEFINE_list("shapes", [], f"Projections to time (default all): {', '.join(s[0].split()[0] for s in SHAPES)}.")
     flags.DEFINE_bool("experts", True, "Also time the routed experts' FFN.")
+    flags.DEFINE_bool("tilings", False, "Also time the kernel at every candidate tiling (`tilings`).")
 
 
 if __name__ == "__main__":

@@ -30,3 +30,19 @@ def test_each_row_is_timed_against_its_floor_and_the_weights_forms_agree():
     assert experts[0]["distinct_experts"] == bench_fp8.SMALL_EXPERTS["top_k"]  # one row picks top_k experts
     assert "| routed experts" in bench_fp8.markdown(dict(device="cpu", date="today", copy_bandwidth_TBps=0.01,
                                                          rows=rows + experts))
+
+
+def test_the_tiling_sweep_times_each_candidate_once_beside_the_default():
+    out, inp = 256, 512
+    candidates = bench_fp8.tilings(out, inp)
+    default = bench_fp8.fp8_triton.default_config(out, inp)
+    assert candidates and default not in candidates and len(set(candidates)) == len(candidates)
+    for c in candidates:  # whole scale blocks, a split never wider than the input tiles, 32-2048 programs
+        assert c.block_in == 128 and c.splits <= inp // 128 and 32 <= -(-out // c.block_out) * c.splits <= 2048
+    shape = [("s", out, inp)]
+    rows = bench_fp8.bench_gemms(shape, [2], 1, 1e10, jax.random.key(0), {"pallas": bench_fp8.kernel}, sweep=True)
+    forms = [r["form"] for r in rows]
+    assert forms[:2] == ["bf16", "pallas"] and len(forms) == 2 + len(candidates)
+    assert forms[2:] == [bench_fp8.tiling_name(c) for c in candidates]
+    assert all(r["rel_err"] < 1e-5 and r["tiling"]["block_in"] == 128 for r in rows[1:])
+    assert {r["tiling"]["block_out"] for r in rows[2:]} == {c.block_out for c in candidates}

@@ -67,9 +67,10 @@ def test_unsupported_names_why():
 
 def test_default_config_spreads_the_weight_over_the_sms():
     c = k.default_config(2048, 4096)
-    assert (c.block_out, c.splits) == (128, 8)  # 16 output blocks x 8 splits
-    assert k.default_config(12288, 2048).splits == 2
-    assert k.default_config(512, 2048).block_out == 64
+    assert (c.block_out, c.splits) == (32, 4)  # 64 output blocks x 4 splits: about two programs per SM
+    assert k.default_config(12288, 2048).splits == 1  # 384 output blocks already
+    assert k.default_config(512, 2048).splits == 16  # as many splits as input tiles, no more
+    assert k.default_config(512, 256).splits == 2
     with pytest.raises(ValueError, match="block_in=96"):
         k.Fp8GemvConfig(block_in=96).check()
 

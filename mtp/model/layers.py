@@ -79,9 +79,14 @@ PAD_ROWS = 2
 PAD_MIN_WEIGHT = 2048 * 4096
 
 
-def pads_weight(size: int) -> bool:
-    """Whether a weight of ``size`` elements is large enough for a one-row product to be padded."""
-    return size > PAD_MIN_WEIGHT
+def pads_weight(w) -> bool:
+    """Whether a one-row product with ``w`` is padded: a plain weight of over ``PAD_MIN_WEIGHT`` elements.
+
+    Never an FP8 weight: its kernel (`mtp.ops.fp8.triton`) streams one row at 0.78-0.89x the bf16
+    weight's time and two or more at 1.27-1.35x (results/kernels/fp8_few_rows_h200/), so a second
+    row would cost it what it saves XLA's bf16 GEMM.
+    """
+    return isinstance(w, jax.Array) and w.size > PAD_MIN_WEIGHT
 
 
 # Where `linear` writes a product as a reduction: what measured faster on the H200 (2026-11-30; the default
@@ -143,10 +148,10 @@ def dense_rows(x: jax.Array, w, lead: tuple[int, ...] | None = None) -> jax.Arra
     rows = math.prod(x.shape[:-1] if lead is None else lead)
     x2 = x.reshape(-1, x.shape[-1])
     target_weight = isinstance(w, (jax.Array, fp8.BlockFp8Weight))  # plain or a checkpoint's FP8
-    if x2.shape[0] > rows and (not target_weight or not pads_weight(w.size)):
+    if x2.shape[0] > rows and not pads_weight(w):
         x2 = x2[:rows]
     if target_weight:
-        if x2.shape[0] < PAD_ROWS and pads_weight(w.size) and pad_small_gemms():
+        if x2.shape[0] < PAD_ROWS and pads_weight(w) and pad_small_gemms():
             return _padded_rows(x2, w, PAD_ROWS)
         return linear(x2, w)
     from mtp import quant  # the MTP head's load-time quantization (`--mtp_quant`)

@@ -22,6 +22,7 @@ from mtp.model import gated_deltanet as gdn
 from mtp.model import layers
 from mtp.model.layers import attention_out, attention_qkv, causal_attention, ffn, first_rows, stream_rows
 from mtp.model.params import Params
+from mtp.ops import fp8
 from mtp.ops.add_rms_norm import add_rms_norm
 from mtp.ops.attn_prologue import AttentionShape, attn_prologue
 from mtp.ops.norms import rms_norm
@@ -111,11 +112,12 @@ def _final(cfg, params, x, lead, last_only: jax.Array | None) -> StepOutput:
 def _pads_stream(params: Params) -> bool:
     """Whether a one-row step carries its residual stream padded (`layers.stream_rows`).
 
-    Where `dense` would pad some of the layers' GEMMs (a GPU, and a weight above
-    `layers.PAD_MIN_WEIGHT`), so that the stream is padded once per step, not per GEMM.
+    Where `dense` would pad some of the layers' GEMMs (a GPU, and a plain weight above
+    `layers.PAD_MIN_WEIGHT`: `layers.pads_weight`), so that the stream is padded once per step,
+    not per GEMM. A model whose large weights are all FP8 keeps one row.
     """
-    largest = max(w.size for w in jax.tree.leaves(params["model"]["layers"]))
-    return layers.pad_small_gemms() and layers.pads_weight(largest)
+    weights = jax.tree.leaves(params["model"]["layers"], is_leaf=lambda w: isinstance(w, fp8.BlockFp8Weight))
+    return layers.pad_small_gemms() and any(layers.pads_weight(w) for w in weights)
 
 
 # ------------------------------------------------------------------ reference path
