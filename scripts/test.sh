@@ -21,9 +21,10 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
   export JAX_COMPILATION_CACHE_DIR
 fi
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+# Two workers: one a core of the 2-core machine the README times both loops on (and CI's).
 if [ "${1:-}" = "--full" ]; then
   shift
-  python -m pytest tests -n 2 --dist worksteal "$@"  # one worker a core of the 2-core CI machine
+  python -m pytest tests -n 2 --dist worksteal "$@"
 else
-  python -m pytest tests -m "not slow" "$@"
+  python -m pytest tests -m "not slow" -n 2 --dist worksteal "$@"
 fi
