@@ -202,13 +202,34 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, embed_normed=F
     chunk = h // per_half  # reduction columns per program
     nk = chunk // tile_k
     stages = max(1, min(stages, nk))
-    delay = 1 if stages > 1 else 0
-    in_tr = swizzle_transforms(tile_k, dtype)
     slabs = tile_n // SLAB_COLS
     part_tr = swizzle_transforms(SLAB_COLS, jnp.float32)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
     if tile_n % SLAB_COLS:
         raise ValueError(f"the split-K kernel needs tile_n a multiple of {SLAB_COLS}; got tile_n={tile_n}")
+    smem = splitk_smem(tile_m, tile_n, stages, tile_k)
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"split-K fc kernel needs {smem} bytes of shared memory "
+                         f"(M={m} in {tile_m} rows, tile_n={tile_n}, stages={stages}); "
+                         f"the limit is {SMEM_LIMIT}")
+    scratch = dict(part_smem=[plgpu.SMEM((tile_m, SLAB_COLS), jnp.float32, transforms=part_tr)
+                              for _ in range(slabs)],
+                   ss_smem=plgpu.SMEM((tile_m,), jnp.float32))
+    parts, ss = plgpu.kernel(
+        _splitk_program(h, tile_m, tile_n, per_half, chunk, nk, stages, tile_k, dtype),
+        out_type=(jax.ShapeDtypeStruct((k_splits, m, h), jnp.float32),
+                  jax.ShapeDtypeStruct((k_splits, tile_m), jnp.float32)),
+        grid=(h // tile_n, k_splits), grid_names=("n", "k"),
+        scratch_types=scratch,
+    )(embed, hidden, w_f)
+    return _sum_splits(parts, ss, h, eps, embed_normed).astype(dtype)
+
+
+def _splitk_program(h, tile_m, tile_n, per_half, chunk, nk, stages, tile_k, dtype):
+    """A split-K program: one wgmma in flight over its chunk's k steps, the input tile's row
+    squares summed while it runs, the partial stored in ``SLAB_COLS``-wide slabs."""
+    delay = 1 if stages > 1 else 0
+    in_tr = swizzle_transforms(tile_k, dtype)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(e_ref, h_ref, w_ref, parts_ref, ss_ref, *, part_smem, ss_smem):
         ni = lax.axis_index("n")
@@ -259,21 +280,13 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, embed_normed=F
 
         plgpu.wait_smem_to_gmem(0)
 
-    smem = splitk_smem(tile_m, tile_n, stages, tile_k)
-    if smem > SMEM_LIMIT:
-        raise ValueError(f"split-K fc kernel needs {smem} bytes of shared memory "
-                         f"(M={m} in {tile_m} rows, tile_n={tile_n}, stages={stages}); "
-                         f"the limit is {SMEM_LIMIT}")
-    scratch = dict(part_smem=[plgpu.SMEM((tile_m, SLAB_COLS), jnp.float32, transforms=part_tr)
-                              for _ in range(slabs)],
-                   ss_smem=plgpu.SMEM((tile_m,), jnp.float32))
-    parts, ss = plgpu.kernel(
-        kernel,
-        out_type=(jax.ShapeDtypeStruct((k_splits, m, h), jnp.float32),
-                  jax.ShapeDtypeStruct((k_splits, tile_m), jnp.float32)),
-        grid=(h // tile_n, k_splits), grid_names=("n", "k"),
-        scratch_types=scratch,
-    )(embed, hidden, w_f)
+    return kernel
+
+
+def _sum_splits(parts, ss, h, eps, embed_normed):
+    """[M, H] f32: the partials of each half summed and scaled by that half's row norms."""
+    k_splits, m = parts.shape[:2]
+    per_half = k_splits // 2
     # Sums of static slices, not reductions: XLA keeps the whole epilogue in one loop
     # fusion (at M = 1 a reduction became two more kernels).
     total = lambda x, splits: functools.reduce(jnp.add, (x[s] for s in splits))
@@ -281,8 +294,7 @@ def _splitk(embed, hidden, w_f, *, tile_n, k_splits, stages, eps, embed_normed=F
     acc_e = total(parts, lo)
     if not embed_normed:
         acc_e = acc_e * _scale_of(total(ss[:, :m], lo), h, eps)[:, None]
-    out = acc_e + total(parts, hi) * _scale_of(total(ss[:, :m], hi), h, eps)[:, None]
-    return out.astype(dtype)
+    return acc_e + total(parts, hi) * _scale_of(total(ss[:, :m], hi), h, eps)[:, None]
 
 
 # ------------------------------------------------------------------ row sums of squares
