@@ -73,6 +73,7 @@ Two kernels (Mosaic GPU, Hopper):
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -428,6 +429,25 @@ def plan_large(m: int, h: int, num_sms: int, wg_m=None, tile_n=None, stages=None
     return wg_m, tile_n, stages, num_programs, split
 
 
+class _WsTiling(NamedTuple):
+    """What every warpgroup of the warp-specialised GEMM must agree on: the tiles (``plan_large``),
+    the order programs take them in, the stage ring and the epilogue's store chunks."""
+
+    wg_m: int
+    tile_n: int
+    tile_k: int
+    stages: int
+    split_m: bool
+    cta_m: int
+    cta_n: int
+    n_tiles: int
+    num_tiles: int
+    num_programs: int
+    kh: int  # k steps per half
+    epi_m: int
+    epi_n: int
+
+
 def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs, acc, split,
              eps, tile_k=64):
     """bf16 [M, H] = r_e * (embed @ W_f[:, :H].T) + r_h * (hidden @ W_f[:, H:].T).
@@ -469,120 +489,10 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
                          f"(wg_m={wg_m}, tile_n={tile_n}, stages={stages}, acc={acc}, split={split}); "
                          f"the limit is {SMEM_LIMIT}")
 
-    def kernel(e_ref, h_ref, w_ref, ss_ref, o_ref, a_smem, b_smem, o_smem, full, empty):
-        pid = lax.axis_index("p")
-        wg = lax.axis_index("wg")
-        my_tiles = lax.div(num_tiles - 1 - pid, num_programs) + 1
-
-        def tile_coords(i):
-            t = pid + i * num_programs
-            return lax.div(t, n_tiles), lax.rem(t, n_tiles)  # n minor: W slabs shared in a wave
-
-        @pl.when(wg == 2)
-        def _producer():
-            plgpu.set_max_registers(40, action="decrease")
-
-            def tile_body(i, step):
-                mi, ni = tile_coords(i)
-                rows = pl.ds(mi * cta_m, cta_m)
-                cols = pl.ds(ni * cta_n, cta_n)
-                for src, base in ((e_ref, 0), (h_ref, h)):
-                    def k_body(k, step, src=src, base=base):
-                        slot = lax.rem(step, stages)
-
-                        @pl.when(step >= stages)
-                        def _():
-                            plgpu.barrier_wait(empty.at[slot])
-
-                        plgpu.copy_gmem_to_smem(src.at[rows, pl.ds(k * tile_k, tile_k)],
-                                                a_smem.at[slot], full.at[slot])
-                        plgpu.copy_gmem_to_smem(w_ref.at[cols, pl.ds(base + k * tile_k, tile_k)],
-                                                b_smem.at[slot], full.at[slot])
-                        return step + 1
-
-                    step = lax.fori_loop(0, kh, k_body, step)
-                return step
-
-            total = lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
-
-            # Observe the releases of the last stages too, so that no barrier is left with
-            # an unobserved phase (the interpreter checks this; on the GPU it is free).
-            @pl.loop(lax.max(total - stages, 0), total)
-            def _(j):
-                plgpu.barrier_wait(empty.at[lax.rem(j, stages)])
-
-        @pl.when(wg < 2)
-        def _consumer():
-            plgpu.set_max_registers(232, action="increase")
-            if split_m:
-                a_of = lambda slot: a_smem.at[slot, pl.ds(wg * wg_m, wg_m)]
-                b_of = lambda slot: b_smem.at[slot].T
-            else:
-                a_of = lambda slot: a_smem.at[slot]
-                b_of = lambda slot: b_smem.at[slot, pl.ds(wg * tile_n, tile_n)].T
-            row_layout = plgpu.Layout.WGMMA.reduce(1)
-
-            def run_half(acc_ref, step):
-                def k_body(k, step):
-                    slot = lax.rem(step, stages)
-                    plgpu.barrier_wait(full.at[slot])
-                    plgpu.wgmma(acc_ref, a_of(slot), b_of(slot))
-                    plgpu.wgmma_wait(1)  # the previous step's wgmma is done: free its stage
-
-                    @pl.when(k > 0)
-                    def _():
-                        plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
-
-                    return step + 1
-
-                step = lax.fori_loop(0, kh, k_body, step)
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
-                return step
-
-            def tile_body(i, step):
-                mi, ni = tile_coords(i)
-                row0 = mi * cta_m + (wg * wg_m if split_m else 0)
-                col0 = ni * cta_n + (0 if split_m else wg * tile_n)
-                rows = pl.ds(row0, wg_m)
-                bcast = lambda v: lax.broadcast_in_dim(v, (wg_m, tile_n), [0])
-                *r_e, r_h = (_scale_of(sum(plgpu.load(ss_ref.at[p, j, rows], layout=row_layout,
-                                                      optimized=False) for p in range(splits)), h, eps)
-                             for j in range(normed_inputs))
-                scaled_e = (lambda a: a * bcast(r_e[0])) if r_e else (lambda a: a)
-
-                if acc == "two":
-                    def scope(acc_e, acc_h):
-                        s = run_half(acc_e, step)
-                        s = run_half(acc_h, s)
-                        return s, scaled_e(acc_e[...]) + acc_h[...] * bcast(r_h)
-
-                    step, out = pl.run_scoped(scope, plgpu.ACC((wg_m, tile_n), jnp.float32),
-                                              plgpu.ACC((wg_m, tile_n), jnp.float32))
-                else:
-                    def scope(acc_ref):
-                        s = run_half(acc_ref, step)
-                        acc_ref[...] = acc_ref[...] * bcast((r_e[0] if r_e else 1.0) / r_h)
-                        s = run_half(acc_ref, s)
-                        return s, acc_ref[...] * bcast(r_h)
-
-                    step, out = pl.run_scoped(scope, plgpu.ACC((wg_m, tile_n), jnp.float32))
-                out = out.astype(dtype)
-                for j in range(wg_m // epi_m):
-                    for c in range(tile_n // epi_n):
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        o_smem[wg] = out[j * epi_m:(j + 1) * epi_m, c * epi_n:(c + 1) * epi_n]
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            o_smem.at[wg], o_ref.at[pl.ds(row0 + j * epi_m, epi_m),
-                                                    pl.ds(col0 + c * epi_n, epi_n)])
-                return step
-
-            lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0)
-
+    t = _WsTiling(wg_m, tile_n, tile_k, stages, split_m, cta_m, cta_n, n_tiles, num_tiles,
+                  num_programs, kh, epi_m, epi_n)
     call = plgpu.kernel(
-        kernel,
+        _ws_program(t, h, splits, normed_inputs, acc, eps, dtype),
         out_type=jax.ShapeDtypeStruct((m, h), dtype),
         grid=(num_programs,),
         grid_names=("p",),
@@ -597,6 +507,155 @@ def _ws_gemm(embed, hidden, w_f, ss_parts, *, wg_m, tile_n, stages, num_programs
         ),
     )
     return call(embed, hidden, w_f, ss_parts)
+
+
+def _ws_program(t: _WsTiling, h, splits, normed_inputs, acc, eps, dtype):
+    """A persistent program: warpgroup 2 fills the stage ring for every tile the program owns,
+    warpgroups 0 and 1 drain it, so the ring never empties between tiles."""
+
+    def kernel(e_ref, h_ref, w_ref, ss_ref, o_ref, a_smem, b_smem, o_smem, full, empty):
+        pid = lax.axis_index("p")
+        wg = lax.axis_index("wg")
+        my_tiles = lax.div(t.num_tiles - 1 - pid, t.num_programs) + 1
+
+        def tile_coords(i):
+            tile = pid + i * t.num_programs
+            return lax.div(tile, t.n_tiles), lax.rem(tile, t.n_tiles)  # n minor: W slabs shared in a wave
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            _ws_produce(t, h, e_ref, h_ref, w_ref, a_smem, b_smem, full, empty, my_tiles, tile_coords)
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            _ws_consume(t, h, splits, normed_inputs, acc, eps, dtype, wg, ss_ref, o_ref, a_smem, b_smem,
+                        o_smem, full, empty, my_tiles, tile_coords)
+
+    return kernel
+
+
+def _ws_produce(t: _WsTiling, h, e_ref, h_ref, w_ref, a_smem, b_smem, full, empty, my_tiles,
+                tile_coords):
+    """The TMA producer: the A tile comes from ``embed`` for the first half's k steps and from
+    ``hidden`` for the rest, so the ``[M, 2H]`` concat never exists."""
+    cta_m, cta_n, kh, stages, tile_k = t.cta_m, t.cta_n, t.kh, t.stages, t.tile_k
+
+    def tile_body(i, step):
+        mi, ni = tile_coords(i)
+        rows = pl.ds(mi * cta_m, cta_m)
+        cols = pl.ds(ni * cta_n, cta_n)
+        for src, base in ((e_ref, 0), (h_ref, h)):
+            def k_body(k, step, src=src, base=base):
+                slot = lax.rem(step, stages)
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(empty.at[slot])
+
+                plgpu.copy_gmem_to_smem(src.at[rows, pl.ds(k * tile_k, tile_k)],
+                                        a_smem.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(w_ref.at[cols, pl.ds(base + k * tile_k, tile_k)],
+                                        b_smem.at[slot], full.at[slot])
+                return step + 1
+
+            step = lax.fori_loop(0, kh, k_body, step)
+        return step
+
+    total = lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
+
+    # Observe the releases of the last stages too, so that no barrier is left with
+    # an unobserved phase (the interpreter checks this; on the GPU it is free).
+    @pl.loop(lax.max(total - stages, 0), total)
+    def _(j):
+        plgpu.barrier_wait(empty.at[lax.rem(j, stages)])
+
+
+def _ws_consume(t: _WsTiling, h, splits, normed_inputs, acc, eps, dtype, wg, ss_ref, o_ref, a_smem,
+                b_smem, o_smem, full, empty, my_tiles, tile_coords):
+    """A consumer warpgroup's ``wg_m x tile_n`` share of every tile its program owns. A tile's
+    row scales are loaded before its first wgmma: ``acc="rescale"`` needs ``r_e / r_h`` at the
+    half boundary, before the hidden half is read."""
+    wg_m, tile_n, cta_m, cta_n, split_m = t.wg_m, t.tile_n, t.cta_m, t.cta_n, t.split_m
+    if split_m:
+        a_of = lambda slot: a_smem.at[slot, pl.ds(wg * wg_m, wg_m)]
+        b_of = lambda slot: b_smem.at[slot].T
+    else:
+        a_of = lambda slot: a_smem.at[slot]
+        b_of = lambda slot: b_smem.at[slot, pl.ds(wg * tile_n, tile_n)].T
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    run_half = functools.partial(_ws_consume_half, t, a_of, b_of, full, empty)
+
+    def tile_body(i, step):
+        mi, ni = tile_coords(i)
+        row0 = mi * cta_m + (wg * wg_m if split_m else 0)
+        col0 = ni * cta_n + (0 if split_m else wg * tile_n)
+        rows = pl.ds(row0, wg_m)
+        bcast = lambda v: lax.broadcast_in_dim(v, (wg_m, tile_n), [0])
+        *r_e, r_h = (_scale_of(sum(plgpu.load(ss_ref.at[p, j, rows], layout=row_layout,
+                                              optimized=False) for p in range(splits)), h, eps)
+                     for j in range(normed_inputs))
+        scaled_e = (lambda a: a * bcast(r_e[0])) if r_e else (lambda a: a)
+
+        if acc == "two":
+            def scope(acc_e, acc_h):
+                s = run_half(acc_e, step)
+                s = run_half(acc_h, s)
+                return s, scaled_e(acc_e[...]) + acc_h[...] * bcast(r_h)
+
+            step, out = pl.run_scoped(scope, plgpu.ACC((wg_m, tile_n), jnp.float32),
+                                      plgpu.ACC((wg_m, tile_n), jnp.float32))
+        else:
+            def scope(acc_ref):
+                s = run_half(acc_ref, step)
+                acc_ref[...] = acc_ref[...] * bcast((r_e[0] if r_e else 1.0) / r_h)
+                s = run_half(acc_ref, s)
+                return s, acc_ref[...] * bcast(r_h)
+
+            step, out = pl.run_scoped(scope, plgpu.ACC((wg_m, tile_n), jnp.float32))
+        _ws_store(t, out.astype(dtype), wg, o_smem, o_ref, row0, col0)
+        return step
+
+    lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _ws_consume_half(t: _WsTiling, a_of, b_of, full, empty, acc_ref, step):
+    """One half's k steps into ``acc_ref``: one wgmma in flight, each stage released as soon
+    as the wgmma that read it has finished."""
+    stages = t.stages
+
+    def k_body(k, step):
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(full.at[slot])
+        plgpu.wgmma(acc_ref, a_of(slot), b_of(slot))
+        plgpu.wgmma_wait(1)  # the previous step's wgmma is done: free its stage
+
+        @pl.when(k > 0)
+        def _():
+            plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
+
+        return step + 1
+
+    step = lax.fori_loop(0, t.kh, k_body, step)
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(empty.at[lax.rem(step + stages - 1, stages)])
+    return step
+
+
+def _ws_store(t: _WsTiling, out, wg, o_smem, o_ref, row0, col0):
+    """A consumer's tile to global memory in ``epi_m x epi_n`` chunks: the stage ring leaves
+    shared memory for no more (``_ws_gemm``)."""
+    epi_m, epi_n = t.epi_m, t.epi_n
+    for j in range(t.wg_m // epi_m):
+        for c in range(t.tile_n // epi_n):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_smem[wg] = out[j * epi_m:(j + 1) * epi_m, c * epi_n:(c + 1) * epi_n]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[wg], o_ref.at[pl.ds(row0 + j * epi_m, epi_m),
+                                        pl.ds(col0 + c * epi_n, epi_n)])
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "wg_m", "tile_n", "k_splits", "stages",
