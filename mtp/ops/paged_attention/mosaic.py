@@ -141,7 +141,7 @@ def paged_attention_mosaic(q, k_pages, v_pages, block_tables, lengths, *, scale,
 
 
 def _partials_call(t: _KvTiling, b, nq, g, hkv, d, num_splits, scale_log2, dtype):
-    """The kernel writing each split's normalised output and log2-sum-exp rows; `merge_splits` merges them."""
+    """The kernel writing each split's normalised output and log2-sum-exp rows, for `merge_splits`."""
     transforms = swizzle_transforms(64, dtype)  # every tile here is >= 64 wide: 128-byte swizzle
     arrivals = t.pages_per_tile if t.tiles_per_page == 1 else 1
     return plgpu.kernel(
