@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from mtp.cache.state import TargetCache
+from mtp import execution
 from mtp.carry import mtp_rows_to_trim
 from mtp.config import ModelConfig
 from mtp.model import layers, target
@@ -35,31 +35,17 @@ from mtp.ops.gdn_step import MAX_STEPS
 
 MAX_VERIFY_WIDTH = MAX_STEPS  # the widest verify the loops are built and tested for: the verify kernels' unroll
 
-LOOP_GRAPH_ENV_VAR = "MTP_DECODE_LOOP_GRAPH"
-_COMMAND_BUFFER_DEFAULTS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"  # XLA's own
+LOOP_GRAPH_ENV_VAR = execution.LOOP_GRAPH_VAR
 
 
 def decode_loop_compiler_options() -> dict[str, str]:
-    """XLA options for the jitted decode loops: the ``while_loop`` itself inside the CUDA graph.
+    """XLA options for the jitted decode loops (`execution.ExecutionConfig.loop_compiler_options`).
 
-    By default XLA records a loop iteration's kernels into CUDA graphs but drives the
-    loop from the host, which copies the loop predicate back and waits for it every
-    iteration: a host round trip per verify step. With WHILE and CONDITIONAL command
-    buffers XLA can record the loop as a graph with device-side conditional nodes, and CONCURRENT
-    scheduling lets independent kernels of an iteration overlap. Side by side on the
-    H200 (results/decode/decode_h200.md, 2026-11-29) this sped the default model's batch-1
-    decode loop up by about a fifth. These are GPU fields of XLA's DebugOptions; other
-    backends ignore them. ``MTP_DECODE_LOOP_GRAPH=0`` keeps XLA's defaults, ``while`` takes
-    the loop graphs with XLA's default scheduling; the variable is read when this module is
-    imported (the loops' ``jax.jit`` takes the options then).
+    ``MTP_DECODE_LOOP_GRAPH=0`` keeps XLA's defaults, ``while`` takes the loop graphs with XLA's
+    default scheduling; the variable is read when this module is imported (the loops'
+    ``jax.jit`` takes the options then).
     """
-    value = os.environ.get(LOOP_GRAPH_ENV_VAR, "1")
-    if value not in ("0", "1", "while"):
-        raise ValueError(f"{LOOP_GRAPH_ENV_VAR}={value!r}: set it to 0, 1 or while")
-    if value == "0":
-        return {}
-    graphs = {"xla_gpu_enable_command_buffer": _COMMAND_BUFFER_DEFAULTS + ",WHILE,CONDITIONAL"}
-    return graphs if value == "while" else {**graphs, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    return execution.of_process().loop_compiler_options()
 
 
 @dataclasses.dataclass(frozen=True)

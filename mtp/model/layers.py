@@ -11,31 +11,27 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from mtp import execution
 from mtp.config import ModelConfig
 from mtp.ops import fp8, lowering
 from mtp.ops.attn_prologue.reference import key_values, qkv_of, rope
 from mtp.ops.lowering import tensor_parallel_mesh
 from mtp.ops.moe import routed_experts
 
-PAD_ENV_VAR = "MTP_PAD_SMALL_GEMMS"
-MERGE_ENV_VAR = "MTP_MERGE_PROJECTIONS"
-REDUCE_ENV_VAR = "MTP_SMALL_GEMMS_AS_REDUCE"
+PAD_ENV_VAR = execution.PAD_VAR
+MERGE_ENV_VAR = execution.MERGE_VAR
+REDUCE_ENV_VAR = execution.REDUCE_VAR
 
 
-def _gpu_default_switch(env_var: str) -> bool:
-    """A 0/1 switch read from ``env_var`` when a function is traced; unset, on exactly on a GPU."""
-    value = os.environ.get(env_var)
-    if value is None:
-        return lowering.on_gpu()
-    if value not in ("0", "1"):
-        raise ValueError(f"{env_var}={value!r}: set it to 0 or 1")
-    return value == "1"
+def _gpu_default_switch(field: str) -> bool:
+    """A GEMM-layout switch of `execution.of_process`; unset, on exactly on a GPU."""
+    value = getattr(execution.of_process(), field)
+    return lowering.on_gpu() if value is None else value
 
 
 def pad_small_gemms() -> bool:
@@ -45,7 +41,7 @@ def pad_small_gemms() -> bool:
     than for 1 (measured, see ``PAD_ROWS``); ``MTP_PAD_SMALL_GEMMS=0`` or ``1`` decides
     instead (benchmarks flip it to compare).
     """
-    return _gpu_default_switch(PAD_ENV_VAR)
+    return _gpu_default_switch("pad_small_gemms")
 
 
 def merge_projections() -> bool:
@@ -54,7 +50,7 @@ def merge_projections() -> bool:
     On by default on a GPU, where a decode step's launches cost more than its small
     GEMMs' bytes (see ``dense_columns``); ``MTP_MERGE_PROJECTIONS=0`` or ``1`` decides instead.
     """
-    return _gpu_default_switch(MERGE_ENV_VAR)
+    return _gpu_default_switch("merge_projections")
 
 
 def small_gemms_as_reduce() -> bool:
@@ -63,7 +59,7 @@ def small_gemms_as_reduce() -> bool:
     On by default on a GPU, where a small model's verify ran faster so (see ``linear``);
     ``MTP_SMALL_GEMMS_AS_REDUCE=0`` or ``1`` decides instead (benchmarks flip it to compare).
     """
-    return _gpu_default_switch(REDUCE_ENV_VAR)
+    return _gpu_default_switch("small_gemms_as_reduce")
 
 
 # Plain decode at batch 1 multiplies one row by each weight: a weight stream. On the

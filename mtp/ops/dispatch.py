@@ -11,16 +11,14 @@ touching code.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
+from mtp import execution
 from mtp.ops import lowering
 
-CHOICES = ("auto", "reference", "pallas", "interpret")
-OPS = ("paged_attention", "fc_gemm", "gdn_step", "add_rms_norm", "conv_step", "attn_prologue",
-       "paged_attention_triton", "moe", "fp8_gemm")  # MTP_KERNELS' per-op names (moe: mtp.ops.moe,
-       # fp8_gemm: mtp.ops.fp8)
-ENV_VAR = "MTP_KERNELS"
+CHOICES = execution.KERNEL_CHOICES
+OPS = execution.KERNEL_OPS  # MTP_KERNELS' per-op names
+ENV_VAR = execution.KERNELS_VAR
 # Kernels "auto" leaves on their references (``MTP_KERNELS=<op>=pallas`` takes them): not yet
 # measured faster inside the model on a GPU, or measured faster only in some programs. Each
 # entry says why it is here; scripts/gpu_check.sh times every one off and on.
@@ -32,15 +30,6 @@ OPT_IN = {
 }
 
 
-def _check(impl: str, where: str) -> str:
-    if impl not in CHOICES:
-        raise ValueError(
-            f"{where}={impl!r} is not a kernel implementation; choose one of "
-            f"{', '.join(CHOICES)}"
-        )
-    return impl
-
-
 def env_choice(op: str | None) -> str:
     """``MTP_KERNELS``' setting for ``op``: ``"auto,gdn_step=reference"`` sets all, then one op.
 
@@ -48,17 +37,7 @@ def env_choice(op: str | None) -> str:
     once, and an opt-in kernel was measured slower in some programs (``MTP_KERNELS=pallas``
     would otherwise swap it in where the op's default kernel does better).
     """
-    choice = "auto"
-    for entry in filter(None, os.environ.get(ENV_VAR, "").split(",")):
-        name, _, value = entry.rpartition("=")
-        if name and name not in OPS:
-            raise ValueError(f"{ENV_VAR} entry {entry!r}: no op named {name!r}; the ops are "
-                             f"{', '.join(OPS)}")
-        if not name:
-            choice = _check(value, ENV_VAR)
-        elif name == op:
-            return _check(value, f"{ENV_VAR} entry {name}")
-    return "auto" if op in OPT_IN else choice
+    return execution.of_process().kernel_choice(op, op in OPT_IN)
 
 
 def auto_decides(impl: str, op: str) -> bool:
@@ -80,7 +59,7 @@ def resolve_impl(impl: str, op: str | None = None) -> str:
     process never tries to compile a GPU kernel; an op in ``OPT_IN`` stays on its reference
     unless its own entry names another path (`env_choice`).
     """
-    _check(impl, "impl")
+    execution.check_kernel_choice(impl, "impl")
     if impl == "auto":
         impl = env_choice(op)
     if impl == "auto":
