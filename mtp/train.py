@@ -359,6 +359,193 @@ def _device_name() -> str:
     return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
 
 
+def fitted_horizon(step: int, horizon: int, timed_steps: int, timed_seconds: float, remaining: float) -> int:
+    """The horizon a time budget affords: the steps that fit in ``remaining`` seconds at the rate so far.
+
+    ``timed_steps`` steps took ``timed_seconds`` (overheads included). Never past ``horizon``
+    and never before the next step, so a run over its budget still ends on a finished step.
+    """
+    fit = step + int(timed_steps / timed_seconds * max(remaining, 0.0))
+    return max(step + 1, min(horizon, fit))
+
+
+@dataclasses.dataclass
+class _Clock:
+    """This process's wall clock, split into compile, training and overhead time.
+
+    The first step compiles, so the rate of the steps after it (``timed``) is what a time
+    budget plans with; time spent in eval and checkpointing after it is ``overhead``.
+    """
+
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    first: float | None = None  # when the first (compiling) step of this process finished
+    overhead: float = 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def training(self) -> float:
+        return time.perf_counter() - self.first - self.overhead if self.first is not None else 0.0
+
+
+@dataclasses.dataclass
+class _Run:
+    """The mutable state of one `train` call's loop, beside its fixed inputs."""
+
+    config: Any
+    model_cfg: ModelConfig
+    hp: Hyper
+    streams: Streams
+    heldout: np.ndarray
+    steps: Steps
+    budget: float | None  # seconds, or None: no budget
+    mngr: ocp.CheckpointManager
+    state: TrainState
+    meta: dict  # timings of the runs this one resumes
+    resumed_from: int | None
+    clock: _Clock
+    log: io.TextIOBase
+    pbar: tqdm | None = None  # made when the loop starts
+    history: list[dict] = dataclasses.field(default_factory=list)
+    metrics: dict | None = None  # the last step's, on the device
+    stop_reason: str = "schedule complete"
+    step: int = dataclasses.field(init=False)
+    start_step: int = dataclasses.field(init=False)  # where this process began
+    horizon: int = dataclasses.field(init=False)  # the schedule's end, shrunk by `replan`
+    last_saved: int | None = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.step = self.start_step = int(self.state.step)
+        self.horizon = int(self.state.horizon)
+        self.last_saved = self.resumed_from
+
+    def record(self, entry: dict) -> None:
+        self.history.append(entry)
+        self.log.write(json.dumps(entry) + "\n")
+        self.log.flush()
+
+    def replan(self) -> None:
+        """Shrink the horizon to the steps the remaining budget affords at the rate so far."""
+        done = self.step - self.start_step - 1
+        if self.budget is None or self.clock.first is None or done <= 0:
+            return
+        new = fitted_horizon(self.step, self.horizon, done, time.perf_counter() - self.clock.first,
+                             self.budget - self.config.reserve_seconds - self.clock.elapsed())
+        if new < self.horizon:
+            self.horizon = new
+            self.state = self.state.replace(horizon=jnp.asarray(new, jnp.int32))
+            self.pbar.total = new
+            self.pbar.refresh()
+
+    def stop_before_step(self, stop_at_step: int | None) -> str | None:
+        """Why the loop ends before its next step (an early stop or the time budget), or None."""
+        if stop_at_step is not None and self.step >= stop_at_step:
+            return f"stop_at_step={stop_at_step}"
+        if self.budget is not None and self.clock.elapsed() >= self.budget - self.config.reserve_seconds:
+            return f"time budget {self.budget:.0f}s"
+        return None
+
+    def train_step(self, stream: jax.Array) -> None:
+        """One step; the first one's end marks the compile time, every ``log_every``-th is logged."""
+        self.state, self.metrics = self.steps.train(self.state, stream)
+        self.step += 1
+        self.pbar.update(1)
+        if self.clock.first is None:
+            jax.block_until_ready(self.metrics)
+            self.clock.first = time.perf_counter()
+        if self.step % self.config.log_every == 0:
+            m = {k: float(v) for k, v in jax.device_get(self.metrics).items()}
+            train_s = self.clock.training()
+            tok_s = ((self.step - self.start_step - 1) * self.hp.tokens_per_step / train_s
+                     if train_s > 0 else float("nan"))
+            self.pbar.set_postfix(loss=f"{m['loss']:.3f}", tgt=f"{m['target_loss']:.3f}",
+                                  mtp=f"{m['mtp_loss']:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            self.record({"kind": "train", "step": self.step, **m, "tokens_per_s": tok_s,
+                         "elapsed_s": self.clock.elapsed()})
+        if self.step - self.start_step == self.config.calibrate_steps:
+            jax.block_until_ready(self.metrics)
+            self.replan()
+
+    def periodic_work(self) -> None:
+        """The held-out eval and checkpoint their intervals call for after this step, timed as overhead."""
+        config = self.config
+        periodic_eval = config.eval_every and self.step % config.eval_every == 0 and self.step < self.horizon
+        periodic_ckpt = config.checkpoint_every and self.step % config.checkpoint_every == 0
+        if not (periodic_eval or periodic_ckpt):
+            return
+        jax.block_until_ready(self.state)
+        t0 = time.perf_counter()
+        if periodic_eval:
+            ev = evaluate(self.steps, self.state.params, self.heldout, config.eval_batch_size)
+            self.record({"kind": "eval", "step": self.step, **ev, "elapsed_s": self.clock.elapsed()})
+            tqdm.write(f"step {self.step}: held-out " + _fmt_eval(ev), file=sys.stderr)
+        if periodic_ckpt:
+            self.save(_meta(self.meta, self.clock.training(), self.clock.elapsed()))
+        self.clock.overhead += time.perf_counter() - t0
+        if periodic_eval:
+            self.replan()
+
+    def save(self, meta: dict) -> None:
+        save_checkpoint(self.mngr, self.state, meta)
+        self.last_saved = self.step
+
+    def summary(self, train_seconds: float, final: dict) -> dict:
+        """What `train` writes to ``summary.json``: the run's size, timings and final metrics."""
+        hp, params, train_tokens = self.hp, self.state.params, int(self.streams.train.shape[0])
+        timed_steps = self.step - self.start_step - 1
+        return {
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": _device_name(),
+            "jax_version": jax.__version__,
+            "python_version": platform.python_version(),
+            "steps": self.step,
+            "steps_this_run": self.step - self.start_step,
+            "resumed_from": self.resumed_from,
+            "horizon": self.horizon,
+            "stop_reason": self.stop_reason,
+            "batch_size": hp.batch_size,
+            "seq_len": hp.seq_len,
+            "tokens_per_step": hp.tokens_per_step,
+            "tokens_seen": self.step * hp.tokens_per_step,
+            "train_tokens": train_tokens,
+            "epochs": self.step * hp.tokens_per_step / train_tokens,
+            "params_total": count_params(params),
+            "params_mtp": count_params(params) - count_params(params, include_mtp=False),
+            "compile_seconds": self.clock.first - self.clock.start if self.clock.first is not None else None,
+            "train_seconds": train_seconds,
+            "overhead_seconds": self.clock.overhead,
+            "wall_seconds": self.clock.elapsed(),
+            "budget_seconds": self.budget,
+            "train_tokens_per_s": timed_steps * hp.tokens_per_step / train_seconds if timed_steps > 0 else None,
+            "traces": dict(self.steps.traces),
+            "final_train": ({k: float(v) for k, v in jax.device_get(self.metrics).items()}
+                            if self.metrics else None),
+            "heldout": final,
+            "hyper": dataclasses.asdict(hp),
+            "model_config": str(self.config.model),
+        }
+
+
+def _start(config, workdir: pathlib.Path, max_train_seconds: float | None, log: io.TextIOBase) -> _Run:
+    """The loop's inputs and its state: fresh, or restored from the newest checkpoint in ``workdir``."""
+    clock = _Clock()
+    model_cfg = load_model_config(config.model, config.get("model_overrides"))
+    hp = Hyper.from_config(config)
+    window = hp.seq_len + 1
+    streams = load_streams(config.data_dir, model_cfg.vocab_size, window)
+    heldout = eval_windows(streams.heldout, window, config.eval_windows)
+    steps = steps_for(model_cfg, hp)
+    budget = float(config.max_train_seconds if max_train_seconds is None else max_train_seconds) or None
+    mngr = _manager(workdir, config.keep_checkpoints)
+    state = init_state(model_cfg, hp, config.seed, config.num_train_steps)
+    meta = {"train_seconds": 0.0, "wall_seconds": 0.0}
+    resumed_from = mngr.latest_step()
+    if resumed_from is not None:
+        state, meta = restore_checkpoint(mngr, resumed_from, state)
+    return _Run(config, model_cfg, hp, streams, heldout, steps, budget, mngr, state, meta, resumed_from,
+                clock, log)
+
+
 def train(config, workdir: str | os.PathLike, *, max_train_seconds: float | None = None,
           stop_at_step: int | None = None, progress: bool = True) -> TrainResult:
     """Train (or resume training) per ``config`` in ``workdir``; returns the final state and metrics.
@@ -372,149 +559,34 @@ def train(config, workdir: str | os.PathLike, *, max_train_seconds: float | None
     ``stop_at_step`` ends this process early, as an interruption would (the state
     at that step is checkpointed).
     """
-    t_start = time.perf_counter()
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    model_cfg = load_model_config(config.model, config.get("model_overrides"))
-    hp = Hyper.from_config(config)
-    window = hp.seq_len + 1
-    streams = load_streams(config.data_dir, model_cfg.vocab_size, window)
-    heldout = eval_windows(streams.heldout, window, config.eval_windows)
-    steps = steps_for(model_cfg, hp)
-    budget = float(config.max_train_seconds if max_train_seconds is None else max_train_seconds) or None
-
-    mngr = _manager(workdir, config.keep_checkpoints)
-    state = init_state(model_cfg, hp, config.seed, config.num_train_steps)
-    meta = {"train_seconds": 0.0, "wall_seconds": 0.0}
-    resumed_from = mngr.latest_step()
-    if resumed_from is not None:
-        state, meta = restore_checkpoint(mngr, resumed_from, state)
-    step, horizon = int(state.step), int(state.horizon)
-    start_step = step
-    stream = jnp.asarray(streams.train)
-
-    history: list[dict] = []
-    log = open(workdir / "metrics.jsonl", "a")
-
-    def record(entry: dict) -> None:
-        history.append(entry)
-        log.write(json.dumps(entry) + "\n")
-        log.flush()
-
-    pbar = tqdm(total=horizon, initial=step, disable=not progress, desc="train", dynamic_ncols=True,
-                mininterval=config.progress_seconds, file=sys.stderr)
-    overhead = 0.0  # seconds spent in eval and checkpointing after the first step
-    t_first = None  # when the first (compiling) step of this process finished
-    compile_seconds = None
-    last_saved = resumed_from
-    stop_reason = "schedule complete"
-    metrics = None
-
-    def elapsed() -> float:
-        return time.perf_counter() - t_start
-
-    def replan() -> None:
-        """Shrink the horizon to the steps the remaining budget affords at the rate so far."""
-        nonlocal horizon, state
-        done = step - start_step - 1
-        if budget is None or t_first is None or done <= 0:
-            return
-        rate = done / (time.perf_counter() - t_first)  # overheads included
-        remaining = budget - config.reserve_seconds - elapsed()
-        fit = step + int(rate * max(remaining, 0.0))
-        new = max(step + 1, min(horizon, fit))
-        if new < horizon:
-            horizon = new
-            state = state.replace(horizon=jnp.asarray(horizon, jnp.int32))
-            pbar.total = horizon
-            pbar.refresh()
-
-    while step < horizon:
-        if stop_at_step is not None and step >= stop_at_step:
-            stop_reason = f"stop_at_step={stop_at_step}"
-            break
-        if budget is not None and elapsed() >= budget - config.reserve_seconds:
-            stop_reason = f"time budget {budget:.0f}s"
-            break
-        state, metrics = steps.train(state, stream)
-        step += 1
-        pbar.update(1)
-        if t_first is None:
-            jax.block_until_ready(metrics)
-            t_first = time.perf_counter()
-            compile_seconds = t_first - t_start
-        if step % config.log_every == 0:
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            train_s = time.perf_counter() - t_first - overhead
-            tok_s = (step - start_step - 1) * hp.tokens_per_step / train_s if train_s > 0 else float("nan")
-            pbar.set_postfix(loss=f"{m['loss']:.3f}", tgt=f"{m['target_loss']:.3f}",
-                             mtp=f"{m['mtp_loss']:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
-            record({"kind": "train", "step": step, **m, "tokens_per_s": tok_s, "elapsed_s": elapsed()})
-        if step - start_step == config.calibrate_steps:
-            jax.block_until_ready(metrics)
-            replan()
-        periodic_eval = config.eval_every and step % config.eval_every == 0 and step < horizon
-        periodic_ckpt = config.checkpoint_every and step % config.checkpoint_every == 0
-        if periodic_eval or periodic_ckpt:
-            jax.block_until_ready(state)
-            t0 = time.perf_counter()
-            if periodic_eval:
-                ev = evaluate(steps, state.params, heldout, config.eval_batch_size)
-                record({"kind": "eval", "step": step, **ev, "elapsed_s": elapsed()})
-                tqdm.write(f"step {step}: held-out " + _fmt_eval(ev), file=sys.stderr)
-            if periodic_ckpt:
-                save_checkpoint(mngr, state, _meta(meta, time.perf_counter() - t_first - overhead, elapsed()))
-                last_saved = step
-            overhead += time.perf_counter() - t0
-            if periodic_eval:
-                replan()
-    pbar.close()
-    jax.block_until_ready(state)
-    t_end = time.perf_counter()
-    train_seconds = (t_end - t_first - overhead) if t_first is not None else 0.0
-    new_meta = _meta(meta, train_seconds, elapsed())
-    if step != last_saved:
-        save_checkpoint(mngr, state, new_meta)
-    mngr.wait_until_finished()
-    mngr.close()
-
-    final = evaluate(steps, state.params, heldout, config.eval_batch_size)
-    record({"kind": "eval", "step": step, **final, "elapsed_s": elapsed(), "final": True})
-    log.close()
-    timed_steps = step - start_step - 1
-    summary = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": _device_name(),
-        "jax_version": jax.__version__,
-        "python_version": platform.python_version(),
-        "steps": step,
-        "steps_this_run": step - start_step,
-        "resumed_from": resumed_from,
-        "horizon": horizon,
-        "stop_reason": stop_reason,
-        "batch_size": hp.batch_size,
-        "seq_len": hp.seq_len,
-        "tokens_per_step": hp.tokens_per_step,
-        "tokens_seen": step * hp.tokens_per_step,
-        "train_tokens": int(streams.train.shape[0]),
-        "epochs": step * hp.tokens_per_step / streams.train.shape[0],
-        "params_total": count_params(state.params),
-        "params_mtp": count_params(state.params) - count_params(state.params, include_mtp=False),
-        "compile_seconds": compile_seconds,
-        "train_seconds": train_seconds,
-        "overhead_seconds": overhead,
-        "wall_seconds": elapsed(),
-        "budget_seconds": budget,
-        "train_tokens_per_s": timed_steps * hp.tokens_per_step / train_seconds if timed_steps > 0 else None,
-        "traces": dict(steps.traces),
-        "final_train": {k: float(v) for k, v in jax.device_get(metrics).items()} if metrics else None,
-        "heldout": final,
-        "hyper": dataclasses.asdict(hp),
-        "model_config": str(config.model),
-    }
+    with open(workdir / "metrics.jsonl", "a") as log:
+        run = _start(config, workdir, max_train_seconds, log)
+        stream = jnp.asarray(run.streams.train)
+        run.pbar = tqdm(total=run.horizon, initial=run.step, disable=not progress, desc="train",
+                        dynamic_ncols=True, mininterval=config.progress_seconds, file=sys.stderr)
+        while run.step < run.horizon:
+            reason = run.stop_before_step(stop_at_step)
+            if reason is not None:
+                run.stop_reason = reason
+                break
+            run.train_step(stream)
+            run.periodic_work()
+        run.pbar.close()
+        jax.block_until_ready(run.state)
+        train_seconds = run.clock.training()
+        new_meta = _meta(run.meta, train_seconds, run.clock.elapsed())
+        if run.step != run.last_saved:
+            run.save(new_meta)
+        run.mngr.wait_until_finished()
+        run.mngr.close()
+        final = evaluate(run.steps, run.state.params, run.heldout, config.eval_batch_size)
+        run.record({"kind": "eval", "step": run.step, **final, "elapsed_s": run.clock.elapsed(), "final": True})
+    summary = run.summary(train_seconds, final)
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    token_counts = np.bincount(streams.train, minlength=model_cfg.vocab_size).astype(np.int64)
-    return TrainResult(state, model_cfg, hp, summary, history, streams.info, token_counts)
+    token_counts = np.bincount(run.streams.train, minlength=run.model_cfg.vocab_size).astype(np.int64)
+    return TrainResult(run.state, run.model_cfg, run.hp, summary, run.history, run.streams.info, token_counts)
 
 
 def _meta(prev: Mapping[str, Any], train_seconds: float, wall_seconds: float) -> dict:

@@ -185,3 +185,10 @@ def test_bad_data_is_refused_by_name(setup, tmp_path):
         T.load_streams(tmp_path, 128, 101)
     with pytest.raises(T.TrainError, match="not ModelConfig fields"):
         T.load_model_config(c.model, {"hidden_sise": 8})
+
+
+def test_fitted_horizon_shrinks_to_the_budget_and_never_grows():
+    # 10 steps in 2 s: 5 steps/s. 3 s left from step 20 fit 15 more steps.
+    assert T.fitted_horizon(20, 100, 10, 2.0, 3.0) == 35
+    assert T.fitted_horizon(20, 30, 10, 2.0, 3.0) == 30  # the schedule ends first: kept
+    assert T.fitted_horizon(20, 100, 10, 2.0, -5.0) == 21  # over budget: the next step still ends it
