@@ -11,6 +11,7 @@ import pytest
 
 from experiments.expert_scaling import decode_step_cost
 from mtp import quant
+from mtp.ops import quantized
 from mtp.engine import Engine, EngineConfig, run_sessions
 from mtp.generation import generate
 from mtp.model import layers, target
@@ -132,11 +133,11 @@ def test_quantized_experts_equal_the_oracle_on_their_dequantized_weights(mode, f
     gate, up, down = _experts(10, 64, 32, 16)
     name = "mtp.layers.0.mlp.experts.{}_proj.weight"
     q = [quant.quantize(a, mode, name=name.format(p)) for a, p in ((gate, "gate"), (up, "up"), (down, "down"))]
-    assert all(isinstance(a, quant.Fp8Weight if mode == "fp8" else quant.Nvfp4Weight) for a in q)
+    assert all(isinstance(a, quantized.Fp8Weight if mode == "fp8" else quantized.Nvfp4Weight) for a in q)
     ids, w = _routing(11, 20, 4, 64)
     x = jax.random.normal(jax.random.key(12), (20, 32), F32)
     got = jax.jit(FORMS[form])(x, ids, w, *q)
-    want = dense_oracle(x, ids, w, *(quant.dequantize(a) for a in q))
+    want = dense_oracle(x, ids, w, *(quantized.dequantize(a) for a in q))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
     # Genuinely quantized: the result is not what the unquantized experts give.
     assert not np.allclose(np.asarray(got), np.asarray(dense_oracle(x, ids, w, gate, up, down)), atol=1e-4)

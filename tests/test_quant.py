@@ -1,4 +1,4 @@
-"""Tests for mtp.quant: grid rounding, packing, error bounds, linear, jit, param walking."""
+"""Tests for mtp.quant and mtp.ops.quantized: grid rounding, packing, error bounds, linear, jit, param walking."""
 
 import chex
 import jax
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mtp import quant as q
+from mtp.ops import quantized
 
 F32_SLACK = 1e-6  # relative f32 rounding in the divide/multiply around the grid rounding
 
@@ -24,7 +25,7 @@ E2M1_POSITIVE = [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 def test_e2m1_grid_points_are_fixed_points():
     grid = np.array([0.0] + E2M1_POSITIVE + [-v for v in E2M1_POSITIVE], np.float32)
     assert len(set(grid.tolist())) == 15
-    np.testing.assert_array_equal(np.asarray(q.e2m1_round(grid)), grid)
+    np.testing.assert_array_equal(np.asarray(quantized.e2m1_round(grid)), grid)
 
 
 @pytest.mark.parametrize(
@@ -45,8 +46,8 @@ def test_e2m1_grid_points_are_fixed_points():
     ],
 )
 def test_e2m1_midpoints_round_to_even_and_saturate(x, expected):
-    assert float(q.e2m1_round(jnp.float32(x))) == expected
-    assert float(q.e2m1_round(jnp.float32(-x))) == -expected
+    assert float(quantized.e2m1_round(jnp.float32(x))) == expected
+    assert float(quantized.e2m1_round(jnp.float32(-x))) == -expected
 
 
 @pytest.mark.parametrize(
@@ -68,22 +69,22 @@ def test_e2m1_midpoints_round_to_even_and_saturate(x, expected):
     ],
 )
 def test_e4m3_known_points(x, expected):
-    assert float(q.e4m3_round(jnp.float32(x))) == expected
-    assert float(q.e4m3_round(jnp.float32(-x))) == -expected
+    assert float(quantized.e4m3_round(jnp.float32(x))) == expected
+    assert float(quantized.e4m3_round(jnp.float32(-x))) == -expected
 
 
 def test_e4m3_every_finite_value_is_a_fixed_point():
     all_values = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     finite = all_values[np.isfinite(all_values)]
     assert finite.size == 254  # 0x7F and 0xFF are the only NaNs
-    np.testing.assert_array_equal(np.asarray(q.e4m3_round(finite)), finite)
+    np.testing.assert_array_equal(np.asarray(quantized.e4m3_round(finite)), finite)
 
 
 def test_e4m3_agrees_with_dtype_cast_in_range():
     x = _normal(11, (4096,)) * jnp.exp(_normal(12, (4096,)) * 3.0)
     x = jnp.clip(x, -440.0, 440.0)
     cast = np.asarray(x).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(q.e4m3_round(x)), cast)
+    np.testing.assert_array_equal(np.asarray(quantized.e4m3_round(x)), cast)
 
 
 # ---------------------------------------------------------------- packing
@@ -93,20 +94,20 @@ def test_pack_unpack_all_16_codes():
     codes = jnp.arange(16, dtype=jnp.uint8)
     perm = jax.random.permutation(jax.random.key(5), codes)
     for c in (codes, perm):
-        packed = q.pack_nibbles(c)
+        packed = quantized.pack_nibbles(c)
         assert packed.dtype == jnp.uint8 and packed.shape == (8,)
-        np.testing.assert_array_equal(np.asarray(q.unpack_nibbles(packed)), np.asarray(c))
+        np.testing.assert_array_equal(np.asarray(quantized.unpack_nibbles(packed)), np.asarray(c))
 
 
 def test_nibble_order_low_then_high():
-    packed = q.pack_nibbles(jnp.array([[0x3, 0xA]], jnp.uint8))
+    packed = quantized.pack_nibbles(jnp.array([[0x3, 0xA]], jnp.uint8))
     assert int(packed[0, 0]) == 0xA3
 
 
 def test_code_encode_decode_round_trip():
     codes = jnp.arange(16, dtype=jnp.uint8)
-    values = q.e2m1_decode(codes)
-    np.testing.assert_array_equal(np.asarray(q.e2m1_encode(values)), np.asarray(codes))
+    values = quantized.e2m1_decode(codes)
+    np.testing.assert_array_equal(np.asarray(quantized.e2m1_encode(values)), np.asarray(codes))
     np.testing.assert_array_equal(np.asarray(values[:8]), [0, 0.5, 1, 1.5, 2, 3, 4, 6])
     np.testing.assert_array_equal(np.asarray(values[8:]), -np.asarray(values[:8]))
 
@@ -121,7 +122,7 @@ def test_fp8_round_trip_error(seed, shape):
     w = _normal(100 + seed, shape) * 0.05
     wq = q.quantize(w, "fp8")
     assert wq.values.dtype == jnp.float8_e4m3fn and wq.row_scale.shape == (shape[0],)
-    d = q.dequantize(wq)
+    d = quantized.dequantize(wq)
     rel = float(jnp.linalg.norm(w - d) / jnp.linalg.norm(w))
     assert rel < 0.04, rel
     # Per element: half an E4M3 ulp is <= 2^-4 of the value for normals and the
@@ -143,7 +144,7 @@ def test_nvfp4_round_trip_error(seed, shape):
     assert wq.packed.dtype == jnp.uint8 and wq.packed.shape == (out_f, in_f // 2)
     assert wq.block_scale.dtype == jnp.float8_e4m3fn and wq.block_scale.shape == (out_f, in_f // 16)
     assert wq.tensor_scale.shape == () and wq.shape == shape
-    d = q.dequantize(wq)
+    d = quantized.dequantize(wq)
     rel = float(jnp.linalg.norm(w - d) / jnp.linalg.norm(w))
     assert rel < 0.15, rel
     # Per element, with S = block scale * tensor scale and y = w / S: E2M1's half
@@ -161,7 +162,7 @@ def test_nvfp4_round_trip_error(seed, shape):
 def test_all_zero_row_and_block_stay_finite():
     w = _normal(7, (8, 32)).at[3].set(0.0).at[5, :16].set(0.0)
     for name in ("fp8", "nvfp4"):
-        d = q.dequantize(q.quantize(w, name))
+        d = quantized.dequantize(q.quantize(w, name))
         assert bool(jnp.all(jnp.isfinite(d)))
         assert bool(jnp.all(d[3] == 0)) and bool(jnp.all(d[5, :16] == 0))
 
@@ -181,25 +182,25 @@ def test_linear_matches_dequantized_matmul(quant):
     wq = q.quantize(w, quant)
     # Full f32 matmuls on both sides: GPUs otherwise default to TF32 for f32 inputs.
     with jax.default_matmul_precision("highest"):
-        ref = x @ q.dequantize(wq).T
-        y = q.linear(x, wq)
+        ref = x @ quantized.dequantize(wq).T
+        y = quantized.linear(x, wq)
     assert y.shape == (2, 3, 48) and y.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
     # bf16 activations: the grid values are exact in bf16 and accumulation is f32, so
     # the only error is the bf16 rounding of x and of the output.
     xb = x.astype(jnp.bfloat16)
-    yb = q.linear(xb, wq)
+    yb = quantized.linear(xb, wq)
     assert yb.dtype == jnp.bfloat16
-    ref_b = xb.astype(jnp.float32) @ q.dequantize(wq).T
+    ref_b = xb.astype(jnp.float32) @ quantized.dequantize(wq).T
     np.testing.assert_allclose(np.asarray(yb, np.float32), np.asarray(ref_b), rtol=1e-2, atol=1e-2)
 
 
 def test_quantized_linear_tracks_bf16_linear():
     w = _normal(310, (64, 128), jnp.bfloat16)
     x = _normal(311, (4, 128))
-    exact = q.linear(x, w)
+    exact = quantized.linear(x, w)
     err = {
-        name: float(jnp.linalg.norm(q.linear(x, q.quantize(w, name)) - exact) / jnp.linalg.norm(exact))
+        name: float(jnp.linalg.norm(quantized.linear(x, q.quantize(w, name)) - exact) / jnp.linalg.norm(exact))
         for name in ("fp8", "nvfp4")
     }
     assert err["fp8"] < 0.04 and err["nvfp4"] < 0.15
@@ -214,7 +215,7 @@ def test_jit_does_not_retrace(quant):
     @jax.jit
     @chex.assert_max_traces(n=1)
     def apply(x, weight):
-        return q.linear(x, weight)
+        return quantized.linear(x, weight)
 
     quantize = jax.jit(q.quantize, static_argnames=("quant", "name"))
     for seed in (400, 401):
@@ -222,7 +223,7 @@ def test_jit_does_not_retrace(quant):
         x = _normal(seed + 10, (3, 64))
         wq = quantize(w, quant)
         np.testing.assert_allclose(
-            np.asarray(apply(x, wq)), np.asarray(q.linear(x, q.quantize(w, quant))), rtol=1e-6, atol=1e-6
+            np.asarray(apply(x, wq)), np.asarray(quantized.linear(x, q.quantize(w, quant))), rtol=1e-6, atol=1e-6
         )
     chex.clear_trace_counter()
 
@@ -333,7 +334,7 @@ def test_is_projection_weight():
     assert not q.is_projection_weight("mtp.norm.weight")
 
 
-@pytest.mark.parametrize("quant, kind", [("fp8", q.Fp8Weight), ("nvfp4", q.Nvfp4Weight)])
+@pytest.mark.parametrize("quant, kind", [("fp8", quantized.Fp8Weight), ("nvfp4", quantized.Nvfp4Weight)])
 def test_quantize_params_selects_projections_only(quant, kind):
     params = _mtp_params()
     flat_in = dict(jax.tree_util.tree_flatten_with_path(params)[0])
@@ -350,7 +351,7 @@ def test_quantize_params_selects_projections_only(quant, kind):
             alone = q.quantize(layer_in["mlp"]["experts"][proj]["weight"][e], quant)
             for got, want in zip(jax.tree.leaves(stack), jax.tree.leaves(alone)):
                 np.testing.assert_array_equal(np.asarray(got[e], np.float32), np.asarray(want, np.float32))
-            np.testing.assert_array_equal(np.asarray(q.dequantize(stack)[e]), np.asarray(q.dequantize(alone)))
+            np.testing.assert_array_equal(np.asarray(quantized.dequantize(stack)[e]), np.asarray(quantized.dequantize(alone)))
     assert isinstance(out["mtp"]["fc"]["weight"], kind)
     # Router, expert gate and every norm are the very same arrays.
     assert layer_out["mlp"]["gate"]["weight"] is layer_in["mlp"]["gate"]["weight"]

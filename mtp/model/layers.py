@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from mtp import execution
 from mtp.config import ModelConfig
-from mtp.ops import fp8, lowering
+from mtp.ops import fp8, lowering, quantized
 from mtp.ops.attn_prologue.reference import key_values, qkv_of, rope
 from mtp.ops.lowering import tensor_parallel_mesh
 from mtp.ops.moe import routed_experts
@@ -150,14 +150,12 @@ def dense_rows(x: jax.Array, w, lead: tuple[int, ...] | None = None) -> jax.Arra
         if x2.shape[0] < PAD_ROWS and pads_weight(w) and pad_small_gemms():
             return _padded_rows(x2, w, PAD_ROWS)
         return linear(x2, w)
-    from mtp import quant  # the MTP head's load-time quantization (`--mtp_quant`)
-
-    return quant.linear(x2, w)
+    return quantized.linear(x2, w)  # the MTP head's weights at ``--mtp_quant``
 
 
 def dense(x: jax.Array, w, lead: tuple[int, ...] | None = None) -> jax.Array:
     """``x @ w.T`` for a HF ``[out, in]`` weight, plain, block-scaled FP8 (`mtp.ops.fp8`) or
-    quantized for the MTP head (`mtp.quant`) -> ``[*lead, out]``.
+    quantized for the MTP head (`mtp.ops.quantized`) -> ``[*lead, out]``.
 
     ``lead``: ``x`` is the padded stream's rows (see ``dense_rows``); default ``x.shape[:-1]``.
     """
@@ -363,7 +361,7 @@ def moe(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None) -> jax.
 
     The selected experts run as one sparse op (`mtp.ops.moe.routed_experts`, which reads
     only their weights, so the layer costs what its active experts cost) on the stacked
-    ``[E, ...]`` expert weights, plain or quantized (an MTP head's, `mtp.quant`).
+    ``[E, ...]`` expert weights, plain or quantized (an MTP head's, `mtp.ops.quantized`).
     ``real_rows``: where ``x`` is the padded residual stream (`stream_rows`), its first rows are
     the tokens and the rest zeros. Only the tokens are routed: a zero row's router logits tie, so
     it would select (and read) k experts of its own, doubling the experts a batch-1 decode step

@@ -64,7 +64,7 @@ class BlockFp8Weight:
         return math.prod(self.values.shape)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """`dequantize` of this weight (the interface `mtp.quant`'s weights share)."""
+        """`dequantize` of this weight (the interface `mtp.ops.quantized`' weights share)."""
         return dequantize(self, dtype)
 
 

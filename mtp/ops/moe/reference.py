@@ -30,7 +30,7 @@ N = 128, four groups holding rows: 25, 80 and 235 ms with 8, 64 and 256 groups).
 
 A weight is an array, or a pytree whose array leaves all lead with the expert axis and that
 has a ``dequantize()`` method giving the f32 ``[..., out, in]`` weight it stands for (the MTP
-head's quantized experts, `mtp.quant`): the selected experts' leaves are gathered and only
+head's quantized experts, `mtp.ops.quantized`): the selected experts' leaves are gathered and only
 those are dequantized. Every function here is differentiable in ``x``, ``expert_weights`` and
 the (plain) weights.
 """
