@@ -23,32 +23,7 @@ import jax.numpy as jnp
 
 from mtp.ops import dispatch
 from mtp.ops.moe import mosaic, reference
-
-
-def _shape(weight) -> tuple[int, ...]:
-    """The logical shape of a stacked expert weight, plain or quantized (``dequantize()``)."""
-    if hasattr(weight, "dequantize"):
-        return tuple(jax.eval_shape(lambda w: w.dequantize(), weight).shape)
-    return tuple(weight.shape)
-
-
-def check_inputs(x, expert_ids, expert_weights, gate, up, down) -> None:
-    """Raise a ValueError that names the argument and its shape or dtype when the inputs do not fit."""
-    if x.ndim != 2:
-        raise ValueError(f"routed_experts: x must be [N, H], got shape {tuple(x.shape)}")
-    n, h = x.shape
-    if expert_ids.ndim != 2 or expert_ids.shape[0] != n or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
-        raise ValueError(f"routed_experts: expert_ids must be integer [N={n}, k], got {expert_ids.dtype} "
-                         f"{tuple(expert_ids.shape)}")
-    if expert_weights.shape != expert_ids.shape or expert_weights.dtype != jnp.float32:
-        raise ValueError(f"routed_experts: expert_weights must be float32 {tuple(expert_ids.shape)} like "
-                         f"expert_ids, got {expert_weights.dtype} {tuple(expert_weights.shape)}")
-    g, u, d = _shape(gate), _shape(up), _shape(down)
-    if len(g) != 3 or g[2] != h or u != g:
-        raise ValueError(f"routed_experts: gate and up must be [E, I, H={h}], got gate {g}, up {u}")
-    e, i, _ = g
-    if d != (e, h, i):
-        raise ValueError(f"routed_experts: down must be [E={e}, H={h}, I={i}], got {d}")
+from mtp.ops.moe.reference import check_inputs
 
 
 # Under ``"auto"`` a call of at most this many (token, expert) pairs runs the reference's gather

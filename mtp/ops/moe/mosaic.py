@@ -93,6 +93,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mtp.ops.lowering import swizzle_transforms
+from mtp.ops.moe.reference import check_inputs
 
 _SMEM_LIMIT = 232_448 - 4096  # bytes per block, less headroom for barriers and Mosaic's scratch
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -371,8 +372,6 @@ def routed_experts_mosaic(x, expert_ids, expert_weights, gate, up, down, *, impl
     ``default_config`` when None. Raises ValueError for inputs the kernels cannot take
     (``unsupported``) and, as the api does, for inputs of the wrong shape or dtype.
     """
-    from mtp.ops.moe.api import check_inputs  # the api imports this module
-
     check_inputs(x, expert_ids, expert_weights, gate, up, down)
     if impl not in ("pallas", "interpret"):
         raise ValueError(f"impl={impl!r}: the kernel path runs 'pallas' or 'interpret'")
