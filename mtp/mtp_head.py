@@ -151,9 +151,9 @@ def forward_sequence(cfg: ModelConfig, params: Params, tokens: jax.Array, hidden
 
     def mixer(h):
         q, k, v, gate = attention_qkv(p["self_attn"], h, positions, cfg)
-        return attention_out(p["self_attn"], causal_attention(q, k, v, gate))
+        return attention_out(p["self_attn"], causal_attention(q, k, v, gate)), None
 
-    x = decoder_layer(cfg, p, x, mixer)
+    x, _ = decoder_layer(cfg, p, x, mixer)
     return _head_out(cfg, params, x, None)[0]
 
 
@@ -201,12 +201,10 @@ def draft_step(cfg: ModelConfig, params: Params, dcache: DrafterCache, token: ja
     p = params["mtp"]["layers"]["0"]
     x = fc_input(cfg, params, token[:, None], hidden[:, None, :], impl)
     rows = dcache.rows[:, None]
-    mixer, res = paged_attention_mixer(cfg, p, pair_key[:, None] + 1, rows, dcache.kv.k[0], dcache.kv.v[0],
-                                       dcache.block_tables, active[:, None],
-                                       jnp.where(active, dcache.rows + 1, 0), impl)
-    x = decoder_layer(cfg, p, x, mixer, impl)
+    mixer = paged_attention_mixer(cfg, p, pair_key[:, None] + 1, rows, dcache.kv.k[0], dcache.kv.v[0],
+                                  dcache.block_tables, active[:, None], jnp.where(active, dcache.rows + 1, 0), impl)
+    x, (kp, vp) = decoder_layer(cfg, p, x, mixer, impl)
     logits, chained = _head_out(cfg, params, x[:, 0], draft_vocab)
-    kp, vp = res["kv"]
     step = active.astype(jnp.int32)
     dcache = dcache.replace(kv=dcache.kv.replace(k=(kp,), v=(vp,)), rows=dcache.rows + step,
                             last_pair_key=jnp.where(active, pair_key, dcache.last_pair_key))

@@ -60,17 +60,18 @@ def lm_head(cfg: ModelConfig, params: Params, hidden_post: jax.Array) -> jax.Arr
                       preferred_element_type=jnp.float32)
 
 
-def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer, impl: str = "reference") -> jax.Array:
-    """Pre-norm residual block; ``mixer`` is the layer's token mixer on normed input.
+def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer, impl: str = "reference"):
+    """Pre-norm residual block; ``mixer(h) -> (y, new_state)`` is the layer's token mixer on normed input.
 
-    ``x`` is ``[*lead, H]`` or the padded stream's rows (`layers.stream_rows`): the
-    norms and the FFN are row-wise, and the mixer returns ``[*lead, H]``. The mixer's
-    residual add and the FFN's norm are one op (`mtp.ops.add_rms_norm`, a kernel
-    where ``impl`` picks it).
+    Returns ``(x, new_state)``, the mixer's state (its written KV pages, its recurrent state)
+    passed through as gemma's attention returns its cache. ``x`` is ``[*lead, H]`` or the
+    padded stream's rows (`layers.stream_rows`): the norms and the FFN are row-wise, and the
+    mixer's ``y`` is ``[*lead, H]``. The mixer's residual add and the FFN's norm are one op
+    (`mtp.ops.add_rms_norm`, a kernel where ``impl`` picks it).
     """
-    y = mixer(rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps))
+    y, state = mixer(rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps))
     x, h = add_rms_norm(x, y, p["post_attention_layernorm"]["weight"], eps=cfg.rms_norm_eps, impl=impl)
-    return x + ffn(p["mlp"], h, cfg, real_rows=math.prod(y.shape[:-1]))
+    return x + ffn(p["mlp"], h, cfg, real_rows=math.prod(y.shape[:-1])), state
 
 
 def paged_attention_mixer(cfg, p, rope_positions, slots, k_pages, v_pages, block_tables, write,
@@ -80,10 +81,8 @@ def paged_attention_mixer(cfg, p, rope_positions, slots, k_pages, v_pages, block
     ``rope_positions`` are sequence positions; ``slots`` are where the K/V land in
     the pages. They coincide for the target; the drafter's rows are compacted, so
     its slots are row indices while RoPE stays in sequence space.
-    Returns ``(mixer, result)``: after the mixer has run, ``result["kv"]`` holds
-    the updated ``(k_pages, v_pages)``.
+    Returns the mixer; its new state is the updated ``(k_pages, v_pages)``.
     """
-    result = {}
 
     def mixer(h):
         attn = p["self_attn"]
@@ -91,11 +90,10 @@ def paged_attention_mixer(cfg, p, rope_positions, slots, k_pages, v_pages, block
         q, gate, kp, vp = attn_prologue(columns, attn["q_norm"]["weight"], attn["k_norm"]["weight"], rope_positions,
                                         slots, k_pages, v_pages, block_tables, write, heads=AttentionShape.of(cfg),
                                         impl=impl)
-        result["kv"] = (kp, vp)
         o = paged_attention(q, kp, vp, block_tables, attn_lengths, gate=gate, impl=impl)
-        return attention_out(attn, o)
+        return attention_out(attn, o), (kp, vp)
 
-    return mixer, result
+    return mixer
 
 
 def _final(cfg, params, x, lead, last_only: jax.Array | None) -> StepOutput:
@@ -134,12 +132,12 @@ def forward_with_hiddens(cfg: ModelConfig, params: Params, tokens: jax.Array,
         if kind == "full_attention":
             def mixer(h, p=p):
                 q, k, v, gate = attention_qkv(p["self_attn"], h, positions, cfg)
-                return attention_out(p["self_attn"], causal_attention(q, k, v, gate))
+                return attention_out(p["self_attn"], causal_attention(q, k, v, gate)), None
         else:
             def mixer(h, p=p):
                 return gdn.gdn_layer(p["linear_attn"], h, cfg, zeros.conv[0], zeros.recurrent[0],
-                                     valid, per_step=gdn_mode == "recurrent")[0]
-        x = decoder_layer(cfg, p, x, mixer)
+                                     valid, per_step=gdn_mode == "recurrent")[0], None
+        x, _ = decoder_layer(cfg, p, x, mixer)
     return StepOutput(**_final(cfg, params, x, (b, t), None))
 
 
@@ -160,27 +158,25 @@ def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, at
         p = params["model"]["layers"][str(i)]
         if kind == "full_attention":
             j = len(ks)
-            mixer, res = paged_attention_mixer(cfg, p, positions, positions, cache.kv.k[j], cache.kv.v[j],
-                                               cache.block_tables, write, attn_lengths, impl)
-            x = decoder_layer(cfg, p, x, mixer, impl)
-            ks.append(res["kv"][0])
-            vs.append(res["kv"][1])
+            mixer = paged_attention_mixer(cfg, p, positions, positions, cache.kv.k[j], cache.kv.v[j],
+                                          cache.block_tables, write, attn_lengths, impl)
+            x, (k, v) = decoder_layer(cfg, p, x, mixer, impl)
+            ks.append(k)
+            vs.append(v)
         else:
             j = len(convs)
-            res = {}
 
-            def mixer(h, p=p, j=j, res=res):
-                y, c, r, steps = gdn.gdn_layer(p["linear_attn"], h, cfg, linear_init.conv[j],
-                                               linear_init.recurrent[j], valid, per_step, impl)
-                res.update(conv=c, rec=r, steps=steps)
-                return y
+            def mixer(h, p=p, j=j):
+                y, conv, rec, steps = gdn.gdn_layer(p["linear_attn"], h, cfg, linear_init.conv[j],
+                                                    linear_init.recurrent[j], valid, per_step, impl)
+                return y, (conv, rec, steps)
 
-            x = decoder_layer(cfg, p, x, mixer, impl)
-            convs.append(res["conv"])
-            recs.append(res["rec"])
+            x, (conv, rec, steps) = decoder_layer(cfg, p, x, mixer, impl)
+            convs.append(conv)
+            recs.append(rec)
             if per_step:
-                conv_steps.append(res["steps"][0])
-                rec_steps.append(res["steps"][1])
+                conv_steps.append(steps[0])
+                rec_steps.append(steps[1])
     kv = cache.kv.replace(k=tuple(ks), v=tuple(vs))
     linear = LinearState(conv=tuple(convs), recurrent=tuple(recs))
     return x, kv, linear, (tuple(conv_steps), tuple(rec_steps))
