@@ -295,6 +295,71 @@ def _accept_sampled(target_logits, drafts, num_drafted, q, temperature, key, dra
     return accepted, bonus
 
 
+def _accept(spec: SpecConfig, target_logits, drafts, num_drafted, q, draft_vocab, synthetic_acceptance,
+            active, key):
+    """Each slot's accepted drafts, bonus token and emitted row ``[B, D + 1]`` (``accepted + 1`` of it count).
+
+    Greedy, sampled (``spec.temperature > 0``) or, for benchmarks, synthetic: then the verify's
+    own tokens are emitted at a chosen acceptance rate (`speculative_loop`). An inactive slot
+    accepts nothing.
+    """
+    b = drafts.shape[0]
+    if synthetic_acceptance is not None:
+        key, kt = jax.random.split(key)
+        emitted = pick_token(target_logits, spec.temperature, kt)  # [B, K]: the verify's own tokens
+        accepted, bonus = _accept_synthetic(emitted, num_drafted, synthetic_acceptance, key)
+    elif spec.temperature == 0:
+        accepted, bonus = _accept_greedy(target_logits, drafts, num_drafted)
+    else:
+        accepted, bonus = _accept_sampled(target_logits, drafts, num_drafted, q, spec.temperature, key,
+                                          draft_vocab)
+    accepted = jnp.where(active, accepted, 0)
+    if synthetic_acceptance is None:
+        emitted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        emitted = emitted.at[jnp.arange(b), accepted].set(bonus)
+    return accepted, bonus, emitted
+
+
+def _keep_drafter_rows(cfg, params, spec: SpecConfig, dcache: DrafterCache, s: LoopState, verify_tokens, hiddens,
+                       active, num_drafted, accepted, p0):
+    """The drafter after one verify: the rows the trim rule keeps, then (with refeed) the verified keys.
+
+    This step's propose wrote keys ``p0 .. p0+D-1`` (rows for undrafted D-Cut positions
+    included); ``s`` is the loop state before the step.
+    """
+    d = spec.num_drafts
+    written = jnp.where(active, d, 0)
+    trim = (d - num_drafted) + mtp_rows_to_trim(num_drafted, accepted, spec.refeed_accepted)
+    trim = jnp.where(active, trim, 0)
+    kept = written - trim
+    dcache = dcache.trim(trim, jnp.where(kept > 0, p0 + kept - 1, s.dcache.last_pair_key))
+    if not spec.refeed_accepted:
+        return dcache
+    # Catch-up: rebuild keys p0+kept .. p0+accepted from the target's true hiddens, i.e.
+    # every key whose pair this verify made known (key p0+j reads verified token
+    # t[p0+j+1] and the hidden at p0+j). That includes key p0+accepted, whose drafted
+    # row went with the first rejected draft, if any (without refeed it stays a gap, one
+    # per step), so with refeed the rows are dense: the keys a drafter prefill writes.
+    seq_tokens = verify_tokens  # key p0+j reads t[p0+j+1] = verify_tokens[j]
+    seq_hidden = jnp.concatenate([s.last_hidden[:, None].astype(hiddens.dtype), hiddens[:, :d]], axis=1)
+    idx = jnp.clip(kept[:, None] + jnp.arange(d + 1)[None, :], 0, d)
+    count = jnp.where(active, accepted - kept + 1, 0)
+    return append_rows(cfg, params, dcache, jnp.take_along_axis(seq_tokens, idx, axis=1),
+                       jnp.take_along_axis(seq_hidden, idx[..., None], axis=1), p0 + kept, count, impl=spec.impl)
+
+
+def _count_step(m: DecodeMetrics, active, num_drafted, accepted, d: int) -> DecodeMetrics:
+    """The metrics after one step of the active slots."""
+    steps = active.astype(jnp.int32)
+    return DecodeMetrics(
+        steps=m.steps + steps,
+        draft_tokens=m.draft_tokens + steps * num_drafted,
+        accepted=m.accepted + accepted,
+        accepted_at_least=m.accepted_at_least
+        + (steps[:, None] * (accepted[:, None] > jnp.arange(max(d, 1))[None, :])).astype(jnp.int32),
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache", "dcache"),
                    compiler_options=decode_loop_compiler_options())
 def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcache: DrafterCache,
@@ -327,70 +392,30 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
         rng, kp, ka = jax.random.split(s.rng, 3)
         active = ~s.done
         p0 = s.cache.lengths - 1
-        prev_last_key = s.dcache.last_pair_key
         dcache, drafts, num_drafted, q = _propose(cfg, params, spec, s, active, draft_vocab, kp)
         verify_tokens = jnp.concatenate([s.last_token[:, None], drafts], axis=1)
         cache, vout = target.verify(cfg, params, s.cache, verify_tokens, active, impl=spec.impl)
-        if synthetic_acceptance is not None:
-            ka, kt = jax.random.split(ka)
-            emitted = pick_token(vout.logits, spec.temperature, kt)  # [B, K]: the verify's own tokens
-            accepted, bonus = _accept_synthetic(emitted, num_drafted, synthetic_acceptance, ka)
-        elif spec.temperature == 0:
-            accepted, bonus = _accept_greedy(vout.logits, drafts, num_drafted)
-        else:
-            accepted, bonus = _accept_sampled(vout.logits, drafts, num_drafted, q, spec.temperature, ka,
-                                              draft_vocab)
-        accepted = jnp.where(active, accepted, 0)
-        if synthetic_acceptance is None:
-            emitted = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
-            emitted = emitted.at[jnp.arange(b), accepted].set(bonus)
+        accepted, bonus, emitted = _accept(spec, vout.logits, drafts, num_drafted, q, draft_vocab,
+                                           synthetic_acceptance, active, ka)
         out, num_out, done, taken = _emit(s, emitted, accepted + 1, spec.eos_id)
         # The cache keeps exactly the verified tokens that were emitted (the last one
         # excepted, as always): a turn cut short by its budget or EOS leaves no
         # accepted-but-unemitted token behind for a snapshot or the prefix cache. An active
         # slot emits at least one token, so the slots that keep none are the inactive ones.
         cache = target.commit(cache, vout, taken, masked_verify=True)
-
-        # Drafter rows: this step wrote keys p0 .. p0+D-1 (rows for undrafted D-Cut
-        # positions included); keep the prefix the rule allows.
-        written = jnp.where(active, d, 0)
-        trim = (d - num_drafted) + mtp_rows_to_trim(num_drafted, accepted, spec.refeed_accepted)
-        trim = jnp.where(active, trim, 0)
-        kept = written - trim
-        dcache = dcache.trim(trim, jnp.where(kept > 0, p0 + kept - 1, prev_last_key))
         hiddens = vout.mtp_hidden(cfg.mtp_hidden_source)
-        if spec.refeed_accepted:
-            # Catch-up: rebuild keys p0+kept .. p0+accepted from the target's true hiddens, i.e.
-            # every key whose pair this verify made known (key p0+j reads verified token
-            # t[p0+j+1] and the hidden at p0+j). That includes key p0+accepted, whose drafted
-            # row went with the first rejected draft, if any (without refeed it stays a gap, one
-            # per step), so with refeed the rows are dense: the keys a drafter prefill writes.
-            seq_tokens = verify_tokens  # key p0+j reads t[p0+j+1] = verify_tokens[j]
-            seq_hidden = jnp.concatenate([s.last_hidden[:, None].astype(hiddens.dtype), hiddens[:, :d]], axis=1)
-            shift = kept
-            idx = jnp.clip(shift[:, None] + jnp.arange(d + 1)[None, :], 0, d)
-            count = jnp.where(active, accepted - kept + 1, 0)
-            dcache = append_rows(cfg, params, dcache, jnp.take_along_axis(seq_tokens, idx, axis=1),
-                                 jnp.take_along_axis(seq_hidden, idx[..., None], axis=1),
-                                 p0 + kept, count, impl=spec.impl)
+        dcache = _keep_drafter_rows(cfg, params, spec, dcache, s, verify_tokens, hiddens, active, num_drafted,
+                                    accepted, p0)
         out_hidden = s.out_hidden
         if spec.rebuild_output_rows:  # the committed positions' hiddens: those of output keys num_out ..
             out_hidden = _put_after(out_hidden, s.num_out, hiddens, taken)
         new_hidden = jnp.take_along_axis(hiddens, accepted[:, None, None], axis=1)[:, 0]
-        m = s.metrics
-        steps = active.astype(jnp.int32)
-        metrics = DecodeMetrics(
-            steps=m.steps + steps,
-            draft_tokens=m.draft_tokens + steps * num_drafted,
-            accepted=m.accepted + accepted,
-            accepted_at_least=m.accepted_at_least
-            + (steps[:, None] * (accepted[:, None] > jnp.arange(max(d, 1))[None, :])).astype(jnp.int32),
-        )
         return s.replace(cache=cache, dcache=dcache,
                          last_token=jnp.where(active, bonus, s.last_token),
                          last_hidden=jnp.where(active[:, None], new_hidden.astype(s.last_hidden.dtype),
                                                s.last_hidden),
-                         out=out, num_out=num_out, done=done, rng=rng, metrics=metrics, out_hidden=out_hidden)
+                         out=out, num_out=num_out, done=done, rng=rng, out_hidden=out_hidden,
+                         metrics=_count_step(s.metrics, active, num_drafted, accepted, d))
 
     state = jax.lax.while_loop(lambda s: jnp.any(~s.done), body, state)
     dcache = state.dcache
