@@ -46,7 +46,7 @@ from experiments.bench_real_shape import (DTYPE, PAGE, ModelSpec, _abstract, _st
                                           cache_bytes, device_params, distinct_experts, expert_bytes,
                                           grow_memory_pool_on_demand, is_fp8, lm_head_bytes, load_model_config,
                                           tensor_bytes)
-from experiments.ceilings import copy_bandwidth
+from experiments.ceilings import copy_bandwidth, median_seconds
 from experiments.results_io import provenance, write_atomic, write_json
 from mtp.model import params as P
 
@@ -61,6 +61,11 @@ flags.DEFINE_list("variants", ["base:"], "name:VAR=value;VAR=value ... each trac
                   "set (the first is the baseline the others are compared with).")
 flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
 flags.DEFINE_string("tree_commit", "", "The git commit the copied tree was made from (a copy has no .git).")
+flags.DEFINE_list("expert_tokens", [], "Also time the routed experts of layer 0 alone at these token counts: the "
+                  "reference's gather form against `mtp.ops.moe.fp8_triton` at each of --expert_configs (FP8 only).")
+flags.DEFINE_list("expert_configs", ["default", "16x16", "16x32", "32x16", "32x32", "64x32", "64x64", "16x16s3",
+                                     "32x32w8"],
+                  "Fp8ExpertsConfig tilings of the expert timing: block_i x block_h, then s<stages> / w<warps>.")
 
 GROUPS = ("routed experts", "shared expert", "routing", "attention", "GDN step", "conv", "norms",
           "projections (FP8 GEMMs)", "LM head", "other")
@@ -236,6 +241,64 @@ def profile_kernels(compiled, state, params, steps, where):
     return prof, state
 
 
+def expert_config(text: str):
+    """``"32x16s3w8"`` -> ``Fp8ExpertsConfig(block_i=32, block_h=16, num_stages=3, num_warps=8)``; "default": None."""
+    import re
+
+    from mtp.ops.moe.fp8_triton import Fp8ExpertsConfig
+
+    if text == "default":
+        return None
+    m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(?:w(\d+))?", text)
+    if not m:
+        raise SystemExit(f"--expert_configs: {text!r} is not BIxBH[sSTAGES][wWARPS]")
+    bi, bh, st, wa = m.groups()
+    return Fp8ExpertsConfig(block_i=int(bi), block_h=int(bh), num_stages=int(st or 4), num_warps=int(wa or 4))
+
+
+def time_experts(cfg, params, tokens: list[int], configs: list[str], bw: float, reps: int = 10) -> list[dict]:
+    """Layer 0's routed experts alone: CUPTI device time with the L2 cold (`cupti.median_seconds`), the
+    gather form and the kernels at each tiling, against the selected experts' bytes; fresh random
+    routing (distinct experts per token) and rows for each of 4 rotated input sets, checked against
+    the reference on the first."""
+    from mtp.ops.moe import fp8_triton
+    from mtp.ops.moe import reference as moe_ref
+
+    mlp = params["model"]["layers"]["0"]["mlp"]["experts"]
+    gate, up, down = (mlp[n]["weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    rows = []
+    for n in tokens:
+        sets = []
+        for r in range(4):
+            key = jax.random.key(100 * n + r)
+            x = jax.random.normal(jax.random.fold_in(key, 0), (n, cfg.hidden_size), jnp.float32).astype(DTYPE)
+            ids = jnp.stack([jax.random.permutation(jax.random.fold_in(key, 1 + t), e)[:k] for t in range(n)])
+            w = jax.nn.softmax(jax.random.normal(jax.random.fold_in(key, 99), (n, k)), -1)
+            sets.append((x, ids.astype(jnp.int32), w.astype(jnp.float32), gate, up, down))
+        distinct = int(np.unique(np.asarray(sets[0][1])).size)
+        floor_us = 1e6 * distinct * expert_bytes(cfg, "fp8") / bw
+        ref = jax.jit(moe_ref.routed_experts)
+        want = np.asarray(ref(*sets[0]), np.float64)
+        forms = [("gather (reference)", ref)] + [
+            (f"kernel {c}", jax.jit(lambda *a, c=c: fp8_triton.routed_experts_fp8(*a, config=expert_config(c))))
+            for c in configs]
+        for label, fn in forms:
+            try:
+                got = np.asarray(fn(*sets[0]), np.float64)
+                err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+                if jax.default_backend() == "gpu":
+                    sec, kernels = cupti.median_seconds(fn, sets, reps)
+                else:  # a CPU check of the script: wall time, no kernels
+                    sec, kernels = median_seconds(fn, sets[0], 2), []
+                rows.append(dict(tokens=n, form=label, distinct_experts=distinct, us=1e6 * sec, floor_us=floor_us, ratio_to_floor=1e6 * sec / floor_us,
+                                 rel_err_vs_reference=err, kernels=[(nm[:48], round(1e3 * ms, 2)) for nm, ms in kernels]))
+            except Exception as ex:  # noqa: BLE001 - a tiling Triton refuses is reported, the others run
+                rows.append(dict(tokens=n, form=label, error=f"{type(ex).__name__}: {ex}"[:400]))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv):
     del argv
     grow_memory_pool_on_demand()
@@ -259,6 +322,10 @@ def main(argv):
     jax.block_until_ready(params)
     data["weights_s"] = time.perf_counter() - t
     params_abs = _abstract(params)
+    if FLAGS.expert_tokens and spec.weights == "fp8":
+        data["experts_alone"] = time_experts(cfg, params, [int(t) for t in FLAGS.expert_tokens],
+                                             FLAGS.expert_configs, bw)
+        write_json(out / "results.json", data)
     k_route = cfg.num_experts_per_tok
     for width in widths:
         def make_state(width=width):
@@ -353,6 +420,16 @@ def markdown(data) -> str:
         lines += [f"| {k} | {n:.0f} | {us:.0f} |" for k, n, us in r["projections"]]
         lines += ["", "| source | group | launches | µs |", "|---|---|---|---|"]
         lines += [f"| `{k[:120]}` | {g} | {n:.0f} | {us:.1f} |" for k, g, n, us in r["by_source"][:30]]
+        lines.append("")
+    if data.get("experts_alone"):
+        lines += ["## Layer 0's routed experts alone (CUPTI, L2 cold)\n",
+                  "| tokens | form | µs | floor µs | x floor | rel. error vs reference |", "|---|---|---|---|---|---|"]
+        for r in data["experts_alone"]:
+            if "error" in r:
+                lines.append(f"| {r['tokens']} | {r['form']} | failed: {r['error'][:120]} | | | |")
+            else:
+                lines.append(f"| {r['tokens']} | {r['form']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
+                             f"{r['ratio_to_floor']:.2f} | {r['rel_err_vs_reference']:.1e} |")
         lines.append("")
     lines += [f"\nError: {e}" for e in data["errors"]]
     return "\n".join(lines) + "\n"
