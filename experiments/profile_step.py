@@ -196,7 +196,7 @@ class _Env:
 
 
 def profile_kernels(compiled, state, params, steps, where):
-    """One call's CUPTI kernels per step: totals, groups, sources, projections, and the first step's kernels in order."""
+    """One call's CUPTI kernels per step: totals, groups, sources, projections, the first step's kernels in order."""
     box = []
 
     def call(s, p, n):
@@ -261,6 +261,7 @@ def time_experts(cfg, params, tokens: list[int], configs: list[str], bw: float, 
     gather form and the kernels at each tiling, against the selected experts' bytes; fresh random
     routing (distinct experts per token) and rows for each of 4 rotated input sets, checked against
     the reference on the first."""
+    from mtp.model import layers
     from mtp.ops.moe import fp8_triton
     from mtp.ops.moe import reference as moe_ref
 
@@ -283,16 +284,31 @@ def time_experts(cfg, params, tokens: list[int], configs: list[str], bw: float, 
         forms = [("gather (reference)", ref)] + [
             (f"kernel {c}", jax.jit(lambda *a, c=c: fp8_triton.routed_experts_fp8(*a, config=expert_config(c))))
             for c in configs]
+        # With the shared expert: the model's reference path (gather + XLA's three GEMMs) against the
+        # shared expert as each token's last pair of the kernels (`layers.moe`'s fused op).
+        sh = params["model"]["layers"]["0"]["mlp"]["shared_expert"]
+        shared = tuple(sh[n]["weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+        sw = jnp.full((n,), 0.5, jnp.float32)
+
+        def with_shared_ref(x, ids, w, g, u, d):
+            mlp = {m: {"weight": a} for m, a in zip(("gate_proj", "up_proj", "down_proj"), shared)}
+            return moe_ref.routed_experts(x, ids, w, g, u, d) + sw[:, None] * layers.mlp(mlp, x).astype(jnp.float32)
+
+        forms += [("gather + shared (reference)", jax.jit(with_shared_ref)),
+                  ("kernel default + shared", jax.jit(lambda x, ids, w, g, u, d: fp8_triton.routed_experts_fp8(
+                      x, ids, w, g, u, d, shared=(*shared, sw))))]
         for label, fn in forms:
             try:
                 got = np.asarray(fn(*sets[0]), np.float64)
-                err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+                base = want if "shared" not in label else np.asarray(jax.jit(with_shared_ref)(*sets[0]), np.float64)
+                err = float(np.linalg.norm(got - base) / np.linalg.norm(base))
                 if jax.default_backend() == "gpu":
                     sec, kernels = cupti.median_seconds(fn, sets, reps)
                 else:  # a CPU check of the script: wall time, no kernels
                     sec, kernels = median_seconds(fn, sets[0], 2), []
-                rows.append(dict(tokens=n, form=label, distinct_experts=distinct, us=1e6 * sec, floor_us=floor_us, ratio_to_floor=1e6 * sec / floor_us,
-                                 rel_err_vs_reference=err, kernels=[(nm[:48], round(1e3 * ms, 2)) for nm, ms in kernels]))
+                rows.append(dict(tokens=n, form=label, distinct_experts=distinct, us=1e6 * sec, floor_us=floor_us,
+                                 ratio_to_floor=1e6 * sec / floor_us, rel_err_vs_reference=err,
+                                 kernels=[(nm[:48], round(1e3 * ms, 2)) for nm, ms in kernels]))
             except Exception as ex:  # noqa: BLE001 - a tiling Triton refuses is reported, the others run
                 rows.append(dict(tokens=n, form=label, error=f"{type(ex).__name__}: {ex}"[:400]))
             print(rows[-1], flush=True)
@@ -366,7 +382,8 @@ def main(argv):
             ms, ms_call = slopes[name]
             row = dict(what="decode" if width == 1 else f"verify K={width}", width=width, variant=name,
                        env=dict(variants)[name], layers=cfg.num_hidden_layers, model=spec.label, ms=ms,
-                       ms_whole_call=ms_call, floor_ms=1e3 * floor_bytes / bw, ratio_to_floor=ms * 1e-3 * bw / floor_bytes,
+                       ms_whole_call=ms_call, floor_ms=1e3 * floor_bytes / bw,
+                       ratio_to_floor=ms * 1e-3 * bw / floor_bytes,
                        distinct_experts_mean=float(np.mean(experts)), compile_s=compile_s)
             if on_gpu:
                 try:
@@ -394,15 +411,17 @@ def main(argv):
 
 
 def markdown(data) -> str:
-    lines = [f"# Decode step per kernel group\n\n{data['device']}, {data['provenance']['date_utc']}; copy bandwidth "
-             f"{data['copy_bandwidth_TBps']:.2f} TB/s (read + written); tree {data['provenance']['config']['tree_commit']}\n"]
+    prov = data["provenance"]
+    lines = [f"# Decode step per kernel group\n\n{data['device']}, {prov['date_utc']}; copy bandwidth "
+             f"{data['copy_bandwidth_TBps']:.2f} TB/s (read + written); tree {prov['config']['tree_commit']}\n"]
     base = {}
     for r in data["rows"]:
         base.setdefault(r["width"], r)
         b = base[r["width"]]
         lines.append(f"## {r['model']}, {r['layers']} layers, {r['what']}, batch 1, variant `{r['variant']}` "
                      f"{r['env'] or ''}\n")
-        lines.append(f"Step {r['ms']:.3f} ms ({r['ms_whole_call']:.3f} with a call's own cost), floor {r['floor_ms']:.3f} ms: "
+        lines.append(f"Step {r['ms']:.3f} ms ({r['ms_whole_call']:.3f} with a call's own cost), "
+                     f"floor {r['floor_ms']:.3f} ms: "
                      f"**{r['ratio_to_floor']:.2f}x**; {r['distinct_experts_mean']:.1f} distinct experts a layer"
                      + (f"; {b['ms'] / r['ms']:.3f}x the speed of `{b['variant']}`" if r is not b else "") + "\n")
         if "groups" not in r:
@@ -410,10 +429,12 @@ def markdown(data) -> str:
             continue
         lines.append(f"{r['kernels_per_step']:.0f} kernels, {1e3 * r['kernel_ms_per_step']:.0f} µs of kernel time, "
                      f"{r['gaps_us_per_step']:.0f} µs between kernels, a step.\n")
-        lines += ["| group | launches | µs | bytes (MB) | floor µs | x floor | µs over floor |", "|---|---|---|---|---|---|---|"]
+        lines += ["| group | launches | µs | bytes (MB) | floor µs | x floor | µs over floor |",
+                  "|---|---|---|---|---|---|---|"]
         for g, e in sorted(r["groups"].items(), key=lambda kv: -kv[1]["us"]):
             ratio = "" if e["ratio_to_floor"] is None else f"{e['ratio_to_floor']:.2f}"
-            lines.append(f"| {g} | {e['launches']:.0f} | {e['us']:.0f} | {e['bytes'] / 1e6:.1f} | {e['floor_us']:.1f} | "
+            lines.append(f"| {g} | {e['launches']:.0f} | {e['us']:.0f} | {e['bytes'] / 1e6:.1f} | "
+                         f"{e['floor_us']:.1f} | "
                          f"{ratio} | {e['us'] - e['floor_us']:.0f} |")
         lines.append(f"| between kernels | | {r['gaps_us_per_step']:.0f} | | | | {r['gaps_us_per_step']:.0f} |\n")
         lines += ["| projection | launches | µs |", "|---|---|---|"]
@@ -423,7 +444,8 @@ def markdown(data) -> str:
         lines.append("")
     if data.get("experts_alone"):
         lines += ["## Layer 0's routed experts alone (CUPTI, L2 cold)\n",
-                  "| tokens | form | µs | floor µs | x floor | rel. error vs reference |", "|---|---|---|---|---|---|"]
+                  "| tokens | form | µs | floor µs | x floor | rel. error vs reference |",
+                  "|---|---|---|---|---|---|"]
         for r in data["experts_alone"]:
             if "error" in r:
                 lines.append(f"| {r['tokens']} | {r['form']} | failed: {r['error'][:120]} | | | |")

@@ -123,9 +123,67 @@ def test_kernels_lower_to_triton_for_an_h200(monkeypatch):
 
     info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
-    experts = jax.eval_shape(lambda: _experts(jax.random.key(0), 512, 512, 2048))
+    experts = jax.eval_shape(lambda: _experts(jax.random.key(0), 512, 512, 2048))  # Qwen3-Next-80B-A3B's
+    shared = jax.eval_shape(lambda: _shared(jax.random.key(0), 512, 2048))
+
+    def fused(x, ids, w, gate, up, down, sg, su, sd, sw):
+        return k.routed_experts_fp8(x, ids, w, gate, up, down, shared=(sg, su, sd, sw))
+
     for n, kk in ((1, 10), (4, 10)):
         args = (jax.ShapeDtypeStruct((n, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((n, kk), jnp.int32),
                 jax.ShapeDtypeStruct((n, kk), jnp.float32), *experts)
-        text = jax.jit(lambda *a: k.routed_experts_fp8(*a)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 2
+        for f, more in ((k.routed_experts_fp8, ()), (fused, (*shared, jax.ShapeDtypeStruct((n,), jnp.float32)))):
+            text = jax.jit(f).trace(*args, *more).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+def _shared(key, i, h):
+    kg, ku, kd = jax.random.split(key, 3)
+    q = lambda kk, shape: fp8.quantize(jax.random.normal(kk, shape, jnp.float32) * 0.05)
+    return q(kg, (i, h)), q(ku, (i, h)), q(kd, (h, i))
+
+
+@pytest.mark.parametrize("n,kk", [(1, 4), (3, 2), (4, 10)])
+def test_the_shared_expert_as_each_tokens_last_pair(n, kk):
+    from mtp.model import layers
+
+    e, i, h = 48, 128, 256
+    key = jax.random.key(7 * n + kk)
+    gate, up, down = _experts(jax.random.fold_in(key, 1), e, i, h)
+    sg, su, sd = _shared(jax.random.fold_in(key, 2), i, h)
+    x, ids, w = _inputs(jax.random.fold_in(key, 3), n, kk, e, h)
+    sw = jax.nn.sigmoid(jax.random.normal(jax.random.fold_in(key, 4), (n,)))
+    got = k.routed_experts_fp8(x, ids, w, gate, up, down, shared=(sg, su, sd, sw), interpret=True)
+    mlp = {"gate_proj": {"weight": sg}, "up_proj": {"weight": su}, "down_proj": {"weight": sd}}
+    want = moe_ref.routed_experts(x, ids, w, gate, up, down) + sw[:, None] * layers.mlp(mlp, x).astype(jnp.float32)
+    assert got.shape == (n, h) and np.isfinite(np.asarray(got)).all()
+    assert _rel(got, want) < 1e-2
+    alone = k.routed_experts_fp8(x, ids, w, gate, up, down, interpret=True)
+    assert _rel(alone, want) > 10 * _rel(got, want)  # the shared expert's share is in it
+    assert "shared expert" in k.unsupported(x, ids, gate, up, down, (sg, su, _shared(key, i, h)[0]))
+
+
+def test_the_moe_layer_takes_the_fused_op_only_where_named(monkeypatch):
+    """`layers.moe` with FP8 experts and shared expert: the same output through the fused kernels
+    (``MTP_KERNELS=moe_fp8=interpret``) as through the reference path, which "auto" keeps."""
+    from mtp.model import layers
+
+    e, i, h, kk = 16, 128, 256, 4
+    key = jax.random.key(11)
+    gate, up, down = _experts(jax.random.fold_in(key, 1), e, i, h)
+    sg, su, sd = _shared(jax.random.fold_in(key, 2), i, h)
+    small = lambda i, shape: (0.1 * jax.random.normal(jax.random.fold_in(key, i), shape)).astype(jnp.bfloat16)
+    p = {"gate": {"weight": small(3, (e, h))}, "shared_expert_gate": {"weight": small(4, (1, h))},
+         "experts": {"gate_proj": {"weight": gate}, "up_proj": {"weight": up}, "down_proj": {"weight": down}},
+         "shared_expert": {"gate_proj": {"weight": sg}, "up_proj": {"weight": su}, "down_proj": {"weight": sd}}}
+    cfg = type("Cfg", (), {"num_experts_per_tok": kk, "norm_topk_prob": True})()
+    x = jax.random.normal(jax.random.fold_in(key, 5), (1, 3, h)).astype(jnp.bfloat16)
+    monkeypatch.delenv("MTP_KERNELS", raising=False)
+    ref = layers.moe(p, x, cfg)
+    text = str(jax.make_jaxpr(lambda x: layers.moe(p, x, cfg))(x))
+    assert "pallas_call" not in text
+    monkeypatch.setenv("MTP_KERNELS", "moe_fp8=interpret")
+    got = layers.moe(p, x, cfg)
+    assert "pallas_call" in str(jax.make_jaxpr(lambda x: layers.moe(p, x, cfg))(x))
+    assert got.shape == ref.shape == x.shape and got.dtype == x.dtype
+    assert _rel(got.astype(jnp.float32), ref.astype(jnp.float32)) < 1e-2

@@ -99,6 +99,27 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, impl: str =
     return reference.routed_experts(x, ids, expert_weights, gate, up, down)
 
 
+def routed_and_shared_experts(x, expert_ids, expert_weights, gate, up, down, shared_gate, shared_up, shared_down,
+                              shared_weight, *, impl: str = "auto") -> jax.Array | None:
+    """`routed_experts` plus ``shared_weight [N, 1]`` times the shared expert of ``x`` (f32 ``[N, H]``),
+    as one op where `fp8_triton`'s kernels take them (FP8 experts and shared expert of one shape,
+    op ``"moe_fp8"``'s path a kernel), else None: the caller then runs the two apart
+    (`mtp.model.layers.moe`), so the reference path is the model's own code, unchanged.
+    """
+    shared = (shared_gate, shared_up, shared_down)
+    if not all(isinstance(w, BlockFp8Weight) for w in (gate, *shared)):
+        return None
+    check_inputs(x, expert_ids, expert_weights, gate, up, down)
+    ids = expert_ids.astype(jnp.int32)
+    mode = dispatch.choose(FP8_OP, impl, lambda: _mesh_unsupported() or fp8_triton.unsupported(
+        x, ids, gate, up, down, shared))
+    if mode == "reference":
+        return None
+    with triton_interpret_scope(mode) as interpret:
+        return fp8_triton.routed_experts_fp8(x, ids, expert_weights, gate, up, down,
+                                             shared=(*shared, shared_weight.reshape(-1)), interpret=interpret)
+
+
 def _mesh_unsupported() -> str | None:
     """Why a trace under a mesh of more than one device (``jax.set_mesh``) runs the reference, or None:
     the kernels see whole arrays, and XLA partitions the reference."""

@@ -82,9 +82,13 @@ def default_config(tokens: int, k: int, inter: int, hidden: int) -> Fp8ExpertsCo
     return Fp8ExpertsConfig(block_i=_fewest_rows(tokens * k, inter), block_h=_fewest_rows(tokens, hidden))
 
 
-def unsupported(x, expert_ids, gate, up, down) -> str | None:
-    """Why the kernels cannot take these inputs (the reference then runs), or None."""
-    ws = (gate, up, down)
+def unsupported(x, expert_ids, gate, up, down, shared=None) -> str | None:
+    """Why the kernels cannot take these inputs (the reference then runs), or None.
+
+    ``shared``: an optional shared expert ``(gate [I, H], up [I, H], down [H, I])`` run as every
+    token's last pair (`routed_experts_fp8`).
+    """
+    ws = (gate, up, down) + (tuple(shared) if shared is not None else ())
     if not all(isinstance(w, BlockFp8Weight) for w in ws):
         return "the experts are not all BlockFp8Weight"
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
@@ -98,6 +102,9 @@ def unsupported(x, expert_ids, gate, up, down) -> str | None:
     e, i, h = gate.shape
     if up.shape != (e, i, h) or down.shape != (e, h, i) or x.shape[1] != h:
         return f"shapes x {tuple(x.shape)}, gate {gate.shape}, up {up.shape}, down {down.shape} do not fit"
+    if shared is not None and tuple(w.shape for w in shared) != ((i, h), (i, h), (h, i)):
+        return (f"the shared expert's {[w.shape for w in shared]} are not the routed experts' "
+                f"[{i}, {h}], [{i}, {h}], [{h}, {i}]")
     if i % SCALE_BLOCK or h % SCALE_BLOCK:
         return f"I = {i} and H = {h} must be multiples of {SCALE_BLOCK} (whole tiles, no masks)"
     return None
@@ -118,45 +125,67 @@ def _row(acc, r):
     return jnp.sum(jnp.where(pick, acc, 0.0), axis=0)
 
 
-def _gate_up_kernel(ids_ref, tok_ref, x_ref, gq_ref, gs_ref, uq_ref, us_ref, h_ref, *, hidden, block):
-    """Pair ``program_id(0)``'s ``h`` for gate/up rows ``[o0, o0 + block)``: bf16 ``[1, block]``."""
+def _gate_up_kernel(ids_ref, tok_ref, x_ref, gq_ref, gs_ref, uq_ref, us_ref, *rest, hidden, block, slots, shared):
+    """Pair ``program_id(0)``'s ``h`` for gate/up rows ``[o0, o0 + block)``: bf16 ``[1, block]``.
+
+    With ``shared``, each token's last pair (slot ``slots - 1``) is the shared expert, whose
+    weights are the refs after the routed ones (a leading axis of 1).
+    """
+    *shared_refs, h_ref = rest
     e, t = ids_ref[0, 0], tok_ref[0, 0]
     o0 = pl.program_id(1) * block
     one = x_ref.shape[0] == 1  # one token: its row broadcast into the dot's 16 (no padded copy of x)
 
-    def body(j, acc):
-        k0 = j * BLOCK_IN
-        if one:
-            rows = jnp.broadcast_to(x_ref[0, pl.ds(k0, BLOCK_IN)][None, :], (MAX_TOKENS, BLOCK_IN))
-        else:
-            rows = x_ref[:, pl.ds(k0, BLOCK_IN)]
-        return (acc[0] + _scaled_tile(rows, gq_ref, gs_ref, e, o0, k0, block),
-                acc[1] + _scaled_tile(rows, uq_ref, us_ref, e, o0, k0, block))
+    def run(gq, gs, uq, us, e):
+        def body(j, acc):
+            k0 = j * BLOCK_IN
+            if one:
+                rows = jnp.broadcast_to(x_ref[0, pl.ds(k0, BLOCK_IN)][None, :], (MAX_TOKENS, BLOCK_IN))
+            else:
+                rows = x_ref[:, pl.ds(k0, BLOCK_IN)]
+            return (acc[0] + _scaled_tile(rows, gq, gs, e, o0, k0, block),
+                    acc[1] + _scaled_tile(rows, uq, us, e, o0, k0, block))
 
-    zeros = jnp.zeros((MAX_TOKENS, block), jnp.float32)
-    g, u = jax.lax.fori_loop(0, hidden // BLOCK_IN, body, (zeros, zeros))
-    bf16, f32 = jnp.bfloat16, jnp.float32
-    g = _row(g, t).astype(bf16).astype(f32)
-    u = _row(u, t).astype(bf16).astype(f32)
-    act = (g * jax.nn.sigmoid(g).astype(bf16).astype(f32)).astype(bf16).astype(f32)  # silu, in bf16's steps
-    h_ref[...] = (act * u).astype(h_ref.dtype)[None, :]
+        zeros = jnp.zeros((MAX_TOKENS, block), jnp.float32)
+        g, u = jax.lax.fori_loop(0, hidden // BLOCK_IN, body, (zeros, zeros))
+        bf16, f32 = jnp.bfloat16, jnp.float32
+        g = _row(g, t).astype(bf16).astype(f32)
+        u = _row(u, t).astype(bf16).astype(f32)
+        act = (g * jax.nn.sigmoid(g).astype(bf16).astype(f32)).astype(bf16).astype(f32)  # silu, in bf16's steps
+        h_ref[...] = (act * u).astype(h_ref.dtype)[None, :]
+
+    if not shared:
+        run(gq_ref, gs_ref, uq_ref, us_ref, e)
+        return
+    last = pl.program_id(0) % slots == slots - 1
+
+    @pl.when(jnp.logical_not(last))
+    def _routed():
+        run(gq_ref, gs_ref, uq_ref, us_ref, e)
+
+    @pl.when(last)
+    def _shared():
+        run(*shared_refs, 0)
 
 
-def _down_kernel(ids_ref, w_ref, h_ref, dq_ref, ds_ref, out_ref, *, k, inter, block):
-    """Token ``program_id(0)``'s routed output for hidden rows ``[o0, o0 + block)``, its ``k`` pairs
-    summed in the program (the combine): f32 ``[1, block]``."""
+def _down_kernel(ids_ref, w_ref, h_ref, dq_ref, ds_ref, *rest, slots, inter, block, shared):
+    """Token ``program_id(0)``'s output for hidden rows ``[o0, o0 + block)``, its ``slots`` pairs
+    summed in the program (the combine): f32 ``[1, block]``; with ``shared`` the last is the shared
+    expert (the refs after the routed ones)."""
+    *shared_refs, out_ref = rest
     n = pl.program_id(0)
     o0 = pl.program_id(1) * block
     out = jnp.zeros((block,), jnp.float32)
-    for j in range(k):  # static: the token's pairs one after another
-        p = n * k + j
-        e, weight = ids_ref[0, p], w_ref[0, p]
+    for j in range(slots):  # static: the token's pairs one after another
+        p = n * slots + j
+        is_shared = shared and j == slots - 1
+        dq, ds = shared_refs if is_shared else (dq_ref, ds_ref)
+        e, weight = (0 if is_shared else ids_ref[0, p]), w_ref[0, p]
         base = (p // MAX_TOKENS) * MAX_TOKENS  # the pair's row of h sits in the 16-row block from here
 
-        def body(i, acc, e=e, base=base):
+        def body(i, acc, e=e, base=base, dq=dq, ds=ds):
             k0 = i * BLOCK_IN
-            return acc + _scaled_tile(h_ref[pl.ds(base, MAX_TOKENS), pl.ds(k0, BLOCK_IN)], dq_ref, ds_ref,
-                                      e, o0, k0, block)
+            return acc + _scaled_tile(h_ref[pl.ds(base, MAX_TOKENS), pl.ds(k0, BLOCK_IN)], dq, ds, e, o0, k0, block)
 
         acc = jax.lax.fori_loop(0, inter // BLOCK_IN, body, jnp.zeros((MAX_TOKENS, block), jnp.float32))
         y = _row(acc, p - base).astype(jnp.bfloat16).astype(jnp.float32)  # the expert's output, rounded
@@ -165,57 +194,71 @@ def _down_kernel(ids_ref, w_ref, h_ref, dq_ref, ds_ref, out_ref, *, k, inter, bl
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _routed_experts_fp8(x, expert_ids, expert_weights, gate, up, down, *, config, interpret):
+def _routed_experts_fp8(x, expert_ids, expert_weights, gate, up, down, shared, *, config, interpret):
     n, k = expert_ids.shape
     e, inter, hidden = gate.shape
-    pairs = n * k
+    ids, weights = expert_ids.astype(jnp.int32), expert_weights.astype(jnp.float32)
+    shared_ws = ()
+    if shared is not None:  # the shared expert as every token's last pair: its id unused, its weight given
+        *shared_ws, shared_weight = shared
+        shared_ws = tuple(jax.tree.map(lambda a: a[None], w) for w in shared_ws)  # [1, out, in]: one more stack
+        ids = jnp.concatenate([ids, jnp.zeros((n, 1), jnp.int32)], axis=1)
+        weights = jnp.concatenate([weights, shared_weight.reshape(n, 1).astype(jnp.float32)], axis=1)
+    slots = ids.shape[1]
+    pairs = n * slots
     padded = -(-pairs // MAX_TOKENS) * MAX_TOKENS
-    ids = expert_ids.reshape(pairs, 1).astype(jnp.int32)
-    tok = (jnp.arange(pairs, dtype=jnp.int32) // k).reshape(pairs, 1)
+    tok = (jnp.arange(pairs, dtype=jnp.int32) // slots).reshape(pairs, 1)
     xp = x if n == 1 else jnp.pad(x, ((0, MAX_TOKENS - n), (0, 0)))
     per_pair = pl.BlockSpec((1, 1), lambda p, j: (p, 0))
     whole = lambda a: pl.BlockSpec(a.shape, lambda p, j: (0,) * a.ndim)
-    scales = lambda w: w.scale_inv.astype(jnp.float32)
+    wspecs = lambda *ws: [spec for w in ws for spec in (whole(w.values), whole(w.scale_inv))]
+    wargs = lambda *ws: [a for w in ws for a in (w.values, w.scale_inv.astype(jnp.float32))]
     bi, bh = config.block_i, config.block_h
     params = triton_compiler_params(interpret, num_warps=config.num_warps, num_stages=config.num_stages)
+    has_shared = bool(shared_ws)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, hidden=hidden, block=bi),
+        functools.partial(_gate_up_kernel, hidden=hidden, block=bi, slots=slots, shared=has_shared),
         grid=(pairs, inter // bi),
-        in_specs=[per_pair, per_pair, whole(xp), whole(gate.values), whole(gate.scale_inv),
-                  whole(up.values), whole(up.scale_inv)],
+        in_specs=[per_pair, per_pair, whole(xp), *wspecs(gate, up), *wspecs(*shared_ws[:2])],
         out_specs=pl.BlockSpec((1, bi), lambda p, j: (p, j)),
         out_shape=jax.ShapeDtypeStruct((padded, inter), x.dtype),  # rows past P: never written, never picked
         interpret=interpret,
         name=f"fp8_experts_gate_up_{inter}x{hidden}",  # the kernel's name in a profile (CUPTI)
         **params,
-    )(ids, tok, xp, gate.values, scales(gate), up.values, scales(up))
+    )(ids.reshape(pairs, 1), tok, xp, *wargs(gate, up), *wargs(*shared_ws[:2]))
     flat = lambda a: a.reshape(1, pairs)
     return pl.pallas_call(
-        functools.partial(_down_kernel, k=k, inter=inter, block=bh),
+        functools.partial(_down_kernel, slots=slots, inter=inter, block=bh, shared=has_shared),
         grid=(n, hidden // bh),
-        in_specs=[whole(flat(ids)), whole(flat(expert_weights)), whole(h), whole(down.values),
-                  whole(down.scale_inv)],
+        in_specs=[whole(flat(ids)), whole(flat(weights)), whole(h), *wspecs(down), *wspecs(*shared_ws[2:])],
         out_specs=pl.BlockSpec((1, bh), lambda t, j: (t, j)),
         out_shape=jax.ShapeDtypeStruct((n, hidden), jnp.float32),
         interpret=interpret,
         name=f"fp8_experts_down_{hidden}x{inter}",
         **params,
-    )(flat(ids), flat(expert_weights.astype(jnp.float32)), h, down.values, scales(down))
+    )(flat(ids), flat(weights), h, *wargs(down), *wargs(*shared_ws[2:]))
 
 
-def routed_experts_fp8(x, expert_ids, expert_weights, gate, up, down, *, config: Fp8ExpertsConfig | None = None,
-                       interpret: bool = False) -> jax.Array:
+def routed_experts_fp8(x, expert_ids, expert_weights, gate, up, down, *, shared=None,
+                       config: Fp8ExpertsConfig | None = None, interpret: bool = False) -> jax.Array:
     """`reference.routed_experts` of FP8 experts (f32 ``[N, H]``), streaming the selected experts in place.
+
+    ``shared``: ``(gate [I, H], up [I, H], down [H, I], weight f32 [N])``, a shared expert of the
+    routed experts' shape added as every token's last pair with its own weight (Qwen3-Next's
+    ``sigmoid(shared_expert_gate(x))``): the result is then the routed output plus ``weight[n]``
+    times the shared expert's (rounded to bf16 as `mtp.model.layers.mlp` rounds it), one op.
 
     Equal to the reference to f32 rounding of the products: the reference rounds each dequantized
     weight to bf16 before its dot, the kernels scale exact E4M3 products per block. Inputs must pass
     `unsupported`.
     """
-    why = unsupported(x, expert_ids, gate, up, down)
+    shared_ws = None if shared is None else tuple(shared[:3])
+    why = unsupported(x, expert_ids, gate, up, down, shared_ws)
     if why:
         raise ValueError(f"fp8 routed-experts kernels: {why}")
     n, k = expert_ids.shape
     e, inter, hidden = gate.shape
-    config = config or default_config(n, k, inter, hidden)
+    config = config or default_config(n, k + (shared is not None), inter, hidden)
     config.check()
-    return _routed_experts_fp8(x, expert_ids, expert_weights, gate, up, down, config=config, interpret=interpret)
+    return _routed_experts_fp8(x, expert_ids, expert_weights, gate, up, down,
+                               None if shared is None else tuple(shared), config=config, interpret=interpret)
