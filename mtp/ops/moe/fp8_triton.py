@@ -20,7 +20,14 @@ dense kernel streams one weight.
    routing weights in f32 (the combine), writing the op's f32 ``[N, H]`` itself.
 
 One token's row is broadcast into the dot's 16 rows in registers; more tokens are padded to 16 by
-XLA first.
+XLA first. A shared expert of the routed experts' shape (Qwen3-Next's) can ride along as every
+token's last pair, with its gate's ``sigmoid`` as the pair's weight (`routed_experts_fp8`'s
+``shared``; `mtp.model.layers.moe` passes it): its three one-row GEMMs and the add then cost no
+launches of their own.
+
+`mtp.ops.moe.api` runs these kernels for op ``"moe_fp8"``, opt-in (`mtp.ops.dispatch.OPT_IN`) until
+they are timed on a GPU: `experiments/profile_step.py` compares them in the 80B step and sweeps
+`Fp8ExpertsConfig` alone.
 
 Each selected expert's weights are read once per pair that selects it (a verify's tokens share few
 experts: 38.9 distinct of 40 pairs at K = 4 on random weights), nothing is written but ``h`` (a
