@@ -24,7 +24,14 @@ Per step width and variant (a variant is a name and ``MTP_*`` variables set arou
   and the first step's kernels in launch order, so that a gap can be read kernel by kernel.
 
 Pallas kernels are told apart by the names their ``pallas_call`` gives them (``fp8_w8a16_OUTxIN``,
-``gdn_step``, ...); XLA's fusions by the model source their HLO records.
+``gdn_step``, ...); XLA's fusions by the model source their HLO records. With ``--expert_tokens``,
+layer 0's routed experts are then also timed alone: the reference's gather form against
+`mtp.ops.moe.fp8_triton` at each ``--expert_configs`` tiling, with and without the shared expert.
+
+Results go to ``out_dir`` as ``results.json`` (rewritten after every row) and ``results.md``. On the
+H200 image ``ml_collections`` (which `bench_real_shape` imports) is missing: carry its wheel
+(``.whl/``, `/work/.library/device/README.md`). The 80B FP8 weights take 76 GiB; each variant and
+width is one ~20 s compile.
 """
 
 from __future__ import annotations
@@ -340,10 +347,6 @@ def main(argv):
     jax.block_until_ready(params)
     data["weights_s"] = time.perf_counter() - t
     params_abs = _abstract(params)
-    if FLAGS.expert_tokens and spec.weights == "fp8":
-        data["experts_alone"] = time_experts(cfg, params, [int(t) for t in FLAGS.expert_tokens],
-                                             FLAGS.expert_configs, bw)
-        write_json(out / "results.json", data)
     k_route = cfg.num_experts_per_tok
     for width in widths:
         def make_state(width=width):
@@ -405,6 +408,10 @@ def main(argv):
                                                           "kernels_per_step", "kernel_ms_per_step", "gaps_us_per_step",
                                                           "profile_error")}, flush=True)
         del progs, boxes
+    if FLAGS.expert_tokens and spec.weights == "fp8":  # after the step's rows: a run cut short keeps those
+        data["experts_alone"] = time_experts(cfg, params, [int(t) for t in FLAGS.expert_tokens],
+                                             FLAGS.expert_configs, bw)
+        write_json(out / "results.json", data)
     md = markdown(data)
     write_atomic(out / "results.md", md)
     print(md, flush=True)
