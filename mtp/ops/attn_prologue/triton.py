@@ -128,6 +128,7 @@ def attn_prologue_triton(rows, q_norm_w, k_norm_w, rope_positions, slots, k_page
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
         input_output_aliases={9: 2, 10: 3},  # the pages are written in place
         interpret=interpret,
+        name="attn_prologue",  # the kernel's name in a profile (CUPTI)
         **triton_compiler_params(interpret, num_warps=1),
     )(per_token(rope_positions), per_token(slots), per_token(write), block_tables.astype(jnp.int32), *rows,
       q_norm_w, k_norm_w, k_pages, v_pages)

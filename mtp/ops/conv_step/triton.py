@@ -105,6 +105,7 @@ def conv_steps_triton(qkvz, valid, conv_state, conv_w, *, heads: HeadShape, inte
         # reading the old state: nothing copied either.
         input_output_aliases={2: 1} if steps == 1 and conv_state.dtype == qkvz.dtype else {},
         interpret=interpret,
+        name="conv_step",  # the kernel's name in a profile (CUPTI)
         **triton_compiler_params(interpret, num_warps=1),
     )(qkvz, valid.astype(jnp.int32), conv_state[:, None], conv_w)
     return out.reshape(bsz, steps, heads.conv_dim), states

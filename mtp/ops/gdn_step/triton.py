@@ -196,6 +196,7 @@ def gdn_steps_triton(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, n
         # step's state, a new buffer.
         input_output_aliases={7: 1} if t == 1 else {},
         interpret=interpret,
+        name="gdn_step",  # the kernel's name in a profile (CUPTI)
         **triton_compiler_params(interpret, num_warps),
     )(heads, heads, heads, qkvz, ba, ba, valid.astype(jnp.int32), state.astype(jnp.float32)[:, None],
       a_log[:, None], dt_bias[:, None], norm_w)

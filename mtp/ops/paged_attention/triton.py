@@ -126,6 +126,7 @@ def paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, *, scale=
         out_shape=[jax.ShapeDtypeStruct((b, hkv, num_splits, rows, d), q.dtype),
                    jax.ShapeDtypeStruct((b, hkv, num_splits, rows), jnp.float32)],
         interpret=interpret,
+        name="paged_attention_parts",  # the kernel's name in a profile (CUPTI)
         **triton_compiler_params(interpret, num_warps=4, num_stages=2),
     )(qr, k_pages, v_pages, block_tables.astype(jnp.int32), lengths.astype(jnp.int32))
     return merge_splits(o_part, lse_part, q, gate, interpret=interpret)
@@ -182,5 +183,6 @@ def merge_splits(o_part, lse_part, q, gate, *, interpret=False):
         out_specs=row,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=interpret,
+        name="paged_attention_merge",
         **triton_compiler_params(interpret, num_warps=1),
     )(o_part, lse_part, *(() if gate is None else (gate,)))

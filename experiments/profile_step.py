@@ -1,0 +1,474 @@
+r"""Where a real-shape decode step's time goes: CUPTI kernel times per kernel group, each against its floor.
+
+    PYTHONPATH=. python3 -m experiments.profile_step --out_dir=$OUT [--model=qwen3_next_80b_a3b:fp8]
+        [--widths=1,4] [--variants=base:,moe_ref:MTP_KERNELS=moe=reference] [--steps_per_call=8 --reps=7]
+    PYTHONPATH=. python3 -m experiments.profile_step --model=tiny_qwen35_moe:fp8 --out_dir=/tmp/p   # a CPU check
+
+The step is `bench_real_shape`'s: `bench_decode.chained_verify_step(cfg, "auto")` (K = 1 is the
+plain decode step, K > 1 a verify) in `_steps_program`'s ``fori_loop``, with the routing of its own
+tokens carried out (`bench_real_shape.routing_of`) for the floor; random weights made on the device
+(`bench_real_shape.device_params`, a seed fixes them) and a random cache of ``--context`` positions.
+
+Per step width and variant (a variant is a name and ``MTP_*`` variables set around its trace, e.g.
+``moe_ref:MTP_KERNELS=moe=reference``; the first is the baseline), it reports
+
+* the step's time, the slope between calls of ``--steps`` and 4x as many steps, the variants'
+  calls interleaved (`interleaved_slopes`), and its active-bytes floor over the copy bandwidth
+  measured in the same run (`bench_real_shape`'s floor);
+* one call's CUPTI kernels (L2 cold before it, `cupti.kernel_timings`), per step: the kernel count,
+  the summed kernel time and the rest of the step (launch gaps and idle), and per kernel group
+  (`GROUPS`: routed experts, shared expert, routing, attention, GDN step, conv, norms, projections
+  (the FP8 GEMMs), LM head, other) the µs, the launches, the bytes the group must read or write
+  (`group_floors`) and the ratio of the µs to those bytes over the copy bandwidth;
+* the kernels by source line (`bench_decode.kernel_sources`), the projections by weight shape,
+  and the first step's kernels in launch order, so that a gap can be read kernel by kernel.
+
+Pallas kernels are told apart by the names their ``pallas_call`` gives them (``fp8_w8a16_OUTxIN``,
+``gdn_step``, ...); XLA's fusions by the model source their HLO records. With ``--expert_tokens``,
+layer 0's routed experts are then also timed alone: the reference's gather form against
+`mtp.ops.moe.fp8_triton` at each ``--expert_configs`` tiling, with and without the shared expert.
+
+Results go to ``out_dir`` as ``results.json`` (rewritten after every row) and ``results.md``. On the
+H200 image ``ml_collections`` (which `bench_real_shape` imports) is missing: carry its wheel
+(``.whl/``, `/work/.library/device/README.md`). The 80B FP8 weights take 76 GiB; each variant and
+width is one ~20 s compile.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from experiments import cupti
+from experiments.bench_decode import chained_verify_step, kernel_sources, random_cache, source_of
+from experiments.bench_real_shape import (DTYPE, PAGE, ModelSpec, _abstract, _steps_program, _with_routing, at_depth,
+                                          cache_bytes, device_params, distinct_experts, expert_bytes,
+                                          grow_memory_pool_on_demand, is_fp8, lm_head_bytes, load_model_config,
+                                          tensor_bytes)
+from experiments.ceilings import copy_bandwidth, median_seconds
+from experiments.results_io import provenance, write_atomic, write_json
+from mtp.model import params as P
+
+FLAGS = flags.FLAGS
+# --out_dir, --context (KV positions in the cache), --reps (interleaved timed calls of each length per
+# variant) and --steps_per_call (steps of the shorter timed call; the longer runs 4x as many) are
+# `bench_decode`'s flags.
+flags.DEFINE_string("model", "qwen3_next_80b_a3b:fp8", "A `bench_real_shape.ModelSpec` entry (config[:fp8]).")
+flags.DEFINE_integer("layers", 0, "Layers to run (0: the published depth).", lower_bound=0)
+flags.DEFINE_list("widths", ["1", "4"], "Step widths K at batch 1: 1 is the plain decode step, K > 1 a verify.")
+flags.DEFINE_list("variants", ["base:"], "name:VAR=value;VAR=value ... each traced with those MTP_* variables "
+                  "set (the first is the baseline the others are compared with).")
+flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
+flags.DEFINE_string("tree_commit", "", "The git commit the copied tree was made from (a copy has no .git).")
+flags.DEFINE_list("expert_tokens", [], "Also time the routed experts of layer 0 alone at these token counts: the "
+                  "reference's gather form against `mtp.ops.moe.fp8_triton` at each of --expert_configs (FP8 only).")
+flags.DEFINE_list("expert_configs", ["default", "16x16", "16x32", "32x16", "32x32", "64x32", "64x64", "16x16s3",
+                                     "32x32w8"],
+                  "Fp8ExpertsConfig tilings of the expert timing: block_i x block_h, then s<stages> / w<warps>.")
+
+GROUPS = ("routed experts", "shared expert", "routing", "attention", "GDN step", "conv", "norms",
+          "projections (FP8 GEMMs)", "LM head", "other")
+
+# Pallas kernels by the name their pallas_call gives them (a profile shows that, not the HLO op).
+_NAMED = (("gdn_step", "GDN step"), ("conv_step", "conv"),
+          ("add_rms_norm", "norms"), ("attn_prologue", "attention"), ("paged_attention", "attention"),
+          ("mosaic_gpu", "attention"), ("moe_", "routed experts"), ("fp8_experts", "routed experts"))
+
+
+def group_of(kernel: str, source: str) -> str:
+    """The kernel group (``GROUPS``) of a launched kernel, from its name or its model source chain."""
+    if kernel.startswith("fp8_w8a16"):  # the FP8 GEMM kernel: its caller's source (`profile_kernels`) says whose
+        return "shared expert" if ("mlp:" in source or "moe:" in source) else "projections (FP8 GEMMs)"
+    for prefix, group in _NAMED:
+        if prefix in kernel:
+            return group
+    s = source
+    if any(k in s for k in ("routed_experts", "expert_ffn", "take_experts", "combine:")):
+        return "routed experts"
+    if "route:" in s:
+        return "routing"
+    if "mlp:" in s or "moe:" in s:
+        return "shared expert"
+    if "lm_head" in s:
+        return "LM head"
+    if "rms_norm" in s:
+        return "norms"
+    if any(k in s for k in ("linear:", "w8a16", "dense_rows", "dense:", "dense_columns", "matmul:")):
+        return "projections (FP8 GEMMs)"
+    if any(k in s for k in ("paged_attention", "attn_prologue", "write_pages", "merge_splits")):
+        return "attention"
+    if "gdn_step" in s:
+        return "GDN step"
+    if "conv_step" in s:
+        return "conv"
+    return "other"
+
+
+def projection_of(kernel: str, source: str) -> str:
+    """Which projection a projections-group kernel serves: the GDN layer's or the attention's."""
+    if kernel.startswith("fp8_w8a16"):
+        return kernel.split("__")[0]
+    where = "GDN" if ("gdn_layer" in source or "project:" in source or "out_project" in source) else (
+        "attention" if "attention" in source else "?")
+    shape = source.split("->")[-1].strip()
+    return f"XLA {where} {shape}"
+
+
+def group_floors(cfg, weights: str, experts: list[int], width: int, context: int) -> dict[str, int]:
+    """The bytes each kernel group must move in one step of ``width`` tokens at batch 1.
+
+    Weights read once (the routed experts its own routing selected, counted once per layer); the
+    attention's KV of ``context`` positions; the Gated DeltaNet and conv states read once and
+    written once per position (`bench_real_shape.cache_bytes`'s split); norms and the rest by
+    their weights (their activations are a few KB).
+    """
+    out = dict.fromkeys(GROUPS, 0)
+    for name, shape in P.param_shapes(cfg, include_mtp=False).items():
+        b = tensor_bytes(name, shape, weights)
+        if P.is_expert_stack(name):
+            continue  # the selected experts: below
+        if "shared_expert" in name:
+            out["shared expert"] += b
+        elif name.endswith("mlp.gate.weight"):
+            out["routing"] += b
+        elif "norm" in name:
+            out["norms"] += b
+        elif name.endswith(("conv1d.weight",)):
+            out["conv"] += b
+        elif name.endswith(("A_log", "dt_bias")):
+            out["GDN step"] += b
+        elif name.startswith("model.layers."):
+            out["projections (FP8 GEMMs)"] += b
+        elif name == "model.embed_tokens.weight":
+            out["other"] += width * shape[1] * 2  # an embedding lookup reads its rows
+    out["LM head"] = lm_head_bytes(cfg) + width * cfg.vocab_size * 4  # weight + f32 logits
+    out["routed experts"] = sum(experts) * expert_bytes(cfg, weights)
+    n_attn, n_lin = len(cfg.attention_layers), len(cfg.linear_layers)
+    out["attention"] = cache_bytes(cfg, 1, context, n_attn, 0)
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    conv = (cfg.linear_conv_kernel_dim - 1) * cfg.linear_conv_dim * 2
+    out["GDN step"] += (1 + width) * n_lin * rec
+    out["conv"] += (1 + width) * n_lin * conv
+    return out
+
+
+def interleaved_slopes(calls: dict[str, dict[int, callable]], reps: int) -> dict[str, tuple[float, float]]:
+    """``{variant: (ms a step, ms a step of the shorter call whole)}``, every variant's calls of both
+    lengths interleaved rep by rep (`bench_decode._per_step_slope`'s slope, side by side)."""
+    for per in calls.values():
+        for call in per.values():
+            call()  # warm-up
+    times = {v: {n: [] for n in per} for v, per in calls.items()}
+    for _ in range(reps):
+        for v, per in calls.items():
+            for n, call in per.items():
+                times[v][n].append(call())
+    out = {}
+    for v, per in times.items():
+        (n1, t1), (n2, t2) = sorted((n, float(np.median(ts))) for n, ts in per.items())
+        out[v] = (1e3 * (t2 - t1) / (n2 - n1), 1e3 * t1 / n1)
+    return out
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    name, _, sets = text.partition(":")
+    env = dict(kv.split("=", 1) for kv in filter(None, sets.split(";")))
+    if bad := [k for k in env if not k.startswith("MTP_")]:
+        raise SystemExit(f"--variants {text!r}: {bad} are not MTP_* variables")
+    return name, env
+
+
+class _Env:
+    """``MTP_*`` variables set around a trace, the old values back after."""
+
+    def __init__(self, env):
+        self.env, self.old = env, {}
+
+    def __enter__(self):
+        self.old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def profile_kernels(compiled, state, params, steps, where):
+    """One call's CUPTI kernels per step: totals, groups, sources, projections, the first step's kernels in order."""
+    box = []
+
+    def call(s, p, n):
+        box.append(compiled(s, p, n))
+        return box[-1]
+
+    timings = cupti.kernel_timings(call, (state, params, jnp.int32(steps)))
+    state = box[-1]
+    per_step = len(timings) / steps
+    named = [(name, ms, source_of(where, name)) for name, ms in timings]
+    # A Pallas kernel has no HLO source of its own; the FP8 GEMM's partial sum right after it does.
+    fixed = []
+    for i, (name, ms, src) in enumerate(named):
+        if src.startswith("?") and i + 1 < len(named) and name.startswith("fp8_w8a16"):
+            src = "(kernel) " + named[i + 1][2]
+        fixed.append((name, ms, src))
+    groups = {g: [0, 0.0] for g in GROUPS}
+    sources, projections = {}, {}
+    for name, ms, src in fixed:
+        g = group_of(name, src)
+        groups[g][0] += 1
+        groups[g][1] += ms
+        key = f"{name[:40]} | {src}" if src.startswith("?") else src
+        e = sources.setdefault(key, [g, 0, 0.0])
+        e[1] += 1
+        e[2] += ms
+        if g == "projections (FP8 GEMMs)":
+            p = projections.setdefault(projection_of(name, src), [0, 0.0])
+            p[0] += 1
+            p[1] += ms
+    first = fixed[:int(round(per_step))]
+    prof = {
+        "kernels_per_step": per_step,
+        "kernel_ms_per_step": sum(ms for _, ms in timings) / steps,
+        "groups": {g: {"launches": n / steps, "us": 1e3 * ms / steps} for g, (n, ms) in groups.items()},
+        "by_source": sorted(([k, g, n / steps, 1e3 * ms / steps] for k, (g, n, ms) in sources.items()),
+                            key=lambda r: -r[3]),
+        "projections": sorted(([k, n / steps, 1e3 * ms / steps] for k, (n, ms) in projections.items()),
+                              key=lambda r: -r[2]),
+        "first_step_in_order": [[n[:48], round(1e3 * ms, 2), group_of(n, s), s[:120]] for n, ms, s in first],
+    }
+    return prof, state
+
+
+def expert_config(text: str):
+    """``"32x16s3w8"`` -> ``Fp8ExpertsConfig(block_i=32, block_h=16, num_stages=3, num_warps=8)``; "default": None."""
+    import re
+
+    from mtp.ops.moe.fp8_triton import Fp8ExpertsConfig
+
+    if text == "default":
+        return None
+    m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(?:w(\d+))?", text)
+    if not m:
+        raise SystemExit(f"--expert_configs: {text!r} is not BIxBH[sSTAGES][wWARPS]")
+    bi, bh, st, wa = m.groups()
+    return Fp8ExpertsConfig(block_i=int(bi), block_h=int(bh), num_stages=int(st or 4), num_warps=int(wa or 4))
+
+
+def time_experts(cfg, params, tokens: list[int], configs: list[str], bw: float, reps: int = 10) -> list[dict]:
+    """Layer 0's routed experts alone: CUPTI device time with the L2 cold (`cupti.median_seconds`), the
+    gather form and the kernels at each tiling, against the selected experts' bytes; fresh random
+    routing (distinct experts per token) and rows for each of 4 rotated input sets, checked against
+    the reference on the first."""
+    from mtp.model import layers
+    from mtp.ops.moe import fp8_triton
+    from mtp.ops.moe import reference as moe_ref
+
+    mlp = params["model"]["layers"]["0"]["mlp"]["experts"]
+    gate, up, down = (mlp[n]["weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    rows = []
+    for n in tokens:
+        sets = []
+        for r in range(4):
+            key = jax.random.key(100 * n + r)
+            x = jax.random.normal(jax.random.fold_in(key, 0), (n, cfg.hidden_size), jnp.float32).astype(DTYPE)
+            ids = jnp.stack([jax.random.permutation(jax.random.fold_in(key, 1 + t), e)[:k] for t in range(n)])
+            w = jax.nn.softmax(jax.random.normal(jax.random.fold_in(key, 99), (n, k)), -1)
+            sets.append((x, ids.astype(jnp.int32), w.astype(jnp.float32), gate, up, down))
+        distinct = int(np.unique(np.asarray(sets[0][1])).size)
+        floor_us = 1e6 * distinct * expert_bytes(cfg, "fp8") / bw
+        ref = jax.jit(moe_ref.routed_experts)
+        want = np.asarray(ref(*sets[0]), np.float64)
+        forms = [("gather (reference)", ref)] + [
+            (f"kernel {c}", jax.jit(lambda *a, c=c: fp8_triton.routed_experts_fp8(*a, config=expert_config(c))))
+            for c in configs]
+        # With the shared expert: the model's reference path (gather + XLA's three GEMMs) against the
+        # shared expert as each token's last pair of the kernels (`layers.moe`'s fused op).
+        sh = params["model"]["layers"]["0"]["mlp"]["shared_expert"]
+        shared = tuple(sh[n]["weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+        sw = jnp.full((n,), 0.5, jnp.float32)
+
+        def with_shared_ref(x, ids, w, g, u, d):
+            mlp = {m: {"weight": a} for m, a in zip(("gate_proj", "up_proj", "down_proj"), shared)}
+            return moe_ref.routed_experts(x, ids, w, g, u, d) + sw[:, None] * layers.mlp(mlp, x).astype(jnp.float32)
+
+        forms += [("gather + shared (reference)", jax.jit(with_shared_ref)),
+                  ("kernel default + shared", jax.jit(lambda x, ids, w, g, u, d: fp8_triton.routed_experts_fp8(
+                      x, ids, w, g, u, d, shared=(*shared, sw))))]
+        for label, fn in forms:
+            try:
+                got = np.asarray(fn(*sets[0]), np.float64)
+                base = want if "shared" not in label else np.asarray(jax.jit(with_shared_ref)(*sets[0]), np.float64)
+                err = float(np.linalg.norm(got - base) / np.linalg.norm(base))
+                if jax.default_backend() == "gpu":
+                    sec, kernels = cupti.median_seconds(fn, sets, reps)
+                else:  # a CPU check of the script: wall time, no kernels
+                    sec, kernels = median_seconds(fn, sets[0], 2), []
+                rows.append(dict(tokens=n, form=label, distinct_experts=distinct, us=1e6 * sec, floor_us=floor_us,
+                                 ratio_to_floor=1e6 * sec / floor_us, rel_err_vs_reference=err,
+                                 kernels=[(nm[:48], round(1e3 * ms, 2)) for nm, ms in kernels]))
+            except Exception as ex:  # noqa: BLE001 - a tiling Triton refuses is reported, the others run
+                rows.append(dict(tokens=n, form=label, error=f"{type(ex).__name__}: {ex}"[:400]))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv):
+    del argv
+    grow_memory_pool_on_demand()
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu:
+        cupti.start()  # before any CUDA graph exists, or the loop's kernels go untraced
+    spec = ModelSpec.parse(FLAGS.model)
+    base_cfg = load_model_config(spec.name)
+    cfg = at_depth(base_cfg, FLAGS.layers or base_cfg.num_hidden_layers)
+    variants = [parse_variant(v) for v in FLAGS.variants]
+    widths = [int(w) for w in FLAGS.widths]
+    out = pathlib.Path(FLAGS.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"provenance": provenance({k: FLAGS[k].value for k in ("model", "layers", "widths", "variants", "context",
+                                                                    "steps_per_call", "reps", "seed", "tree_commit")}),
+            "device": str(jax.devices()[0].device_kind), "rows": [], "errors": []}
+    bw, _ = copy_bandwidth((1 << 30) if on_gpu else (1 << 22))
+    data["copy_bandwidth_TBps"] = bw / 1e12
+    t = time.perf_counter()
+    params = device_params(cfg, FLAGS.seed, weights=spec.weights)
+    jax.block_until_ready(params)
+    data["weights_s"] = time.perf_counter() - t
+    params_abs = _abstract(params)
+    k_route = cfg.num_experts_per_tok
+    for width in widths:
+        def make_state(width=width):
+            cache = random_cache(cfg, 1, FLAGS.context, PAGE, DTYPE, jax.random.key(2))
+            return cache, jnp.ones((1, width), jnp.int32)
+
+        state_abs = jax.eval_shape(make_state)
+        progs, boxes = {}, {}
+        for name, env in variants:
+            with _Env(env):
+                jax.clear_caches()  # nested jits cache their traces whatever the environment says
+                step = _with_routing(chained_verify_step(cfg, "auto"), k_route)
+                _, routing = jax.eval_shape(lambda s, p: step((s, None), p), state_abs, params_abs)
+                t = time.perf_counter()
+                try:
+                    compiled = _steps_program(step).lower((state_abs, routing), params_abs,
+                                                          jax.ShapeDtypeStruct((), jnp.int32)).compile()
+                except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, the rest run
+                    data["errors"].append(f"{name} K={width} compile: {type(e).__name__}: {e}"[:3000])
+                    print(data["errors"][-1], flush=True)
+                    continue
+                progs[name] = (compiled, time.perf_counter() - t)
+            boxes[name] = [(make_state(), tuple(jnp.zeros(r.shape, r.dtype) for r in routing))]
+
+        def call_of(name, n):
+            def call():
+                t = time.perf_counter()
+                boxes[name][0] = jax.block_until_ready(progs[name][0](boxes[name][0], params, jnp.int32(n)))
+                return time.perf_counter() - t
+            return call
+
+        n = FLAGS.steps_per_call
+        slopes = interleaved_slopes({v: {n: call_of(v, n), 4 * n: call_of(v, 4 * n)} for v in progs}, FLAGS.reps)
+        for name, (compiled, compile_s) in progs.items():
+            experts = distinct_experts(boxes[name][0][1], width)
+            floors = group_floors(cfg, spec.weights, experts, width, FLAGS.context)
+            floor_bytes = sum(floors.values())
+            ms, ms_call = slopes[name]
+            row = dict(what="decode" if width == 1 else f"verify K={width}", width=width, variant=name,
+                       env=dict(variants)[name], layers=cfg.num_hidden_layers, model=spec.label, ms=ms,
+                       ms_whole_call=ms_call, floor_ms=1e3 * floor_bytes / bw,
+                       ratio_to_floor=ms * 1e-3 * bw / floor_bytes,
+                       distinct_experts_mean=float(np.mean(experts)), compile_s=compile_s)
+            if on_gpu:
+                try:
+                    where = kernel_sources(compiled.as_text(), depth=14)
+                    prof, boxes[name][0] = profile_kernels(compiled, boxes[name][0], params, n, where)
+                    for g, e in prof["groups"].items():
+                        e["bytes"] = floors[g]
+                        e["floor_us"] = 1e6 * floors[g] / bw
+                        e["ratio_to_floor"] = e["us"] / e["floor_us"] if floors[g] else None
+                    prof["gaps_us_per_step"] = 1e3 * (ms - prof["kernel_ms_per_step"])
+                    row.update(prof)
+                except Exception as e:  # noqa: BLE001 - the timing stands without its profile
+                    row["profile_error"] = f"{type(e).__name__}: {e}"[:500]
+            data["rows"].append(row)
+            write_json(out / "results.json", data)
+            print({k: v for k, v in row.items() if k in ("what", "variant", "ms", "floor_ms", "ratio_to_floor",
+                                                          "kernels_per_step", "kernel_ms_per_step", "gaps_us_per_step",
+                                                          "profile_error")}, flush=True)
+        del progs, boxes
+    if FLAGS.expert_tokens and spec.weights == "fp8":  # after the step's rows: a run cut short keeps those
+        data["experts_alone"] = time_experts(cfg, params, [int(t) for t in FLAGS.expert_tokens],
+                                             FLAGS.expert_configs, bw)
+        write_json(out / "results.json", data)
+    md = markdown(data)
+    write_atomic(out / "results.md", md)
+    print(md, flush=True)
+    sys.stdout.flush()
+    os._exit(1 if data["errors"] else 0)
+
+
+def markdown(data) -> str:
+    prov = data["provenance"]
+    lines = [f"# Decode step per kernel group\n\n{data['device']}, {prov['date_utc']}; copy bandwidth "
+             f"{data['copy_bandwidth_TBps']:.2f} TB/s (read + written); tree {prov['config']['tree_commit']}\n"]
+    base = {}
+    for r in data["rows"]:
+        base.setdefault(r["width"], r)
+        b = base[r["width"]]
+        lines.append(f"## {r['model']}, {r['layers']} layers, {r['what']}, batch 1, variant `{r['variant']}` "
+                     f"{r['env'] or ''}\n")
+        lines.append(f"Step {r['ms']:.3f} ms ({r['ms_whole_call']:.3f} with a call's own cost), "
+                     f"floor {r['floor_ms']:.3f} ms: "
+                     f"**{r['ratio_to_floor']:.2f}x**; {r['distinct_experts_mean']:.1f} distinct experts a layer"
+                     + (f"; {b['ms'] / r['ms']:.3f}x the speed of `{b['variant']}`" if r is not b else "") + "\n")
+        if "groups" not in r:
+            lines.append(f"(no profile: {r.get('profile_error', 'not a GPU')})\n")
+            continue
+        lines.append(f"{r['kernels_per_step']:.0f} kernels, {1e3 * r['kernel_ms_per_step']:.0f} µs of kernel time, "
+                     f"{r['gaps_us_per_step']:.0f} µs between kernels, a step.\n")
+        lines += ["| group | launches | µs | bytes (MB) | floor µs | x floor | µs over floor |",
+                  "|---|---|---|---|---|---|---|"]
+        for g, e in sorted(r["groups"].items(), key=lambda kv: -kv[1]["us"]):
+            ratio = "" if e["ratio_to_floor"] is None else f"{e['ratio_to_floor']:.2f}"
+            lines.append(f"| {g} | {e['launches']:.0f} | {e['us']:.0f} | {e['bytes'] / 1e6:.1f} | "
+                         f"{e['floor_us']:.1f} | "
+                         f"{ratio} | {e['us'] - e['floor_us']:.0f} |")
+        moe = [r["groups"][g] for g in ("routed experts", "shared expert")]  # a fused variant runs both in one op
+        us, fl = sum(e["us"] for e in moe), sum(e["floor_us"] for e in moe)
+        lines.append(f"| routed + shared experts | {sum(e['launches'] for e in moe):.0f} | {us:.0f} | "
+                     f"{sum(e['bytes'] for e in moe) / 1e6:.1f} | {fl:.1f} | {us / fl:.2f} | {us - fl:.0f} |")
+        lines.append(f"| between kernels | | {r['gaps_us_per_step']:.0f} | | | | {r['gaps_us_per_step']:.0f} |\n")
+        lines += ["| projection | launches | µs |", "|---|---|---|"]
+        lines += [f"| {k} | {n:.0f} | {us:.0f} |" for k, n, us in r["projections"]]
+        lines += ["", "| source | group | launches | µs |", "|---|---|---|---|"]
+        lines += [f"| `{k[:120]}` | {g} | {n:.0f} | {us:.1f} |" for k, g, n, us in r["by_source"][:30]]
+        lines.append("")
+    if data.get("experts_alone"):
+        lines += ["## Layer 0's routed experts alone (CUPTI, L2 cold)\n",
+                  "| tokens | form | µs | floor µs | x floor | rel. error vs reference |",
+                  "|---|---|---|---|---|---|"]
+        for r in data["experts_alone"]:
+            if "error" in r:
+                lines.append(f"| {r['tokens']} | {r['form']} | failed: {r['error'][:120]} | | | |")
+            else:
+                lines.append(f"| {r['tokens']} | {r['form']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
+                             f"{r['ratio_to_floor']:.2f} | {r['rel_err_vs_reference']:.1e} |")
+        lines.append("")
+    lines += [f"\nError: {e}" for e in data["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    app.run(main)
