@@ -358,10 +358,14 @@ class Programs:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _steps_program(step):
-    """``(state, params, n) -> state`` after ``n`` steps, ``n`` traced: one compile times both lengths."""
+def _steps_program(step, compiler_options: dict[str, str] | None = None):
+    """``(state, params, n) -> state`` after ``n`` steps, ``n`` traced: one compile times both lengths.
+
+    ``compiler_options``: XLA's, e.g. the decode loops' CUDA-graph options
+    (`mtp.execution.ExecutionConfig.loop_compiler_options`); None keeps XLA's defaults.
+    """
     return jax.jit(lambda state, params, n: jax.lax.fori_loop(0, n, lambda _, s: step(s, params), state),
-                   donate_argnums=0)
+                   donate_argnums=0, compiler_options=compiler_options)
 
 
 def _with_routing(step, k):

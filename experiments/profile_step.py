@@ -55,6 +55,7 @@ from experiments.bench_real_shape import (DTYPE, PAGE, ModelSpec, _abstract, _st
                                           tensor_bytes)
 from experiments.ceilings import copy_bandwidth, median_seconds
 from experiments.results_io import provenance, write_atomic, write_json
+from mtp.execution import ExecutionConfig
 from mtp.model import params as P
 
 FLAGS = flags.FLAGS
@@ -362,7 +363,8 @@ def main(argv):
                 _, routing = jax.eval_shape(lambda s, p: step((s, None), p), state_abs, params_abs)
                 t = time.perf_counter()
                 try:
-                    compiled = _steps_program(step).lower((state_abs, routing), params_abs,
+                    options = ExecutionConfig.from_environ(os.environ).loop_compiler_options()  # as the loops run
+                    compiled = _steps_program(step, options).lower((state_abs, routing), params_abs,
                                                           jax.ShapeDtypeStruct((), jnp.int32)).compile()
                 except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, the rest run
                     data["errors"].append(f"{name} K={width} compile: {type(e).__name__}: {e}"[:3000])
