@@ -24,9 +24,9 @@ Per step width and variant (a variant is a name and ``MTP_*`` variables set arou
   and the first step's kernels in launch order, so that a gap can be read kernel by kernel.
 
 Pallas kernels are told apart by the names their ``pallas_call`` gives them (``fp8_w8a16_OUTxIN``,
-``gdn_step``, ...); XLA's fusions by the model source their HLO records. With ``--expert_tokens``,
-layer 0's routed experts are then also timed alone: the reference's gather form against
-`mtp.ops.moe.fp8_triton` at each ``--expert_configs`` tiling, with and without the shared expert.
+``gdn_step``, ...); XLA's fusions by the model source their HLO records (where the HLO keeps none,
+as XLA's GPU fusions of the MoE's gather form often do, a fusion lands in "other" under its output
+shape).
 
 Results go to ``out_dir`` as ``results.json`` (rewritten after every row) and ``results.md``. On the
 H200 image ``ml_collections`` (which `bench_real_shape` imports) is missing: carry its wheel
@@ -69,11 +69,6 @@ flags.DEFINE_list("variants", ["base:"], "name:VAR=value;VAR=value ... each trac
                   "set (the first is the baseline the others are compared with).")
 flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
 flags.DEFINE_string("tree_commit", "", "The git commit the copied tree was made from (a copy has no .git).")
-flags.DEFINE_list("expert_tokens", [], "Also time the routed experts of layer 0 alone at these token counts: the "
-                  "reference's gather form against `mtp.ops.moe.fp8_triton` at each of --expert_configs (FP8 only).")
-flags.DEFINE_list("expert_configs", ["default", "16x16", "16x32", "32x16", "32x32", "64x32", "64x64", "16x16s3",
-                                     "32x32w8"],
-                  "Fp8ExpertsConfig tilings of the expert timing: block_i x block_h, then s<stages> / w<warps>.")
 
 GROUPS = ("routed experts", "shared expert", "routing", "attention", "GDN step", "conv", "norms",
           "projections (FP8 GEMMs)", "LM head", "other")
@@ -81,7 +76,7 @@ GROUPS = ("routed experts", "shared expert", "routing", "attention", "GDN step",
 # Pallas kernels by the name their pallas_call gives them (a profile shows that, not the HLO op).
 _NAMED = (("gdn_step", "GDN step"), ("conv_step", "conv"),
           ("add_rms_norm", "norms"), ("attn_prologue", "attention"), ("paged_attention", "attention"),
-          ("mosaic_gpu", "attention"), ("moe_", "routed experts"), ("fp8_experts", "routed experts"))
+          ("mosaic_gpu", "attention"), ("moe_", "routed experts"))
 
 
 def group_of(kernel: str, source: str) -> str:
@@ -251,80 +246,6 @@ def profile_kernels(compiled, state, params, steps, where):
     return prof, state
 
 
-def expert_config(text: str):
-    """``"32x16s3w8"`` -> ``Fp8ExpertsConfig(block_i=32, block_h=16, num_stages=3, num_warps=8)``; "default": None."""
-    import re
-
-    from mtp.ops.moe.fp8_triton import Fp8ExpertsConfig
-
-    if text == "default":
-        return None
-    m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(?:w(\d+))?", text)
-    if not m:
-        raise SystemExit(f"--expert_configs: {text!r} is not BIxBH[sSTAGES][wWARPS]")
-    bi, bh, st, wa = m.groups()
-    return Fp8ExpertsConfig(block_i=int(bi), block_h=int(bh), num_stages=int(st or 4), num_warps=int(wa or 4))
-
-
-def time_experts(cfg, params, tokens: list[int], configs: list[str], bw: float, reps: int = 10) -> list[dict]:
-    """Layer 0's routed experts alone: CUPTI device time with the L2 cold (`cupti.median_seconds`), the
-    gather form and the kernels at each tiling, against the selected experts' bytes; fresh random
-    routing (distinct experts per token) and rows for each of 4 rotated input sets, checked against
-    the reference on the first."""
-    from mtp.model import layers
-    from mtp.ops.moe import fp8_triton
-    from mtp.ops.moe import reference as moe_ref
-
-    mlp = params["model"]["layers"]["0"]["mlp"]["experts"]
-    gate, up, down = (mlp[n]["weight"] for n in ("gate_proj", "up_proj", "down_proj"))
-    e, k = cfg.num_experts, cfg.num_experts_per_tok
-    rows = []
-    for n in tokens:
-        sets = []
-        for r in range(4):
-            key = jax.random.key(100 * n + r)
-            x = jax.random.normal(jax.random.fold_in(key, 0), (n, cfg.hidden_size), jnp.float32).astype(DTYPE)
-            ids = jnp.stack([jax.random.permutation(jax.random.fold_in(key, 1 + t), e)[:k] for t in range(n)])
-            w = jax.nn.softmax(jax.random.normal(jax.random.fold_in(key, 99), (n, k)), -1)
-            sets.append((x, ids.astype(jnp.int32), w.astype(jnp.float32), gate, up, down))
-        distinct = int(np.unique(np.asarray(sets[0][1])).size)
-        floor_us = 1e6 * distinct * expert_bytes(cfg, "fp8") / bw
-        ref = jax.jit(moe_ref.routed_experts)
-        want = np.asarray(ref(*sets[0]), np.float64)
-        forms = [("gather (reference)", ref)] + [
-            (f"kernel {c}", jax.jit(lambda *a, c=c: fp8_triton.routed_experts_fp8(*a, config=expert_config(c))))
-            for c in configs]
-        # With the shared expert: the model's reference path (gather + XLA's three GEMMs) against the
-        # shared expert as each token's last pair of the kernels (`layers.moe`'s fused op).
-        sh = params["model"]["layers"]["0"]["mlp"]["shared_expert"]
-        shared = tuple(sh[n]["weight"] for n in ("gate_proj", "up_proj", "down_proj"))
-        sw = jnp.full((n,), 0.5, jnp.float32)
-
-        def with_shared_ref(x, ids, w, g, u, d):
-            mlp = {m: {"weight": a} for m, a in zip(("gate_proj", "up_proj", "down_proj"), shared)}
-            return moe_ref.routed_experts(x, ids, w, g, u, d) + sw[:, None] * layers.mlp(mlp, x).astype(jnp.float32)
-
-        forms += [("gather + shared (reference)", jax.jit(with_shared_ref)),
-                  ("kernel default + shared", jax.jit(lambda x, ids, w, g, u, d: fp8_triton.routed_experts_fp8(
-                      x, ids, w, g, u, d, shared=(*shared, sw))))]
-        for label, fn in forms:
-            try:
-                got = np.asarray(fn(*sets[0]), np.float64)
-                base = want if "shared" not in label else np.asarray(jax.jit(with_shared_ref)(*sets[0]), np.float64)
-                err = float(np.linalg.norm(got - base) / np.linalg.norm(base))
-                if jax.default_backend() == "gpu":
-                    sec, kernels = cupti.median_seconds(fn, sets, reps)
-                else:  # a CPU check of the script: wall time, no kernels
-                    sec, kernels = median_seconds(fn, sets[0], 2), []
-                rows.append(dict(tokens=n, form=label, distinct_experts=distinct, us=1e6 * sec, floor_us=floor_us,
-                                 ratio_to_floor=1e6 * sec / floor_us, rel_err_vs_reference=err,
-                                 kernels=[(nm[:48], round(1e3 * ms, 2)) for nm, ms in kernels]))
-            except Exception as ex:  # noqa: BLE001 - a tiling Triton refuses is reported, the others run
-                rows.append(dict(tokens=n, form=label, error=f"{type(ex).__name__}: {ex}"[:400]))
-            print(rows[-1], flush=True)
-    return rows
-
-
 def main(argv):
     del argv
     grow_memory_pool_on_demand()
@@ -410,10 +331,6 @@ def main(argv):
                                                           "kernels_per_step", "kernel_ms_per_step", "gaps_us_per_step",
                                                           "profile_error")}, flush=True)
         del progs, boxes
-    if FLAGS.expert_tokens and spec.weights == "fp8":  # after the step's rows: a run cut short keeps those
-        data["experts_alone"] = time_experts(cfg, params, [int(t) for t in FLAGS.expert_tokens],
-                                             FLAGS.expert_configs, bw)
-        write_json(out / "results.json", data)
     md = markdown(data)
     write_atomic(out / "results.md", md)
     print(md, flush=True)
@@ -447,26 +364,11 @@ def markdown(data) -> str:
             lines.append(f"| {g} | {e['launches']:.0f} | {e['us']:.0f} | {e['bytes'] / 1e6:.1f} | "
                          f"{e['floor_us']:.1f} | "
                          f"{ratio} | {e['us'] - e['floor_us']:.0f} |")
-        moe = [r["groups"][g] for g in ("routed experts", "shared expert")]  # a fused variant runs both in one op
-        us, fl = sum(e["us"] for e in moe), sum(e["floor_us"] for e in moe)
-        lines.append(f"| routed + shared experts | {sum(e['launches'] for e in moe):.0f} | {us:.0f} | "
-                     f"{sum(e['bytes'] for e in moe) / 1e6:.1f} | {fl:.1f} | {us / fl:.2f} | {us - fl:.0f} |")
         lines.append(f"| between kernels | | {r['gaps_us_per_step']:.0f} | | | | {r['gaps_us_per_step']:.0f} |\n")
         lines += ["| projection | launches | µs |", "|---|---|---|"]
         lines += [f"| {k} | {n:.0f} | {us:.0f} |" for k, n, us in r["projections"]]
         lines += ["", "| source | group | launches | µs |", "|---|---|---|---|"]
         lines += [f"| `{k[:120]}` | {g} | {n:.0f} | {us:.1f} |" for k, g, n, us in r["by_source"][:30]]
-        lines.append("")
-    if data.get("experts_alone"):
-        lines += ["## Layer 0's routed experts alone (CUPTI, L2 cold)\n",
-                  "| tokens | form | µs | floor µs | x floor | rel. error vs reference |",
-                  "|---|---|---|---|---|---|"]
-        for r in data["experts_alone"]:
-            if "error" in r:
-                lines.append(f"| {r['tokens']} | {r['form']} | failed: {r['error'][:120]} | | | |")
-            else:
-                lines.append(f"| {r['tokens']} | {r['form']} | {r['us']:.1f} | {r['floor_us']:.1f} | "
-                             f"{r['ratio_to_floor']:.2f} | {r['rel_err_vs_reference']:.1e} |")
         lines.append("")
     lines += [f"\nError: {e}" for e in data["errors"]]
     return "\n".join(lines) + "\n"

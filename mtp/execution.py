@@ -2,7 +2,7 @@
 
 `ExecutionConfig` holds every switch that changes how the same model computes the same
 tokens: the kernel path of each op (``MTP_KERNELS``), the GEMM-layout switches
-(``MTP_PAD_SMALL_GEMMS``, ``MTP_MERGE_PROJECTIONS``, ``MTP_SMALL_GEMMS_AS_REDUCE``, ``MTP_PAD_LM_HEAD``), the decode
+(``MTP_PAD_SMALL_GEMMS``, ``MTP_MERGE_PROJECTIONS``, ``MTP_SMALL_GEMMS_AS_REDUCE``), the decode
 loops' graph mode (``MTP_DECODE_LOOP_GRAPH``) and the drafter-context and carry-debug switches
 (``MTP_DRAFTER_CONTEXT_OFF``, ``MTP_DRAFTER_CARRY_OFF``, ``MTP_CARRY_DEBUG``). Being hashable it
 can travel as a ``jax.jit`` static, so two configs compile two programs and changing one
@@ -22,15 +22,14 @@ from typing import Mapping
 
 KERNEL_CHOICES = ("auto", "reference", "pallas", "interpret")
 KERNEL_OPS = ("paged_attention", "fc_gemm", "gdn_step", "add_rms_norm", "conv_step", "attn_prologue",
-              "paged_attention_triton", "moe", "fp8_gemm", "moe_fp8")  # MTP_KERNELS' per-op names (moe:
-# mtp.ops.moe, fp8_gemm: mtp.ops.fp8, moe_fp8: mtp.ops.moe's FP8 experts)
+              "paged_attention_triton", "moe", "fp8_gemm")  # MTP_KERNELS' per-op names (moe: mtp.ops.moe,
+# fp8_gemm: mtp.ops.fp8)
 LOOP_GRAPH_MODES = ("0", "1", "while")
 
 KERNELS_VAR = "MTP_KERNELS"
 PAD_VAR = "MTP_PAD_SMALL_GEMMS"
 MERGE_VAR = "MTP_MERGE_PROJECTIONS"
 REDUCE_VAR = "MTP_SMALL_GEMMS_AS_REDUCE"
-PAD_LM_HEAD_VAR = "MTP_PAD_LM_HEAD"
 LOOP_GRAPH_VAR = "MTP_DECODE_LOOP_GRAPH"
 DRAFTER_CONTEXT_OFF_VAR = "MTP_DRAFTER_CONTEXT_OFF"
 DRAFTER_CARRY_OFF_VAR = "MTP_DRAFTER_CARRY_OFF"
@@ -81,15 +80,12 @@ class ExecutionConfig:
     ``None`` for their default (on exactly on a GPU) or a forced value. ``loop_graph``: ``"1"``
     records the decode ``while_loop`` as a CUDA graph with concurrent scheduling, ``"while"``
     the graph with XLA's scheduling, ``"0"`` XLA's defaults (`loop_compiler_options`).
-    ``pad_lm_head``: a one-row LM head product padded to two rows where ``pad_small_gemms`` holds
-    (`mtp.model.target.lm_head`); off until timed on a GPU.
     """
 
     kernels: tuple[tuple[str, str], ...] = ()
     pad_small_gemms: bool | None = None
     merge_projections: bool | None = None
     small_gemms_as_reduce: bool | None = None
-    pad_lm_head: bool = False
     loop_graph: str = "1"
     drafter_context_off: bool = False
     drafter_carry_off: bool = False
@@ -114,7 +110,6 @@ class ExecutionConfig:
             pad_small_gemms=_switch(environ, PAD_VAR),
             merge_projections=_switch(environ, MERGE_VAR),
             small_gemms_as_reduce=_switch(environ, REDUCE_VAR),
-            pad_lm_head=_switch(environ, PAD_LM_HEAD_VAR) or False,
             loop_graph=loop_graph,
             drafter_context_off=environ.get(DRAFTER_CONTEXT_OFF_VAR) == "1",
             drafter_carry_off=environ.get(DRAFTER_CARRY_OFF_VAR) == "1",

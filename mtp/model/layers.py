@@ -21,7 +21,7 @@ from mtp.config import ModelConfig
 from mtp.ops import fp8, lowering, quantized
 from mtp.ops.attn_prologue.reference import key_values, qkv_of, rope
 from mtp.ops.lowering import tensor_parallel_mesh
-from mtp.ops.moe import routed_and_shared_experts, routed_experts
+from mtp.ops.moe import routed_experts
 
 PAD_ENV_VAR = execution.PAD_VAR
 MERGE_ENV_VAR = execution.MERGE_VAR
@@ -366,23 +366,11 @@ def moe(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None) -> jax.
     the tokens and the rest zeros. Only the tokens are routed: a zero row's router logits tie, so
     it would select (and read) k experts of its own, doubling the experts a batch-1 decode step
     streams; the padding rows' routed output is zero, as an expert of zeros gives.
-    Block-scaled FP8 experts with a shared expert of their shape may run as one op
-    (`mtp.ops.moe.routed_and_shared_experts`: the shared expert as each token's last pair of the
-    FP8 experts' kernels, where ``MTP_KERNELS=moe_fp8=...`` takes them), the same sum.
     """
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0] if real_rows is None else real_rows
     expert_ids, expert_weights = route(p, x2, cfg)  # the router GEMM on the stream's rows as they are
     experts = p["experts"]
-    if ("shared_expert" in p and rows == x2.shape[0]
-            and isinstance(experts["gate_proj"]["weight"], fp8.BlockFp8Weight)):  # one op, where it runs
-        shared, f32 = p["shared_expert"], jnp.float32
-        fused = routed_and_shared_experts(
-            x2, expert_ids, expert_weights, *(experts[n]["weight"] for n in ("gate_proj", "up_proj", "down_proj")),
-            *(shared[n]["weight"] for n in ("gate_proj", "up_proj", "down_proj")),
-            jax.nn.sigmoid(dense(x2, p["shared_expert_gate"]["weight"]).astype(f32)))
-        if fused is not None:
-            return fused.reshape(x.shape).astype(x.dtype)
     out = routed_experts(x2[:rows], expert_ids[:rows], expert_weights[:rows], experts["gate_proj"]["weight"],
                          experts["up_proj"]["weight"], experts["down_proj"]["weight"])
     if rows < x2.shape[0]:

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mtp import execution
 from mtp.cache.state import LinearState, TargetCache
 from mtp.config import ModelConfig
 from mtp.model import gated_deltanet as gdn
@@ -56,21 +55,7 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 
 def lm_head(cfg: ModelConfig, params: Params, hidden_post: jax.Array) -> jax.Array:
-    """f32 logits of ``hidden_post [..., H]``.
-
-    With ``MTP_PAD_LM_HEAD=1`` (`execution.ExecutionConfig.pad_lm_head`; off by default, not yet
-    timed on a GPU) a one-row product (decode or a draft at batch 1 of a model whose stream is not
-    padded, as an FP8 model's is not: `_pads_stream`) runs on the row padded to ``layers.PAD_ROWS``
-    where `layers.pad_small_gemms` says: XLA's GEMM streamed large bf16 weights at 1.8-2.3 TB/s for
-    one row and 3.5-4.3 for two on the H200 (`layers.PAD_ROWS`), and the LM head (622 MB at
-    Qwen3-Next's vocabulary) is the largest weight a step reads. The padding row is dropped.
-    """
     w = params["model"]["embed_tokens"]["weight"] if cfg.tie_word_embeddings else params["lm_head"]["weight"]
-    rows = math.prod(hidden_post.shape[:-1])
-    if (rows < layers.PAD_ROWS and execution.of_process().pad_lm_head and layers.pads_weight(w)
-            and layers.pad_small_gemms()):
-        padded = jnp.pad(hidden_post.reshape(rows, -1), ((0, layers.PAD_ROWS - rows), (0, 0)))
-        return lm_head(cfg, params, padded)[:rows].reshape(*hidden_post.shape[:-1], -1)
     return jnp.einsum("...h,vh->...v", hidden_post, w.astype(hidden_post.dtype),
                       preferred_element_type=jnp.float32)
 

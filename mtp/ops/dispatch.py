@@ -27,9 +27,6 @@ OPT_IN = {
     # 1.045x (plain) and 1.006x (speculative K = 2) at batch 1, but the 1.38B decode step
     # 0.96-0.98x (batch 1) and 0.94x (batch 8).
     "paged_attention_triton": "faster only in the small default model's loops",
-    # `mtp.ops.moe.fp8_triton`, the FP8 routed experts' weight-streaming kernels: not yet timed on a
-    # GPU; `MTP_KERNELS=moe_fp8=pallas` takes them (`experiments/profile_step.py` compares).
-    "moe_fp8": "not yet measured on a GPU",
 }
 
 

@@ -1,6 +1,6 @@
 """The routed-expert FFN of a MoE layer: ``routed_experts`` (`api`), its sparse pure-JAX
 reference (`reference`)."""
 
-from mtp.ops.moe.api import routed_and_shared_experts, routed_experts
+from mtp.ops.moe.api import routed_experts
 
-__all__ = ["routed_and_shared_experts", "routed_experts"]
+__all__ = ["routed_experts"]

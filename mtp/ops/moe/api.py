@@ -10,15 +10,10 @@ interpreter), except where `mosaic.unsupported` names why they cannot take the i
 quantized experts, sizes their tiles do not divide) or the trace runs under a mesh (the kernels
 see whole arrays; XLA partitions the reference): those go to the reference. Under ``"auto"`` a
 call of few pairs (`pays`) runs the reference's gather form, which measured faster there.
-Block-scaled FP8 experts (`mtp.ops.fp8.BlockFp8Weight`) of up to 16 tokens run `fp8_triton`'s two
-weight-streaming kernels (each program one pair's block of rows, the expert read in place) where the
-path of op ``"moe_fp8"`` is ``"pallas"`` or ``"interpret"``, and the reference elsewhere (more
-tokens, a mesh, ``"auto"``: the op is opt-in, `dispatch.OPT_IN`, until it is timed on a GPU;
-``MTP_KERNELS=moe_fp8=pallas`` takes it). The reference's gather form over FP8 experts took
-0.92-0.94x the bf16 experts' time on an H200 at 1-4 tokens, 2.7x its floor at one, and an earlier
-kernel of one pair per program (10 programs at one token) 3.9-4.1x
-(results/kernels/fp8_few_rows_h200/results.md, 2026-12-02); the kernels here spread the pairs' rows
-over about two programs per SM.
+Block-scaled FP8 experts (`mtp.ops.fp8.BlockFp8Weight`) run the reference: its gather form over
+FP8 experts took 0.92-0.94x the bf16 experts' time on an H200 at 1-4 tokens, and a
+weight-streaming Triton kernel of one pair per program took 3.9-4.1x
+(results/kernels/fp8_few_rows_h200/results.md, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -27,12 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from mtp.ops import dispatch
-from mtp.ops.fp8.reference import BlockFp8Weight
-from mtp.ops.lowering import triton_interpret_scope
-from mtp.ops.moe import fp8_triton, mosaic, reference
+from mtp.ops.moe import mosaic, reference
 from mtp.ops.moe.reference import check_inputs
-
-FP8_OP = "moe_fp8"  # MTP_KERNELS' name of the FP8 experts' kernels
 
 
 # Under ``"auto"`` a call of at most this many (token, expert) pairs runs the reference's gather
@@ -58,13 +49,6 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, impl: str =
     """
     check_inputs(x, expert_ids, expert_weights, gate, up, down)
     ids = expert_ids.astype(jnp.int32)
-    if isinstance(gate, BlockFp8Weight):  # Qwen's FP8 experts: the weight-streaming kernels, else the reference
-        mode = dispatch.choose(FP8_OP, impl, lambda: _mesh_unsupported() or fp8_triton.unsupported(
-            x, ids, gate, up, down))
-        if mode == "reference":
-            return reference.routed_experts(x, ids, expert_weights, gate, up, down)
-        with triton_interpret_scope(mode) as interpret:
-            return fp8_triton.routed_experts_fp8(x, ids, expert_weights, gate, up, down, interpret=interpret)
     mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or mosaic.unsupported(
         x, ids, expert_weights, gate, up, down), mesh_kernel=True)
     if mode != "reference":
@@ -72,27 +56,6 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, impl: str =
             return mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
         return reference.routed_experts_gather(x, ids, expert_weights, gate, up, down)
     return reference.routed_experts(x, ids, expert_weights, gate, up, down)
-
-
-def routed_and_shared_experts(x, expert_ids, expert_weights, gate, up, down, shared_gate, shared_up, shared_down,
-                              shared_weight, *, impl: str = "auto") -> jax.Array | None:
-    """`routed_experts` plus ``shared_weight [N, 1]`` times the shared expert of ``x`` (f32 ``[N, H]``),
-    as one op where `fp8_triton`'s kernels take them (FP8 experts and shared expert of one shape,
-    op ``"moe_fp8"``'s path a kernel), else None: the caller then runs the two apart
-    (`mtp.model.layers.moe`), so the reference path is the model's own code, unchanged.
-    """
-    shared = (shared_gate, shared_up, shared_down)
-    if not all(isinstance(w, BlockFp8Weight) for w in (gate, *shared)):
-        return None
-    check_inputs(x, expert_ids, expert_weights, gate, up, down)
-    ids = expert_ids.astype(jnp.int32)
-    mode = dispatch.choose(FP8_OP, impl, lambda: _mesh_unsupported() or fp8_triton.unsupported(
-        x, ids, gate, up, down, shared))
-    if mode == "reference":
-        return None
-    with triton_interpret_scope(mode) as interpret:
-        return fp8_triton.routed_experts_fp8(x, ids, expert_weights, gate, up, down,
-                                             shared=(*shared, shared_weight.reshape(-1)), interpret=interpret)
 
 
 def _mesh_unsupported() -> str | None:
