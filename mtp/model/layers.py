@@ -353,8 +353,9 @@ def causal_attention(q, k, v, gate) -> jax.Array:
 
 # ------------------------------------------------------------------ FFNs
 def mlp(p, x: jax.Array, execution: ExecutionConfig = DEFAULT) -> jax.Array:
-    gate_up = [dense(x, p[n]["weight"], execution=execution) for n in ("gate_proj", "up_proj")]
-    return dense(jax.nn.silu(gate_up[0]) * gate_up[1], p["down_proj"]["weight"], execution=execution)
+    gate = jax.nn.silu(dense(x, p["gate_proj"]["weight"], execution=execution))
+    return dense(gate * dense(x, p["up_proj"]["weight"], execution=execution), p["down_proj"]["weight"],
+                 execution=execution)
 
 
 def route(p, x: jax.Array, cfg: ModelConfig, execution: ExecutionConfig = DEFAULT) -> tuple[jax.Array, jax.Array]:
