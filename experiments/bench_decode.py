@@ -19,6 +19,9 @@ Part B, the embedded default model on its evaluation prompts: tokens/s of plain
 greedy vs speculative decoding (drafter prefilled, K = 2..6 at batch 1, 2..4 at 8), with
 the acceptance measured on the same run. Results go to ``out_dir`` as JSON and a
 markdown table, written after every measurement so a cut-off run keeps its numbers.
+
+Both parts run the `ExecutionConfig` the ``MTP_*`` variables set (read once, in `main`), so an
+A/B (`experiments/ab_decode.py`) flips a kernel or a GEMM layout by the environment.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from experiments.results_io import write_atomic, write_json
 from mtp import analysis, runtime, sharding
 from mtp.cache.state import TargetCache
 from mtp.config import ModelConfig
+from mtp.execution import ExecutionConfig
 from mtp.model import target
 from mtp.model.params import count_params, init_params
 from mtp.mtp_head import DrafterCache, draft_step
@@ -278,7 +282,7 @@ def random_cache(cfg, batch, context, page, dtype, key):
                          block_tables=jnp.asarray(tables), lengths=jnp.full((batch,), context, jnp.int32))
 
 
-def chained_verify_step(cfg: ModelConfig, impl: str):
+def chained_verify_step(cfg: ModelConfig, execution: ExecutionConfig):
     """Part A's step: ``(cache, tokens [B, K]), params -> (cache, next tokens)``; K = 1 is decode.
 
     Every step's inputs come from the last step's outputs, as in the decode loop: the
@@ -290,7 +294,7 @@ def chained_verify_step(cfg: ModelConfig, impl: str):
     """
     def step(state, p):
         c, toks = state
-        c, out = target.verify(cfg, p, c, toks, impl=impl)
+        c, out = target.verify(cfg, p, c, toks, execution=execution)
         c = target.commit(c, out, jnp.ones((toks.shape[0],), jnp.int32))
         return c.replace(lengths=c.lengths - 1), jnp.argmax(out.logits, -1).astype(jnp.int32)
 
@@ -305,7 +309,7 @@ def random_drafter_cache(cfg: ModelConfig, batch: int, context: int, page: int, 
         rows=jnp.full((batch,), context, jnp.int32), last_pair_key=jnp.full((batch,), context, jnp.int32))
 
 
-def chained_propose_step(cfg: ModelConfig, impl: str):
+def chained_propose_step(cfg: ModelConfig, execution: ExecutionConfig):
     """One MTP draft step: ``(dcache, token [B], hidden [B, H]), params -> the same, one draft on``.
 
     The last draft's token and hidden feed the next, as in a chain of drafts; the row written is
@@ -314,14 +318,15 @@ def chained_propose_step(cfg: ModelConfig, impl: str):
     def step(state, p):
         d, tok, h = state
         active = jnp.ones(tok.shape, bool)
-        d, logits, h2 = draft_step(cfg, p, d, tok, h, d.last_pair_key, active, impl)
+        d, logits, h2 = draft_step(cfg, p, d, tok, h, d.last_pair_key, active, execution)
         return d.replace(rows=d.rows - 1), jnp.argmax(logits, -1).astype(jnp.int32), h2.astype(h.dtype)
 
     return step
 
 
 def greedy_loop_ms(cfg: ModelConfig, params, batch: int, context: int, new_tokens: int, reps: int,
-                   profile: bool = False, by_source: bool = False) -> tuple[float, float, dict]:
+                   profile: bool = False, by_source: bool = False,
+                   execution: ExecutionConfig = ExecutionConfig()) -> tuple[float, float, dict]:
     """ms a token of the plain greedy loop itself (`generate(speculative=False)`), after a prompt
     of ``context`` random tokens: the decode step as users run it, in its ``while_loop`` with the
     loops' compiler options. `_per_step_slope` over runs of ``new_tokens`` and twice as many
@@ -334,7 +339,7 @@ def greedy_loop_ms(cfg: ModelConfig, params, batch: int, context: int, new_token
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, context).tolist() for _ in range(batch)]
-    specs = {n: SpecConfig(max_new_tokens=n) for n in (new_tokens, 2 * new_tokens)}
+    specs = {n: SpecConfig(max_new_tokens=n, execution=execution) for n in (new_tokens, 2 * new_tokens)}
 
     def timed(n):
         def call():
@@ -352,20 +357,23 @@ def greedy_loop_ms(cfg: ModelConfig, params, batch: int, context: int, new_token
     return ms, ms_call, prof
 
 
-def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float):
+def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float,
+           execution: ExecutionConfig = ExecutionConfig()):
     dtype = jnp.bfloat16
     params = init_params(cfg, jax.random.key(1), dtype)
     n_target = count_params(params, include_mtp=False)
     tp = FLAGS.tp
     mesh = sharding.make_mesh(tp) if tp > 1 else None
-    impl = "reference" if mesh else "auto"
+    if mesh:  # the kernels' references, which XLA partitions
+        execution = dataclasses.replace(execution, kernels=(("", "reference"),))
     if mesh:
         params = sharding.shard_params(params, cfg, mesh)
     # Each device streams about 1/tp of the weights, KV and state (the norms and the MTP
     # head's fc are replicated, a rounding error at this size).
     weight_bytes = 2 * n_target / tp
     report.add(part="A", what="model", params_target=n_target, params_total=count_params(params),
-               context=context, copy_bandwidth_TBps=bw / 1e12, tp=tp, kernels=impl)
+               context=context, copy_bandwidth_TBps=bw / 1e12, tp=tp,
+               kernels=execution.impl_for("paged_attention"))
     for batch in [int(b) for b in FLAGS.batches]:
         cache = random_cache(cfg, batch, context, 16, dtype, jax.random.key(2))
         if mesh:
@@ -377,7 +385,7 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
         n = FLAGS.steps_per_call
         one = jnp.ones((batch,), jnp.int32)
 
-        verify_step = chained_verify_step(cfg, impl)
+        verify_step = chained_verify_step(cfg, execution)
         state = (cache, jnp.ones((batch, 1), jnp.int32))
         decode_ms, call_ms, state, prof = _per_step_ms(verify_step, state, reps, params, n, profile=not mesh,
                                                        by_source=FLAGS.decode_only)
@@ -385,7 +393,8 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
                    ratio_to_floor=decode_ms / floor_ms, **prof)
         if FLAGS.loop_tokens and not mesh:
             loop_ms, call_ms, loop_prof = greedy_loop_ms(cfg, params, batch, context, FLAGS.loop_tokens, reps,
-                                                         profile=FLAGS.loop_profile, by_source=FLAGS.decode_only)
+                                                         profile=FLAGS.loop_profile, by_source=FLAGS.decode_only,
+                                                         execution=execution)
             report.add(part="A", what="plain greedy loop", batch=batch, ms=loop_ms, ms_whole_call=call_ms,
                        floor_ms=floor_ms, ratio_to_floor=loop_ms / floor_ms, ratio_to_decode=loop_ms / decode_ms,
                        **loop_prof)
@@ -401,14 +410,14 @@ def part_a(report: Report, cfg: ModelConfig, context: int, reps: int, bw: float)
         if mesh:
             dc = sharding.shard_cache(dc, cfg, mesh)
         hidden = jax.random.normal(jax.random.key(4), (batch, cfg.hidden_size), dtype)
-        ms, call_ms, pstate, prof = _per_step_ms(chained_propose_step(cfg, impl), (dc, one, hidden), reps, params, n,
-                                                 profile=True)
+        ms, call_ms, pstate, prof = _per_step_ms(chained_propose_step(cfg, execution), (dc, one, hidden), reps, params,
+                                                 n, profile=True)
         report.add(part="A", what="propose (1 draft)", batch=batch, ms=ms, ms_whole_call=call_ms,
                    ratio_to_decode=ms / decode_ms, **prof)
         del pstate, dc
 
 
-def part_b(report: Report, reps: int):
+def part_b(report: Report, reps: int, execution: ExecutionConfig = ExecutionConfig()):
     from mtp.checkpoint import load_pretrained
     from mtp.data.sessions import first_prompt_ids, load_preamble, load_sessions
     from mtp.data.tokenizer import Tokenizer
@@ -427,7 +436,7 @@ def part_b(report: Report, reps: int):
         runs = [("plain", 0)] + [("spec", k) for k in ks if batch == 1 or k <= 4]
         base = None
         for name, k in runs:
-            spec = SpecConfig(verify_width=k or 2, max_new_tokens=new)  # plain runs ignore the width
+            spec = SpecConfig(verify_width=k or 2, max_new_tokens=new, execution=execution)  # plain ignores the width
             gen = lambda: generate(cfg, params, prompts, spec, speculative=k > 0)
             gen()  # compile
             res = [gen() for _ in range(reps)]
@@ -496,15 +505,17 @@ def main(argv):
     settings = runtime.configure_process()  # before anything starts JAX's backend
     logging.info("process settings: %s", settings.describe())
     report = Report(pathlib.Path(FLAGS.out_dir), settings)
+    execution = ExecutionConfig.from_environ(os.environ)
     failed = []
     if "A" in FLAGS.parts:  # the part that profiles
         if jax.default_backend() == "gpu":
             cupti.start()  # before any loop's CUDA graph exists, or its profile would miss the graph's kernels
         cfg = ModelConfig.from_hf(SMALL if FLAGS.small else BIG)
         bw, _ = copy_bandwidth((1 << 30) if not FLAGS.small else (1 << 22))
-        if not _guarded(report, "A", part_a, report, cfg, FLAGS.context if not FLAGS.small else 64, FLAGS.reps, bw):
+        if not _guarded(report, "A", part_a, report, cfg, FLAGS.context if not FLAGS.small else 64, FLAGS.reps, bw,
+                        execution):
             failed.append("A")
-    if "B" in FLAGS.parts and not _guarded(report, "B", part_b, report, FLAGS.reps):
+    if "B" in FLAGS.parts and not _guarded(report, "B", part_b, report, FLAGS.reps, execution):
         failed.append("B")
     md = _markdown(report.data)
     write_atomic(report.out / "results.md", md)

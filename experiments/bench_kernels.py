@@ -52,6 +52,7 @@ from jax import lax
 import numpy as np
 
 from mtp.config import ModelConfig
+from mtp.execution import ExecutionConfig
 from mtp.model import layers
 from mtp.model.params import init_params
 from mtp.mtp_head import APPEND_BUCKETS, PREFILL_CHUNK, DrafterCache, append_rows, quantize_head
@@ -294,8 +295,8 @@ def bench_prefill(batch, rows, reps, page=16):
     raw = {**params, "mtp": {**params["mtp"], "fc": {k: v for k, v in fc.items() if k != "embed_mean_square"}}}
     paths = {"t_xla_fc": ("reference", params), "t_fc_kernel": ("pallas", params),
              "t_fc_kernel_embed_raw": ("pallas", raw)}
-    fns = {key: jax.jit(lambda dc, nt, hs, fk, n, impl=impl, p=p: append_rows(cfg, p, dc, nt, hs, fk, n, impl=impl))
-           for key, (impl, p) in paths.items()}
+    fns = {key: jax.jit(lambda dc, nt, hs, fk, n, impl=impl, p=p: append_rows(
+        cfg, p, dc, nt, hs, fk, n, execution=ExecutionConfig.everywhere(impl))) for key, (impl, p) in paths.items()}
     ref, ker, ker_raw = (fns[key](*sets[0]).kv for key in paths)
     res = {"B": batch, "rows": rows, "M": batch * rows,
            "rel_err_k": _rel_err(ker.k[0], ref.k[0]), "rel_err_v": _rel_err(ker.v[0], ref.v[0]),
@@ -383,10 +384,9 @@ def bench_ffn_chain(reps, num_layers=16, m=2):
     2026-11-30). The per-kernel CUPTI times compare one FFN with a chain of them, under three
     of XLA's command-buffer settings.
     """
-    from mtp.speculative import decode_loop_compiler_options
-
     chain, x, ws = ffn_program(num_layers, m)
-    loop_options = {k: v.replace(",WHILE,CONDITIONAL", "") for k, v in decode_loop_compiler_options().items()}
+    loop_options = {k: v.replace(",WHILE,CONDITIONAL", "")
+                    for k, v in ExecutionConfig(loop_graph="1").loop_compiler_options().items()}
     settings = {"XLA defaults": {}, "the decode loop's (concurrent)": loop_options,
                 "no command buffers": {"xla_gpu_enable_command_buffer": ""}}
     out = {"M": m, "layers": num_layers, "w_bytes_per_layer": 3 * x.shape[1] * ws[0][2].shape[1] * 2}

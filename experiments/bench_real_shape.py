@@ -80,6 +80,7 @@ from experiments.ceilings import copy_bandwidth, gemm_flops_per_s
 from experiments.results_io import write_atomic, write_json
 from mtp.checkpoint import may_be_fp8
 from mtp.config import ModelConfig
+from mtp.execution import ExecutionConfig
 from mtp.model import params as P
 from mtp.model import target
 from mtp.mtp_head import quantize_head
@@ -386,12 +387,13 @@ class ModelBench:
     """One model's programs (declared, then compiled in the pool) and its measurements."""
 
     def __init__(self, name: str, cfg: ModelConfig, suite: str, conf, programs: Programs, report: "Report",
-                 deadline: "Deadline", weights: str = "bf16"):
+                 deadline: "Deadline", weights: str = "bf16", execution: ExecutionConfig = ExecutionConfig()):
         self.name, self.cfg, self.suite, self.conf, self.weights = name, cfg, suite, conf, weights
+        self.execution = execution  # every program's (the MTP_* switches `main` read)
         self.programs, self.report, self.deadline = programs, report, deadline
         self.k_route = cfg.num_experts_per_tok if cfg.num_experts else None
         self.params_abs = abstract_params(cfg, weights=weights)
-        self.head_abs = jax.eval_shape(lambda p: quantize_head(p, "bf16"), self.params_abs)
+        self.head_abs = jax.eval_shape(lambda p: quantize_head(p, "bf16", execution=execution), self.params_abs)
         self.loop_room = 2 * conf.loop_tokens + conf.spec_k + PAGE
         self.step_states: dict[str, tuple[Callable, Any]] = {}  # what -> (its state's maker, routing shapes)
         self.loop_compile = None  # (compiled, seconds) of the plain loop, once `declare_loop`'s compile is done
@@ -431,7 +433,8 @@ class ModelBench:
     @property
     def plain_spec(self):
         """Both loops' static config: the plain loop reads only its budget, the speculative one K too."""
-        return SpecConfig(verify_width=self.conf.spec_k, max_new_tokens=2 * self.conf.loop_tokens)
+        return SpecConfig(verify_width=self.conf.spec_k, max_new_tokens=2 * self.conf.loop_tokens,
+                          execution=self.execution)
 
     def declare_loop(self):
         """The plain loop of batch 1: its compile is the one timed alone."""
@@ -449,7 +452,7 @@ class ModelBench:
             steps.update({f"verify K={k}": (lambda k=k: self._decode_state(1, k)) for k in conf.verify_widths})
         goals = [w for w in ("decode b=1", f"verify K={conf.spec_k}") if w in steps]
         for what in goals:
-            self._declare_step(what, chained_verify_step(c, "auto"), self.params_abs, steps.pop(what))
+            self._declare_step(what, chained_verify_step(c, self.execution), self.params_abs, steps.pop(what))
         if self.suite == "full":
             b = 1
             args = (c, self.head_abs, self._state_abs(lambda: self._loop_cache(b)),
@@ -459,9 +462,9 @@ class ModelBench:
                     jax.ShapeDtypeStruct((), jnp.float32))
             self.programs.submit(f"{self.name}/spec_loop", speculative_loop, *args)
         for what, make_state in steps.items():
-            self._declare_step(what, chained_verify_step(c, "auto"), self.params_abs, make_state)
+            self._declare_step(what, chained_verify_step(c, self.execution), self.params_abs, make_state)
         if self.suite == "full":
-            self._declare_step("propose", chained_propose_step(c, "auto"), self.head_abs, self._propose_state)
+            self._declare_step("propose", chained_propose_step(c, self.execution), self.head_abs, self._propose_state)
         self._declare_prefill()
 
     def _declare_step(self, what, step, params_abs, make_state):
@@ -477,7 +480,7 @@ class ModelBench:
         def run(cache, params, tokens):
             zeros = jnp.zeros((1,), jnp.int32)
             return target.prefill(c, params, cache, tokens, zeros, jnp.full((1,), t, jnp.int32),
-                                  all_logits=False)[0]
+                                  execution=self.execution, all_logits=False)[0]
 
         return jax.jit(run, donate_argnums=0)
 
@@ -566,7 +569,7 @@ class ModelBench:
                 self.guarded(what, deadline, lambda what=what: step_row(what))
         if self.suite == "full":
             def propose():
-                head = quantize_head(params, "bf16")
+                head = quantize_head(params, "bf16", execution=self.execution)
                 row = self.time_step("propose", head, floor_of(head_dense_bytes(c, self.weights), 1, 1, 0), 1)
                 if "decode b=1" in rows:
                     row["ratio_to_decode"] = row["ms"] / rows["decode b=1"]["ms"]
@@ -646,7 +649,7 @@ class ModelBench:
         first = jnp.ones((b,), jnp.int32)
         rng = jax.random.key(conf.seed)
         compiled, spec_compile_s = self.programs.get(f"{self.name}/spec_loop", self.deadline)
-        head = quantize_head(params, "bf16")
+        head = quantize_head(params, "bf16", execution=self.execution)
         hidden = jax.random.normal(jax.random.key(9), (b, c.hidden_size), DTYPE)
         state = {"cache": self._loop_cache(b), "dcache": self._loop_drafter(b)}
         for alpha in conf.alphas:
@@ -819,7 +822,7 @@ def format_verdicts(data, specs) -> list[dict]:
     return out
 
 
-def run(conf) -> dict:
+def run(conf, execution: ExecutionConfig = ExecutionConfig()) -> dict:
     if conf.model not in MODEL_SETS:
         raise SystemExit(f"--config.model={conf.model!r}: expected one of {sorted(MODEL_SETS)}")
     bad = [k for k in conf.verify_widths if not 2 <= k <= 8] + ([conf.spec_k] if not 2 <= conf.spec_k <= 8 else [])
@@ -848,7 +851,8 @@ def run(conf) -> dict:
         cfg = load_model_config(spec.name)
         depth = fitting_depth(cfg, conf.fit_memory_gib, "bf16" if spec.bf16_depth else spec.weights)
         run_cfg = at_depth(cfg, depth)
-        benches.append(ModelBench(spec.label, run_cfg, suite, conf, programs, report, deadline, spec.weights))
+        benches.append(ModelBench(spec.label, run_cfg, suite, conf, programs, report, deadline, spec.weights,
+                                  execution))
         report.add(what="model", model=spec.label, layers=depth, published_layers=cfg.num_hidden_layers,
                    weights=spec.weights, params=sum(math.prod(s) for s in P.param_shapes(run_cfg).values()),
                    weight_gib=sum(param_bytes(run_cfg, spec.weights).values()) / 2 ** 30)
@@ -858,7 +862,8 @@ def run(conf) -> dict:
         pcfg = at_depth(load_model_config(peer_name), conf.peer_layers)
         pconf = conf.copy_and_resolve_references()
         pconf.context = conf.peer_prompt
-        peer = ModelBench(f"{peer_name} (peer shape)", pcfg, "loop", pconf, programs, report, deadline)
+        peer = ModelBench(f"{peer_name} (peer shape)", pcfg, "loop", pconf, programs, report, deadline,
+                          execution=execution)
     first = benches[0]
     try:
         # 0. The peer first, while this process's JAX memory pool is small: JAX keeps what it has
@@ -945,7 +950,7 @@ def grow_memory_pool_on_demand(environ=os.environ) -> None:
 def main(argv):
     del argv
     grow_memory_pool_on_demand()  # before anything starts JAX's backend
-    data = run(_CONFIG.value)
+    data = run(_CONFIG.value, ExecutionConfig.from_environ(os.environ))
     failed = len(data["errors"])
     if failed:
         logging.error("%d measurement(s) failed; see %s/results.json", failed, _CONFIG.value.out_dir)

@@ -18,6 +18,7 @@ than `analysis.MIN_BOOTSTRAP_SESSIONS` sessions, each interval says it means lit
 
 from __future__ import annotations
 
+import os
 import pathlib
 import platform
 import time
@@ -35,6 +36,7 @@ from mtp import runtime
 from mtp.analysis import MIN_BOOTSTRAP_SESSIONS, interval_caveat, paired_bootstrap, summarize
 from mtp.metrics import AcceptanceStats
 from mtp.engine import EngineConfig
+from mtp.execution import ExecutionConfig
 from mtp.speculative import SpecConfig
 
 _CONFIG = cli.define_config("configs/carry_ablation.py", "The experiment's config file; its fields are listed above.")
@@ -174,6 +176,7 @@ def main(argv):
     if not c.variants:
         raise app.UsageError("--config.variants: empty; give at least one (policy, batch_slots, carry_slots)")
     marconi = c.marconi_min_tokens
+    execution = ExecutionConfig.from_environ(os.environ)
     cfg, params, mesh, sessions, prompts = load_experiment(c)
     max_new = max(t.max_new_tokens for s in sessions for t in s.turns)
     spec = SpecConfig(verify_width=c.verify_width, max_new_tokens=max_new, refeed_accepted=c.refeed_accepted,
@@ -182,11 +185,11 @@ def main(argv):
     reference = lossless_reference(c.verify_width)
     logging.info("lossless reference over %d sessions, %d turns: %s", len(sessions), total, reference.description)
     ref = greedy_reference(cfg, params, sessions, prompts, c, max_new, "greedy reference", total, mesh,
-                           reference.plain_width)
+                           reference.plain_width, execution)
     ecfgs = {name: EngineConfig(policy=policy, batch_slots=slots, carry_slots=carry_slots,
                                 max_context=c.max_context, num_pages=c.num_pages, drafter_pages=c.num_pages,
                                 mtp_quant=c.mtp_quant, rebuild_output_rows=c.rebuild_output_rows,
-                                marconi_min_tokens=marconi)
+                                marconi_min_tokens=marconi, execution=execution)
              for name, (policy, slots, carry_slots) in c.variants.items()}
     per_turn, same = {}, {}
     for name, res in run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs, total, mesh,

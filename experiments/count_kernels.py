@@ -54,6 +54,7 @@ from absl import app, flags
 from experiments.bench_decode import (BIG, abstract, chained_verify_step, kernel_sources,  # and its flags
                                       random_cache, source_of)
 from experiments.cli import refuse_flags_of
+from mtp.execution import ExecutionConfig
 from mtp.speculative import MAX_VERIFY_WIDTH
 
 H200_TARGET = """\
@@ -221,7 +222,7 @@ def compile_only_device(target_config: str):
     return device
 
 
-def loop_call(program: str, batch: int, device):
+def loop_call(program: str, batch: int, device, execution: ExecutionConfig):
     """``(jitted loop, args)`` of a decode loop as `mtp.generation.generate` calls it, on ``--loop_model``.
 
     `generation.prepare_decode` runs on the CPU (pages, caches, prefill); the loop's array
@@ -234,7 +235,8 @@ def loop_call(program: str, batch: int, device):
     from mtp.checkpoint import load_pretrained
     from mtp.speculative import SpecConfig
 
-    spec = SpecConfig(verify_width=FLAGS.spec_k, max_new_tokens=128, refeed_accepted=FLAGS.refeed_accepted)
+    spec = SpecConfig(verify_width=FLAGS.spec_k, max_new_tokens=128, refeed_accepted=FLAGS.refeed_accepted,
+                      execution=execution)
     with jax.default_device(jax.devices("cpu")[0]):
         if FLAGS.loop_model == "big":
             import jax.numpy as jnp
@@ -252,12 +254,12 @@ def loop_call(program: str, batch: int, device):
     return call.loop, abstract(call.args, jax.sharding.SingleDeviceSharding(device))
 
 
-def count_loop(device):
+def count_loop(device, execution: ExecutionConfig):
     """Prints the launches of one iteration of ``--count``'s while loop, per batch."""
     import jax
 
     for batch in (int(b) for b in FLAGS.batches):
-        loop, args = loop_call(FLAGS.count, batch, device)
+        loop, args = loop_call(FLAGS.count, batch, device, execution)
         where = os.path.join(FLAGS.dump or tempfile.mkdtemp(prefix="count_kernels_"), f"{FLAGS.count}_b{batch}")
         t0 = time.time()
         with jax.default_device(device):
@@ -309,8 +311,9 @@ def main(argv):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
     target_config = open(FLAGS.target_config).read() if FLAGS.target_config else H200_TARGET
     device = compile_only_device(target_config)
+    execution = ExecutionConfig.from_environ(os.environ)
     if FLAGS.count != "step":
-        return count_loop(device)
+        return count_loop(device, execution)
 
     import jax
     import jax.numpy as jnp
@@ -325,7 +328,7 @@ def main(argv):
     print(f"target {device.device_kind} ({device.core_count} SMs), jax {jax.__version__}, "
           f"{count_params(params, include_mtp=False) / 1e9:.2f}B target params, context {FLAGS.context}, "
           f"{FLAGS.tokens} token(s) per step, MTP_KERNELS={os.environ.get('MTP_KERNELS', '')!r}")
-    step = chained_verify_step(cfg, "auto")
+    step = chained_verify_step(cfg, execution)
     dump_root = FLAGS.dump or tempfile.mkdtemp(prefix="count_kernels_")
     for batch in (int(b) for b in FLAGS.batches):
         cache = jax.eval_shape(lambda: random_cache(cfg, batch, FLAGS.context, 16, jnp.bfloat16,

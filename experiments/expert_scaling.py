@@ -27,6 +27,7 @@ With ``--form_pairs`` (a list of pair counts ``N * k``), the two forms of the op
 
 from __future__ import annotations
 
+import os
 import pathlib
 import statistics
 import tempfile
@@ -43,6 +44,7 @@ from mtp import checkpoint
 from mtp.cache.pages import PageAllocator, block_table_row
 from mtp.cache.state import TargetCache
 from mtp.config import ModelConfig
+from mtp.execution import ExecutionConfig
 from mtp.generation import generate
 from mtp.model import target
 from mtp.model.params import init_params
@@ -71,7 +73,7 @@ def define_flags() -> None:
     require_ints("form_shape", 1)
 
 
-def decode_step_cost(cfg: ModelConfig, params=None) -> dict:
+def decode_step_cost(cfg: ModelConfig, params=None, execution: ExecutionConfig = ExecutionConfig()) -> dict:
     """XLA's cost analysis of the compiled one-token decode step at batch 1 (``params``: arrays or
     their shapes; default the shapes of `init_params`'), traced afresh."""
     if params is None:
@@ -80,14 +82,15 @@ def decode_step_cost(cfg: ModelConfig, params=None) -> dict:
     cache = TargetCache.create(cfg, 1, pool.num_pages, 16, 4, jnp.float32).replace(
         block_tables=jnp.asarray(block_table_row(pool.allocate(4), 4))[None])
     jax.clear_caches()  # the step is traced again, with whatever the model's functions are now
-    return target.decode.lower(cfg, params, cache, jnp.zeros((1, 1), jnp.int32)).compile().cost_analysis()
+    return target.decode.lower(cfg, params, cache, jnp.zeros((1, 1), jnp.int32),
+                               execution=execution).compile().cost_analysis()
 
 
-def measure(base: ModelConfig, experts: int) -> dict:
+def measure(base: ModelConfig, experts: int, execution: ExecutionConfig) -> dict:
     cfg = base.replace(num_experts=experts, num_experts_per_tok=FLAGS.top_k)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, cfg.vocab_size, FLAGS.prompt_len).tolist() for _ in range(FLAGS.batch)]
-    spec = SpecConfig(max_new_tokens=FLAGS.max_new_tokens, verify_width=FLAGS.verify_width)
+    spec = SpecConfig(max_new_tokens=FLAGS.max_new_tokens, verify_width=FLAGS.verify_width, execution=execution)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint.save_pretrained(pathlib.Path(tmp) / "ckpt", cfg, init_params(cfg, jax.random.key(0)))
         t0 = time.perf_counter()
@@ -106,7 +109,7 @@ def measure(base: ModelConfig, experts: int) -> dict:
             raise RuntimeError(f"{experts} experts: a repeated generation gave other tokens")
     decode_s = statistics.median(times)
     row = {"experts": experts, "top_k": FLAGS.top_k, "load_s": load_s, "compile_s": max(first_s - decode_s, 0.0),
-           "decode_s": decode_s, "step_flops": float(decode_step_cost(loaded_cfg, params)["flops"])}
+           "decode_s": decode_s, "step_flops": float(decode_step_cost(loaded_cfg, params, execution)["flops"])}
     logging.info("%s", row)
     return row
 
@@ -173,13 +176,14 @@ def main(argv):
     if FLAGS.top_k > min(counts):
         raise app.UsageError(f"--top_k={FLAGS.top_k} exceeds the smallest --experts value {min(counts)}")
     logging.info("warm-up: %d experts, untimed (the process's first compiles and runs)", counts[0])
-    measure(base, counts[0])
+    execution = ExecutionConfig.from_environ(os.environ)
+    measure(base, counts[0], execution)
     rows = []
     out = pathlib.Path(FLAGS.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for i, experts in enumerate(counts):
         logging.info("[%d/%d] %d experts", i + 1, len(counts), experts)
-        rows.append(measure(base, experts))
+        rows.append(measure(base, experts, execution))
         for r in rows:
             r.update({f"{m}_ratio": r[m] / rows[0][m] if rows[0][m] else None for m in MEASURES})
         write_json(out / "results.json", {"config": FLAGS.config, "rows": rows})

@@ -24,6 +24,7 @@ from experiments.harness import eos_id
 from mtp import quant, runtime
 from mtp.checkpoint import TOKEN_COUNTS_NAME, WEIGHT_QUANT_CHOICES, load_pretrained
 from mtp.data.tokenizer import Tokenizer
+from mtp.execution import ExecutionConfig
 from mtp.generation import generate
 from mtp.mtp_head import draft_vocabulary
 from mtp.speculative import SpecConfig
@@ -50,7 +51,8 @@ flags.DEFINE_float("draft_conf_tau", 0.0, "D-Cut threshold on the chain's min to
 flags.DEFINE_enum("mtp_hidden_source", None, ["post_norm", "pre_norm"], "Override the config's MTP hidden source.")
 flags.DEFINE_integer("mtp_vocab_size", 0, "Draft over the N most frequent token ids (0 = full vocabulary); "
                      "needs token_counts.npy (counts per id) in the checkpoint.", lower_bound=0)
-flags.DEFINE_enum("kernels", "auto", ["auto", "reference", "pallas", "interpret"], "Kernel backend.")
+flags.DEFINE_enum("kernels", "auto", ["auto", "reference", "pallas", "interpret"],
+                  "Kernel backend of every op MTP_KERNELS names no path of its own for.")
 
 
 def read_prompts(path: str, tokenizer: Tokenizer | None) -> list[list[int]]:
@@ -101,7 +103,8 @@ def main(argv):
     d = FLAGS.num_speculative_tokens
     spec = SpecConfig(verify_width=max(d + 1, 2), max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
                       refeed_accepted=FLAGS.refeed_accepted, draft_conf_tau=FLAGS.draft_conf_tau,
-                      eos_id=eos_id(cfg), impl=FLAGS.kernels)
+                      eos_id=eos_id(cfg),
+                      execution=ExecutionConfig.from_environ(os.environ).with_global_kernel(FLAGS.kernels))
     draft_vocab = None
     if FLAGS.mtp_vocab_size:
         counts_path = os.path.join(FLAGS.checkpoint, TOKEN_COUNTS_NAME)

@@ -16,6 +16,7 @@ from mtp.checkpoint import load_config, load_pretrained
 from mtp.data.sessions import load_preamble, load_sessions
 from mtp.data.tokenizer import Tokenizer
 from mtp.engine import Engine, EngineConfig, TextPrompts, run_sessions, session_waves
+from mtp.execution import ExecutionConfig
 from mtp.speculative import SpecConfig
 
 
@@ -163,13 +164,15 @@ def lossless_reference(verify_width: int) -> LosslessReference:
     return LosslessReference(1, "the plain greedy loop (one row a step)")
 
 
-def greedy_reference(cfg, params, sessions, prompts, c, max_new_tokens, label, total, mesh=None, plain_width=1):
+def greedy_reference(cfg, params, sessions, prompts, c, max_new_tokens, label, total, mesh=None, plain_width=1,
+                     execution: ExecutionConfig = ExecutionConfig()):
     """Every turn decoded by the plain greedy loop (``plain_width`` rows a step: `lossless_reference`),
-    indexed as `index_turns`: the tokens that a lossless speculative run must reproduce exactly."""
+    indexed as `index_turns`: the tokens that a lossless speculative run must reproduce exactly.
+    ``execution``: the run's (`ExecutionConfig.from_environ` in the experiment's ``main``)."""
     spec = SpecConfig(max_new_tokens=max_new_tokens, eos_id=eos_id(cfg), verify_width=max(2, plain_width),
                       plain_width=plain_width)
     ecfg = EngineConfig(policy="cold", speculative=False, max_context=c.max_context, num_pages=c.num_pages,
-                        drafter_pages=c.num_pages)
+                        drafter_pages=c.num_pages, execution=execution)
     return index_turns(run_policy(cfg, params, sessions, prompts, spec, ecfg, label, total, mesh))
 
 

@@ -150,7 +150,8 @@ def _program():
     batch = int(FLAGS.batches[0])
     cache = random_cache(cfg, batch, FLAGS.context, 16, jnp.bfloat16, jax.random.key(2))
     tokens = jnp.zeros((batch, 1), jnp.int32)
-    return jax.jit(chained_verify_step(cfg, "auto")), [((cache, tokens), params)]
+    # The worker is a process of its own: it reads the MTP_* switches it inherited, once, here.
+    return jax.jit(chained_verify_step(cfg, ExecutionConfig.from_environ(os.environ))), [((cache, tokens), params)]
 
 
 def run_worker(path: str):

@@ -4,13 +4,15 @@ r"""Where a real-shape decode step's time goes: CUPTI kernel times per kernel gr
         [--widths=1,4] [--variants=base:,moe_ref:MTP_KERNELS=moe=reference] [--steps_per_call=8 --reps=7]
     PYTHONPATH=. python3 -m experiments.profile_step --model=tiny_qwen35_moe:fp8 --out_dir=/tmp/p   # a CPU check
 
-The step is `bench_real_shape`'s: `bench_decode.chained_verify_step(cfg, "auto")` (K = 1 is the
+The step is `bench_real_shape`'s: `bench_decode.chained_verify_step(cfg, execution)` (K = 1 is the
 plain decode step, K > 1 a verify) in `_steps_program`'s ``fori_loop``, with the routing of its own
 tokens carried out (`bench_real_shape.routing_of`) for the floor; random weights made on the device
 (`bench_real_shape.device_params`, a seed fixes them) and a random cache of ``--context`` positions.
 
-Per step width and variant (a variant is a name and ``MTP_*`` variables set around its trace, e.g.
-``moe_ref:MTP_KERNELS=moe=reference``; the first is the baseline), it reports
+Per step width and variant (a variant is a name and ``MTP_*`` variables that set its
+`mtp.execution.ExecutionConfig`, e.g. ``moe_ref:MTP_KERNELS=moe=reference``; the first is the
+baseline; the step is compiled with the config's decode-loop XLA options, as the loops run it), it
+reports
 
 * the step's time, the slope between calls of ``--steps`` and 4x as many steps, the variants'
   calls interleaved (`interleaved_slopes`), and its active-bytes floor over the copy bandwidth
@@ -65,7 +67,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "qwen3_next_80b_a3b:fp8", "A `bench_real_shape.ModelSpec` entry (config[:fp8]).")
 flags.DEFINE_integer("layers", 0, "Layers to run (0: the published depth).", lower_bound=0)
 flags.DEFINE_list("widths", ["1", "4"], "Step widths K at batch 1: 1 is the plain decode step, K > 1 a verify.")
-flags.DEFINE_list("variants", ["base:"], "name:VAR=value;VAR=value ... each traced with those MTP_* variables "
+flags.DEFINE_list("variants", ["base:"], "name:VAR=value;VAR=value ... each built with the ExecutionConfig those MTP_* variables "
                   "set (the first is the baseline the others are compared with).")
 flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
 flags.DEFINE_string("tree_commit", "", "The git commit the copied tree was made from (a copy has no .git).")
@@ -182,22 +184,9 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-class _Env:
-    """``MTP_*`` variables set around a trace, the old values back after."""
-
-    def __init__(self, env):
-        self.env, self.old = env, {}
-
-    def __enter__(self):
-        self.old = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-
-    def __exit__(self, *exc):
-        for k, v in self.old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def variant_execution(env: dict[str, str]) -> ExecutionConfig:
+    """A variant's `ExecutionConfig`: this process's ``MTP_*`` variables with the variant's own on top."""
+    return ExecutionConfig.from_environ({**os.environ, **env})
 
 
 def profile_kernels(compiled, state, params, steps, where):
@@ -278,20 +267,18 @@ def main(argv):
         state_abs = jax.eval_shape(make_state)
         progs, boxes = {}, {}
         for name, env in variants:
-            with _Env(env):
-                jax.clear_caches()  # nested jits cache their traces whatever the environment says
-                step = _with_routing(chained_verify_step(cfg, "auto"), k_route)
-                _, routing = jax.eval_shape(lambda s, p: step((s, None), p), state_abs, params_abs)
-                t = time.perf_counter()
-                try:
-                    options = ExecutionConfig.from_environ(os.environ).loop_compiler_options()  # as the loops run
-                    compiled = _steps_program(step, options).lower((state_abs, routing), params_abs,
-                                                          jax.ShapeDtypeStruct((), jnp.int32)).compile()
-                except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, the rest run
-                    data["errors"].append(f"{name} K={width} compile: {type(e).__name__}: {e}"[:3000])
-                    print(data["errors"][-1], flush=True)
-                    continue
-                progs[name] = (compiled, time.perf_counter() - t)
+            execution = variant_execution(env)
+            step = _with_routing(chained_verify_step(cfg, execution), k_route)
+            _, routing = jax.eval_shape(lambda s, p: step((s, None), p), state_abs, params_abs)
+            t = time.perf_counter()
+            try:  # compiled with the decode loops' XLA options, as the loops run the step
+                compiled = _steps_program(step, execution.loop_compiler_options()).lower(
+                    (state_abs, routing), params_abs, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+            except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, the rest run
+                data["errors"].append(f"{name} K={width} compile: {type(e).__name__}: {e}"[:3000])
+                print(data["errors"][-1], flush=True)
+                continue
+            progs[name] = (compiled, time.perf_counter() - t)
             boxes[name] = [(make_state(), tuple(jnp.zeros(r.shape, r.dtype) for r in routing))]
 
         def call_of(name, n):

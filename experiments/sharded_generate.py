@@ -35,6 +35,7 @@ from mtp import runtime, sharding
 from mtp.cache.state import TargetCache
 from mtp.checkpoint import load_pretrained
 from mtp.data.tokenizer import Tokenizer
+from mtp.execution import ExecutionConfig
 from mtp.generation import generate
 from mtp.model import target
 from mtp.speculative import SpecConfig
@@ -115,7 +116,8 @@ _COLLECTIVE = re.compile(r"= (\w+\[[^\]]*\])\S* (all-gather|all-reduce|all-to-al
                          r"(-start)?\(")
 
 
-def verify_collectives(cfg, params, mesh, batch: int, width: int) -> dict[str, dict[str, int]]:
+def verify_collectives(cfg, params, mesh, batch: int, width: int,
+                       execution: ExecutionConfig) -> dict[str, dict[str, int]]:
     """Collectives XLA put into one sharded verify step, by kind and shape.
 
     The layouts are right when these are all activation-sized ([B, K, hidden] and
@@ -126,7 +128,7 @@ def verify_collectives(cfg, params, mesh, batch: int, width: int) -> dict[str, d
     cache = sharding.shard_cache(cache.replace(block_tables=jax.numpy.arange(
         1, batch * blocks + 1, dtype=jax.numpy.int32).reshape(batch, blocks)), cfg, mesh)
     tokens = jax.numpy.ones((batch, width), jax.numpy.int32)
-    hlo = target.verify.lower(cfg, params, cache, tokens, impl=FLAGS.kernels).compile().as_text()
+    hlo = target.verify.lower(cfg, params, cache, tokens, execution=execution).compile().as_text()
     found: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for m in _COLLECTIVE.finditer(hlo):
         found[m.group(2)][m.group(1)] += 1
@@ -144,10 +146,10 @@ def main(argv):
         raise app.UsageError("--out is required")
     logging.info("process settings: %s", runtime.configure_process().describe())  # before JAX's backend starts
     with jax.default_matmul_precision(FLAGS.matmul_precision):
-        compare(FLAGS.out)
+        compare(FLAGS.out, ExecutionConfig.from_environ(os.environ).with_global_kernel(FLAGS.kernels))
 
 
-def compare(out: str):
+def compare(out: str, execution: ExecutionConfig):
     mesh = sharding.make_mesh(FLAGS.tp, FLAGS.ep)
     dtype = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, None: None}[FLAGS.dtype]
     cfg, params = load_pretrained(FLAGS.checkpoint, dtype=dtype)
@@ -159,7 +161,7 @@ def compare(out: str):
     prompts = session_prompts(FLAGS.sessions, tok, FLAGS.num_prompts, FLAGS.max_prompt_tokens)
     runs, single_tokens, sharded_tokens = {}, {}, {}
     for name, speculative, width in (("greedy", False, 2), ("speculative", True, FLAGS.num_speculative_tokens + 1)):
-        spec = SpecConfig(verify_width=width, max_new_tokens=FLAGS.max_new_tokens, impl=FLAGS.kernels)
+        spec = SpecConfig(verify_width=width, max_new_tokens=FLAGS.max_new_tokens, execution=execution)
         single, single_stats = timed_generate(cfg, params, prompts, spec, speculative)
         multi, multi_stats = timed_generate(cfg, sharded, prompts, spec, speculative, mesh)
         mismatch = first_mismatch(single, multi)
@@ -179,7 +181,7 @@ def compare(out: str):
         param_bytes_total=total, param_bytes_per_device=per_device,
         param_specs={n: str(s) for n, s in sharding.param_specs(cfg, mesh).items()},
         verify_step_collectives=verify_collectives(cfg, sharded, mesh, FLAGS.batch_size,
-                                                   FLAGS.num_speculative_tokens + 1),
+                                                   FLAGS.num_speculative_tokens + 1, execution),
         runs=runs,
         # The same yardstick without a mesh: one device, plain vs speculative decoding.
         # Their verify shapes differ, so in bf16 they round differently too.

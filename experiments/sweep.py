@@ -15,6 +15,7 @@ short keeps the axes it finished; the last line names them.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import time
 
@@ -29,6 +30,7 @@ from mtp import runtime
 from mtp.analysis import summarize
 from mtp.data.sessions import load_sessions
 from mtp.engine import EngineConfig
+from mtp.execution import ExecutionConfig
 from mtp.speculative import SpecConfig
 
 _CONFIG = cli.define_config("configs/sweep.py", "The sweep's config file; its fields are listed above.")
@@ -43,7 +45,7 @@ def _baseline(c, cfg) -> dict:
                 mtp_hidden_source=cfg.mtp_hidden_source)
 
 
-def _setting(c, cfg0, axis, value, max_new):
+def _setting(c, cfg0, axis, value, max_new, execution: ExecutionConfig):
     """The model config, SpecConfig and EngineConfig of one run: built for every run before the
     first starts (the values were checked against `configs.sweep.FIELDS`; a rule of the library
     that the table does not state still stops the sweep by the axis's name, not after the axes
@@ -58,7 +60,7 @@ def _setting(c, cfg0, axis, value, max_new):
         ecfg = EngineConfig(policy=c.policy, max_context=c.max_context, num_pages=c.num_pages,
                             drafter_pages=c.num_pages, mtp_quant=knobs["mtp_quant"],
                             marconi_min_tokens=knobs["marconi_min_tokens"],
-                            rebuild_output_rows=knobs["rebuild_output_rows"])
+                            rebuild_output_rows=knobs["rebuild_output_rows"], execution=execution)
     except ValueError as e:
         raise app.UsageError(f"--config.axes.{axis}: value {value!r}: {e}") from e
     return cfg, spec, ecfg
@@ -74,9 +76,9 @@ def swept_axes(c) -> list[str]:
     return axes
 
 
-def plan(c, cfg0, sessions, preamble_only, axes) -> dict:
+def plan(c, cfg0, sessions, preamble_only, axes, execution: ExecutionConfig = ExecutionConfig()) -> dict:
     """``{axis: (sessions, max new tokens, [(value, cfg, spec, ecfg), ...])}`` for every axis of
-    ``axes`` (`swept_axes`) and its values.
+    ``axes`` (`swept_axes`) and its values, each engine run with ``execution``.
 
     The Marconi axis runs over the sessions that share only the preamble, where the
     threshold decides between restoring a snapshot and a full drafter prefill.
@@ -85,7 +87,7 @@ def plan(c, cfg0, sessions, preamble_only, axes) -> dict:
     for axis in axes:
         work = preamble_only if axis == "marconi_min_tokens" else sessions
         max_new = max(t.max_new_tokens for s in work for t in s.turns)
-        out[axis] = work, max_new, [(v, *_setting(c, cfg0, axis, v, max_new)) for v in c.axes[axis]]
+        out[axis] = work, max_new, [(v, *_setting(c, cfg0, axis, v, max_new, execution)) for v in c.axes[axis]]
     return out
 
 
@@ -121,7 +123,8 @@ def main(argv):
     start, origin = time.time(), provenance(c)  # the code and command as the run starts
     cfg0, params, mesh, sessions, prompts = load_experiment(c)
     preamble_only = session_subset(load_sessions(c.preamble_only_sessions), c.num_preamble_only, "num_preamble_only")
-    axes = plan(c, cfg0, sessions, preamble_only, swept)
+    execution = ExecutionConfig.from_environ(os.environ)
+    axes = plan(c, cfg0, sessions, preamble_only, swept, execution)
     out = pathlib.Path(c.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tables, refs = {}, {}  # one plain greedy reference per session set and width, shared by its axes
@@ -132,7 +135,8 @@ def main(argv):
             reference = lossless_reference(spec.verify_width)
             if (id(work), reference.plain_width) not in refs:
                 refs[id(work), reference.plain_width] = greedy_reference(
-                    cfg0, params, work, prompts, c, max_new, "greedy reference", total, mesh, reference.plain_width)
+                    cfg0, params, work, prompts, c, max_new, "greedy reference", total, mesh, reference.plain_width,
+                    execution)
             ref = refs[id(work), reference.plain_width]
             turns = index_turns(run_policy(cfg, params, work, prompts, spec, ecfg, f"{axis}={value}", total, mesh))
             same = lossless(turns, ref)

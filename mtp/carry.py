@@ -24,11 +24,12 @@ in the keys are normal and never need filling.
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar, Optional
 
 import numpy as np
+
+from mtp.execution import ExecutionConfig
 
 __all__ = [
     "AppendPlan",
@@ -39,20 +40,11 @@ __all__ = [
     "StoreRange",
     "adopt",
     "carry_armed_with",
-    "carry_debug_enabled",
     "merge_interval",
     "mtp_rows_to_trim",
     "plan_append",
     "stamped_merge",
 ]
-
-# Environment switches. Each counts only for the exact value "1": a switch that also
-# fired on "0" or "false" would turn features off in exactly the runs that tried to
-# say they were on.
-ENV_DRAFTER_CONTEXT_OFF = "MTP_DRAFTER_CONTEXT_OFF"
-ENV_DRAFTER_CARRY_OFF = "MTP_DRAFTER_CARRY_OFF"
-ENV_CARRY_DEBUG = "MTP_CARRY_DEBUG"
-
 
 def _check_count(name: str, value: Any) -> int:
     """Reject anything but a non-negative Python int (bools included: ``True`` rows is a bug)."""
@@ -549,11 +541,14 @@ class DrafterContext:
         return cls(prefill=False, carry=False)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "DrafterContext":
-        """Default policy unless ``MTP_DRAFTER_CONTEXT_OFF=1`` (both off) or ``MTP_DRAFTER_CARRY_OFF=1``."""
-        if environ.get(ENV_DRAFTER_CONTEXT_OFF) == "1":
+    def of(cls, execution: ExecutionConfig) -> "DrafterContext":
+        """The default policy unless ``execution``'s kill switches turn it off:
+        ``drafter_context_off`` both halves, ``drafter_carry_off`` the carry alone
+        (``MTP_DRAFTER_CONTEXT_OFF=1`` / ``MTP_DRAFTER_CARRY_OFF=1`` at an entry point; only the exact
+        value ``1`` counts, so that ``0`` or ``false`` never turns a feature off)."""
+        if execution.drafter_context_off:
             return cls.off()
-        if environ.get(ENV_DRAFTER_CARRY_OFF) == "1":
+        if execution.drafter_carry_off:
             return cls(prefill=True, carry=False)
         return cls()
 
@@ -566,11 +561,6 @@ def carry_armed_with(cfg: DrafterContext, multi_seq: bool) -> bool:
     state must report this value, not ``cfg.carry``.
     """
     return cfg.carry and not multi_seq
-
-
-def carry_debug_enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    """``MTP_CARRY_DEBUG=1``: log one line per carry decision (off by default so timed runs stay quiet)."""
-    return environ.get(ENV_CARRY_DEBUG) == "1"
 
 
 # --------------------------------------------------------------------------------------

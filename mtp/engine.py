@@ -56,6 +56,7 @@ from mtp.cache.pages import PageAllocator, PagePoolExhausted, block_table_row
 from mtp.cache.prefix import PrefixCache, Snapshot, SnapshotStore, TurnEndStore, chain_hashes
 from mtp.cache.state import LinearState, TargetCache
 from mtp.config import ModelConfig
+from mtp.execution import ExecutionConfig
 from mtp.metrics import AcceptanceStats
 from mtp.model import target
 from mtp.generation import positions_reached
@@ -79,8 +80,10 @@ class EngineConfig:
     drafter_pages: int = 4096
     max_context: int = 2048  # prompt + reply tokens one slot can address
     marconi_min_tokens: int = carry_lib.DEFAULT_MARCONI_MIN_TOKENS  # 0: always restore a snapshot
-    # The one policy object and kill switch (MTP_DRAFTER_CONTEXT_OFF=1 / MTP_DRAFTER_CARRY_OFF=1).
-    drafter_context: carry_lib.DrafterContext = dataclasses.field(default_factory=carry_lib.DrafterContext.from_env)
+    # How every step runs (kernel paths, GEMM layout, loop graphs; the carry-debug log), the loops' too.
+    execution: ExecutionConfig = ExecutionConfig()
+    # The one policy object and kill switch; None: as execution's kill switches leave it (`DrafterContext.of`).
+    drafter_context: carry_lib.DrafterContext | None = None
     turn_end_snapshots: bool = True  # also snapshot the GDN state at each turn's end
     # Where a turn's drafter is deposited (the carry armed), its decode call rewrites the output's
     # drafter rows from the target's hiddens at its end (`SpecConfig.rebuild_output_rows`), so the
@@ -89,6 +92,8 @@ class EngineConfig:
     debug: bool = False
 
     def __post_init__(self):
+        if self.drafter_context is None:
+            object.__setattr__(self, "drafter_context", carry_lib.DrafterContext.of(self.execution))
         if self.policy not in DRAFTER_POLICIES:
             raise ValueError(f"unknown drafter policy {self.policy!r}; choose one of {', '.join(DRAFTER_POLICIES)}")
         quant.parse_quant(self.mtp_quant)
@@ -187,10 +192,10 @@ _CHUNK_META = 5  # after a chunk's tokens: slot, start, token count, write-from,
 _FIRST_TOKEN_KEY = 1  # a turn's first token is sampled with fold_in(key(this), the turn's generation)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "width", "temperature", "impl"),
+@functools.partial(jax.jit, static_argnames=("cfg", "width", "temperature", "execution"),
                    donate_argnames=("cache", "hiddens", "dcache", "starts"))
 def _prefill_slot(cfg, params, cache: TargetCache, hiddens, dcache: DrafterCache | None, starts: TurnStarts, chunk, *,
-                  width: int, temperature: float, impl):
+                  width: int, temperature: float, execution: ExecutionConfig):
     """One aligned prefill chunk; its hiddens land in the slot's hidden store.
 
     ``chunk`` is one int32 row (`_chunk_row`): the chunk's ``width`` tokens, then its slot
@@ -211,13 +216,13 @@ def _prefill_slot(cfg, params, cache: TargetCache, hiddens, dcache: DrafterCache
                                                    chunk[:, width + 2], chunk[:, width + 3], chunk[0, width + 4])
     view = cache.replace(linear=_slot(cache.linear, b), block_tables=_slot(cache.block_tables, b),
                          lengths=_slot(cache.lengths, b))
-    view, out = target.prefill(cfg, params, view, tokens, start, num_new, write_from, impl=impl)
+    view, out = target.prefill(cfg, params, view, tokens, start, num_new, write_from, execution=execution)
     h = out.mtp_hidden(cfg.mtp_hidden_source).astype(hiddens.dtype)
     hiddens = jax.lax.dynamic_update_slice(hiddens, h, (b, start[0], 0))
     cache = cache.replace(kv=view.kv, linear=_put_slot(cache.linear, b, view.linear),
                           lengths=_put_slot(cache.lengths, b, view.lengths))
     if dcache is not None:
-        dcache = _append_of_slot(cfg, params, dcache, hiddens, b, chunk[:, width + _CHUNK_META:], impl=impl)
+        dcache = _append_of_slot(cfg, params, dcache, hiddens, b, chunk[:, width + _CHUNK_META:], execution=execution)
     last = num_new[0] - 1
     token = pick_token(out.logits[:, last], temperature, jax.random.fold_in(jax.random.key(_FIRST_TOKEN_KEY), turn))
     hidden = jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False).astype(starts.hidden.dtype)
@@ -285,7 +290,7 @@ def _setup_row(slot: int, target_table, drafter_table, rows: int, last_key: int)
     return np.concatenate([np.array([slot, rows, last_key], np.int32), target_table, drafter_table])
 
 
-def _append_of_slot(cfg, params, dcache: DrafterCache, hiddens, b, append, *, impl):
+def _append_of_slot(cfg, params, dcache: DrafterCache, hiddens, b, append, *, execution: ExecutionConfig):
     """Drafter rows for keys ``first_key ...`` of slot ``b``; key ``k`` reads ``hiddens[b, k]``.
 
     ``append``: one int32 row of `_drafter_appends`, the tokens, then first key and count."""
@@ -295,12 +300,12 @@ def _append_of_slot(cfg, params, dcache: DrafterCache, hiddens, b, append, *, im
     h = jnp.take(jax.lax.dynamic_index_in_dim(hiddens, b, axis=0, keepdims=False), keys[0], axis=0)[None]
     view = dcache.replace(block_tables=_slot(dcache.block_tables, b), rows=_slot(dcache.rows, b),
                           last_pair_key=_slot(dcache.last_pair_key, b))
-    view = append_rows(cfg, params, view, tokens, h, first_key, count, impl=impl)
+    view = append_rows(cfg, params, view, tokens, h, first_key, count, execution=execution)
     return dcache.replace(kv=view.kv, rows=_put_slot(dcache.rows, b, view.rows),
                           last_pair_key=_put_slot(dcache.last_pair_key, b, view.last_pair_key))
 
 
-_append_slot = functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("dcache",))(
+_append_slot = functools.partial(jax.jit, static_argnames=("cfg", "execution"), donate_argnames=("dcache",))(
     _append_of_slot)
 
 
@@ -357,6 +362,9 @@ class Engine:
                  mesh: Mesh | None = None):
         if engine_cfg.speculative and not cfg.has_mtp:
             raise ValueError("speculative decoding needs a checkpoint with an MTP head")
+        if spec.execution not in (ExecutionConfig(), engine_cfg.execution):
+            raise ValueError("SpecConfig.execution differs from EngineConfig.execution; the engine runs every "
+                             "step, its loops included, with EngineConfig.execution: set it there")
         with sharding.on_mesh(mesh):
             self._init(cfg, params, engine_cfg, spec, mesh)
 
@@ -364,9 +372,11 @@ class Engine:
         self.cfg, self.ecfg, self.mesh = cfg, engine_cfg, mesh
         self.multi_slot_carry = engine_cfg.carry_slots > 1
         # The loop rewrites the output's rows only where they outlive it (`EngineConfig.rebuild_output_rows`).
-        self.spec = dataclasses.replace(spec, rebuild_output_rows=engine_cfg.rebuild_output_rows and self.carry_armed)
+        self.spec = dataclasses.replace(spec, rebuild_output_rows=engine_cfg.rebuild_output_rows and self.carry_armed,
+                                        execution=engine_cfg.execution)
         self.params = params
-        self.head_params = quantize_head(params, engine_cfg.mtp_quant) if engine_cfg.speculative else params
+        self.head_params = (quantize_head(params, engine_cfg.mtp_quant, execution=engine_cfg.execution)
+                            if engine_cfg.speculative else params)
         self.dtype = params["model"]["embed_tokens"]["weight"].dtype
         self.marconi = engine_cfg.marconi_min_tokens
         ps = engine_cfg.page_size
@@ -459,12 +469,13 @@ class Engine:
             pos = end
         for row in appends[1:]:
             self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, slot, row,
-                                       impl=self.spec.impl)
+                                       execution=self.spec.execution)
         return calls + len(appends[1:])
 
     def _prefill_chunk(self, row, dcache):
         return _prefill_slot(self.cfg, self.head_params, self.cache, self.hiddens, dcache, self.starts, row,
-                             width=SNAPSHOT_INTERVAL, temperature=self.spec.temperature, impl=self.spec.impl)
+                             width=SNAPSHOT_INTERVAL, temperature=self.spec.temperature,
+                             execution=self.spec.execution)
 
     def _check_request(self, req: TurnRequest):
         """Refuse a request this engine cannot serve, before any turn of its wave takes a page."""
@@ -563,7 +574,7 @@ class Engine:
         held = len(entry.block_table) if entry is not None else 0
         lv.drafter_pages = self._alloc_drafter(max(0, math.ceil(need / self.ecfg.page_size) - held), refused,
                                                wave_sessions)
-        if self.ecfg.debug or carry_lib.carry_debug_enabled():
+        if self.ecfg.debug or self.ecfg.execution.carry_debug:
             logging.info("carry gen=%d session=%x slot=%d: %s", lv.generation, lv.session, lv.slot, outcome)
 
     def _alloc_drafter(self, count: int, refused, wave_sessions) -> list[int]:
@@ -681,7 +692,7 @@ class Engine:
             for width in APPEND_BUCKETS if spec else ():
                 empty = np.zeros((1, width + 2), np.int32)
                 self.dcache = _append_slot(self.cfg, self.head_params, self.dcache, self.hiddens, 0, empty,
-                                           impl=self.spec.impl)
+                                           execution=self.spec.execution)
                 self.cache, self.hiddens, self.dcache, self.starts = self._prefill_chunk(
                     _chunk_row(0, [], 0, SNAPSHOT_INTERVAL, 0, 0, empty), self.dcache)
         self.hidden_ranges[0] = carry_lib.StoreRange.EMPTY

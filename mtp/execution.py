@@ -1,23 +1,26 @@
 """How a run executes, as one frozen, hashable value: kernel paths, GEMM layout, loop graphs, carry switches.
 
 `ExecutionConfig` holds every switch that changes how the same model computes the same
-tokens: the kernel path of each op (``MTP_KERNELS``), the GEMM-layout switches
-(``MTP_PAD_SMALL_GEMMS``, ``MTP_MERGE_PROJECTIONS``, ``MTP_SMALL_GEMMS_AS_REDUCE``), the decode
-loops' graph mode (``MTP_DECODE_LOOP_GRAPH``) and the drafter-context and carry-debug switches
-(``MTP_DRAFTER_CONTEXT_OFF``, ``MTP_DRAFTER_CARRY_OFF``, ``MTP_CARRY_DEBUG``). Being hashable it
-can travel as a ``jax.jit`` static, so two configs compile two programs and changing one
-needs no ``jax.clear_caches``.
+tokens: the kernel path of each op (``kernels``), the GEMM-layout switches (``pad_small_gemms``,
+``merge_projections``, ``small_gemms_as_reduce``), the decode loops' graph mode (``loop_graph``)
+and the drafter-context and carry-debug switches (``drafter_context_off``, ``drafter_carry_off``,
+``carry_debug``). The model's jitted functions and the decode loops take it as a ``jax.jit``
+static (it is frozen and hashable), so two configs compile two programs and changing one needs
+no ``jax.clear_caches``. The model hands each op a plain path string (`ExecutionConfig.impl_for`);
+the ops never see the config.
 
-`ExecutionConfig.from_environ` is the one parser of those variables: an entry point (a
-script, an experiment's ``main``) calls it once with ``os.environ``; a bad value raises a
-one-line ``ValueError`` naming the variable and the values it takes. This module imports
-only the standard library, so the ops may import it.
+An entry point (a script, an experiment's ``main``) reads the environment once,
+`ExecutionConfig.from_environ` of ``os.environ``, so that a user can still flip a run with the
+``MTP_*`` variables (``MTP_KERNELS``, ``MTP_PAD_SMALL_GEMMS``, ``MTP_MERGE_PROJECTIONS``,
+``MTP_SMALL_GEMMS_AS_REDUCE``, ``MTP_DECODE_LOOP_GRAPH``, ``MTP_DRAFTER_CONTEXT_OFF``,
+``MTP_DRAFTER_CARRY_OFF``, ``MTP_CARRY_DEBUG``); a bad value raises a one-line ``ValueError``
+naming the variable and the values it takes. Nothing in ``mtp`` reads them anywhere else. This
+module imports only the standard library, so the ops may import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Mapping
 
 KERNEL_CHOICES = ("auto", "reference", "pallas", "interpret")
@@ -25,6 +28,16 @@ KERNEL_OPS = ("paged_attention", "fc_gemm", "gdn_step", "add_rms_norm", "conv_st
               "paged_attention_triton", "moe", "fp8_gemm")  # MTP_KERNELS' per-op names (moe: mtp.ops.moe,
 # fp8_gemm: mtp.ops.fp8)
 LOOP_GRAPH_MODES = ("0", "1", "while")
+# Kernels "auto" leaves on their references (a ``kernels`` entry of their own, such as
+# ``MTP_KERNELS=<op>=pallas``, takes them): not yet measured faster inside the model on a GPU, or
+# measured faster only in some programs. Each entry says why it is here; scripts/gpu_check.sh
+# times every one off and on.
+OPT_IN = {
+    # Measured on the H200 (results/decode/decode_h200.md, 2026-11-30): the default model's loops
+    # 1.045x (plain) and 1.006x (speculative K = 2) at batch 1, but the 1.38B decode step
+    # 0.96-0.98x (batch 1) and 0.94x (batch 8).
+    "paged_attention_triton": "faster only in the small default model's loops",
+}
 
 KERNELS_VAR = "MTP_KERNELS"
 PAD_VAR = "MTP_PAD_SMALL_GEMMS"
@@ -75,17 +88,28 @@ def _switch(environ: Mapping[str, str], var: str) -> bool | None:
 class ExecutionConfig:
     """The execution switches of one run (frozen and hashable: a ``jax.jit`` static).
 
-    ``kernels``: ``(op, choice)`` pairs as `parse_kernels` reads them (``op`` empty: every op);
-    `kernel_choice` is what ``"auto"`` means for one op. The three GEMM-layout switches are
-    ``None`` for their default (on exactly on a GPU) or a forced value. ``loop_graph``: ``"1"``
-    records the decode ``while_loop`` as a CUDA graph with concurrent scheduling, ``"while"``
-    the graph with XLA's scheduling, ``"0"`` XLA's defaults (`loop_compiler_options`).
+    ``kernels``: ``(op, choice)`` pairs as `parse_kernels` reads them (``op`` empty: every op;
+    ``MTP_KERNELS``); `impl_for` is the path one op is handed. The three GEMM-layout switches are
+    ``None`` for their default (on exactly on a GPU) or a forced value (``MTP_PAD_SMALL_GEMMS``,
+    ``MTP_MERGE_PROJECTIONS``, ``MTP_SMALL_GEMMS_AS_REDUCE``). ``loop_graph``
+    (``MTP_DECODE_LOOP_GRAPH``): ``"1"`` records the decode ``while_loop`` as a CUDA graph with
+    concurrent scheduling, ``"while"`` the graph with XLA's scheduling, ``"0"`` XLA's defaults
+    (`loop_compiler_options`). ``drafter_context_off`` / ``drafter_carry_off``: the kill switches
+    of the drafter's context (`mtp.carry.DrafterContext.of`); ``carry_debug``: one log line per
+    carry decision.
     """
 
     kernels: tuple[tuple[str, str], ...] = ()
     pad_small_gemms: bool | None = None
     merge_projections: bool | None = None
     small_gemms_as_reduce: bool | None = None
+    # The layout's bounds (`mtp.model.layers`: PAD_ROWS, PAD_MIN_WEIGHT, REDUCE_MAX_ROWS,
+    # REDUCE_MAX_WEIGHT): None keeps the measured values; tests force them so that a tiny model
+    # takes the GPU's layouts.
+    pad_rows: int | None = None
+    pad_min_weight: int | None = None
+    reduce_max_rows: int | None = None
+    reduce_max_weight: int | None = None
     loop_graph: str = "1"
     drafter_context_off: bool = False
     drafter_carry_off: bool = False
@@ -98,10 +122,18 @@ class ExecutionConfig:
             check_kernel_choice(choice, f"ExecutionConfig.kernels[{name!r}]")
         if self.loop_graph not in LOOP_GRAPH_MODES:
             raise ValueError(f"ExecutionConfig.loop_graph={self.loop_graph!r}: set it to 0, 1 or while")
+        for name in ("pad_rows", "pad_min_weight", "reduce_max_rows", "reduce_max_weight"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"ExecutionConfig.{name}={value!r}: an integer >= 0, or None for the measured bound")
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "ExecutionConfig":
-        """The config the ``MTP_*`` variables of ``environ`` set (unset: the defaults)."""
+        """The config the ``MTP_*`` variables of ``environ`` set (unset: the defaults).
+
+        The three kill switches count only for the exact value ``1``: a switch that also fired on
+        ``0`` or ``false`` would turn features off in exactly the runs that tried to say they were on.
+        """
         loop_graph = environ.get(LOOP_GRAPH_VAR, "1")
         if loop_graph not in LOOP_GRAPH_MODES:
             raise ValueError(f"{LOOP_GRAPH_VAR}={loop_graph!r}: set it to 0, 1 or while")
@@ -116,11 +148,33 @@ class ExecutionConfig:
             carry_debug=environ.get(CARRY_DEBUG_VAR) == "1",
         )
 
-    def kernel_choice(self, op: str | None, opt_in: bool = False) -> str:
-        """What ``"auto"`` means for ``op``: its own entry, else the global value, else ``"auto"``.
+    @classmethod
+    def everywhere(cls, choice: str) -> "ExecutionConfig":
+        """Every op on one path (``"reference"``, ``"pallas"``, ``"interpret"``), as ``MTP_KERNELS=choice``.
 
-        An ``opt_in`` op (`mtp.ops.dispatch.OPT_IN`) reads only its own entry: a global value
-        flips every op's kernel at once, and an opt-in kernel was measured slower in some programs.
+        An opt-in op (``OPT_IN``) still needs an entry of its own (`impl_for`).
+        """
+        return cls(kernels=(("", check_kernel_choice(choice, "ExecutionConfig.everywhere")),))
+
+    def with_global_kernel(self, choice: str) -> "ExecutionConfig":
+        """This config with ``choice`` the path of every op without an entry of its own (a script's
+        ``--kernels`` flag over ``MTP_KERNELS``); ``"auto"`` leaves the config as it is."""
+        if check_kernel_choice(choice, "kernels") == "auto":
+            return self
+        return dataclasses.replace(self, kernels=(("", choice),) + tuple(e for e in self.kernels if e[0]))
+
+    def with_kernels(self, **choices: str) -> "ExecutionConfig":
+        """This config with ``op=choice`` entries of its own for the named ops (others as they were)."""
+        kept = tuple((name, value) for name, value in self.kernels if name not in choices)
+        return dataclasses.replace(self, kernels=kept + tuple(choices.items()))
+
+    def impl_for(self, op: str) -> str:
+        """The path the model hands ``op``: its own entry, else the global value, else ``"auto"``.
+
+        An op in ``OPT_IN`` reads only its own entry: a global value flips every op's kernel at
+        once, and an opt-in kernel was measured slower in some programs (``MTP_KERNELS=pallas``
+        would otherwise swap it in where the op's default kernel does better). What ``"auto"``
+        then means is the op's own rule (`mtp.ops.dispatch.choose`).
         """
         choice = "auto"
         for name, value in self.kernels:
@@ -128,7 +182,7 @@ class ExecutionConfig:
                 choice = value
             elif name == op:
                 return value
-        return "auto" if opt_in else choice
+        return "auto" if op in OPT_IN else choice
 
     def loop_compiler_options(self) -> dict[str, str]:
         """XLA options for the jitted decode loops: the ``while_loop`` itself inside the CUDA graph.
@@ -148,8 +202,3 @@ class ExecutionConfig:
         if self.loop_graph == "while":
             return graphs
         return {**graphs, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-
-
-def of_process() -> ExecutionConfig:
-    """`ExecutionConfig.from_environ` of this process's environment: the one place ``mtp`` reads the ``MTP_*`` switches."""
-    return ExecutionConfig.from_environ(os.environ)

@@ -119,13 +119,14 @@ def prepare_decode(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[
 
         cache = new_cache(TargetCache)
         # Load-time work (quantization or the fc fold, and their compiles), kept out of prefill_s.
-        head_params = jax.block_until_ready(quantize_head(params, mtp_quant)) if speculative else None
+        head_params = (jax.block_until_ready(quantize_head(params, mtp_quant, execution=spec.execution))
+                       if speculative else None)
         rng = jax.random.key(seed)
         rng, k0 = jax.random.split(rng)
         t0 = time.perf_counter()
         tokens = jnp.asarray(pad_batch(prompts, t))
         zeros = jnp.zeros((b,), jnp.int32)
-        cache, out = target.prefill(cfg, params, cache, tokens, zeros, jnp.asarray(lengths), impl=spec.impl,
+        cache, out = target.prefill(cfg, params, cache, tokens, zeros, jnp.asarray(lengths), execution=spec.execution,
                                     all_logits=False)
         first, hidden = first_from_prefill(out, jnp.asarray(lengths), cfg.mtp_hidden_source, spec.temperature, k0)
         budget = jnp.full((b,), spec.max_new_tokens, jnp.int32)
@@ -134,7 +135,7 @@ def prepare_decode(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[
         dcache = new_cache(DrafterCache)
         if drafter_prefill and quant.supports_drafter_prefill(mtp_quant):
             dcache = prefill_drafter(cfg, head_params, dcache, tokens, out.mtp_hidden(cfg.mtp_hidden_source),
-                                     zeros, np.maximum(lengths - 1, 0), impl=spec.impl)
+                                     zeros, np.maximum(lengths - 1, 0), execution=spec.execution)
         return DecodeCall(speculative_loop, (cfg, head_params, cache, dcache, first, hidden, budget, spec, rng,
                                              draft_vocab), _ready_at((first, dcache.rows)) - t0)
 

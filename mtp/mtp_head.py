@@ -21,9 +21,10 @@ from flax import struct
 from mtp import quant
 from mtp.cache.state import PagedKV
 from mtp.config import ModelConfig
-from mtp.model.layers import attention_kv, attention_out, attention_qkv, causal_attention, dense
+from mtp.execution import ExecutionConfig
+from mtp.model.layers import DEFAULT, attention_kv, attention_out, attention_qkv, causal_attention, dense
 from mtp.model.params import Params
-from mtp.model.target import decoder_layer, embed, lm_head, paged_attention_mixer
+from mtp.model.target import decoder_layer, definition_of, embed, lm_head, paged_attention_mixer
 from mtp.ops.dispatch import resolve_impl
 from mtp.ops.fc_gemm import fc_gemm, fold_fc_weight, row_mean_squares
 from mtp.ops.norms import rms_norm
@@ -60,21 +61,22 @@ class DrafterCache:
         return self.replace(rows=self.rows - count, last_pair_key=last_pair_key)
 
 
-def quantize_head(params: Params, mtp_quant: str, *, fold_fc: bool | None = None) -> Params:
+def quantize_head(params: Params, mtp_quant: str, *, fold_fc: bool | None = None,
+                  execution: ExecutionConfig = DEFAULT) -> Params:
     """The params with the MTP head's projections at ``mtp_quant`` (the target untouched).
 
     The load-time hook for the head's weights. At bf16 it also adds
     ``mtp.fc.weight_folded = fold_fc_weight(...)`` (the fc kernel's weight, with the two
     pre-fc norms' ``(1 + w)`` folded in) and ``mtp.fc.embed_mean_square`` (each token's
     embedding mean square, so that the kernel's row-norm pass reads the hidden half alone)
-    when ``fold_fc`` is true, by default when the kernel path is active
-    (``resolve_impl("auto", op="fc_gemm") != "reference"``), so that no step recomputes them.
+    when ``fold_fc`` is true, by default when ``execution`` (the run's, which the head's steps
+    take) puts the fc GEMM on its kernel path, so that no step recomputes them.
     The reference path ignores both.
     """
     mtp_quant = quant.parse_quant(mtp_quant)
     if mtp_quant == "bf16":
         if fold_fc is None:
-            fold_fc = resolve_impl("auto", op="fc_gemm") != "reference"
+            fold_fc = resolve_impl(execution.impl_for("fc_gemm"), op="fc_gemm") != "reference"
         m = params["mtp"]
         if not fold_fc or not isinstance(m["fc"]["weight"], jax.Array):  # an FP8 checkpoint's fc: `dense`
             return params
@@ -88,7 +90,7 @@ def quantize_head(params: Params, mtp_quant: str, *, fold_fc: bool | None = None
 
 
 def fc_input(cfg: ModelConfig, params: Params, next_tokens: jax.Array, hidden: jax.Array,
-             impl: str) -> jax.Array:
+             execution: ExecutionConfig) -> jax.Array:
     """``fc(concat(norm_e(embed(t)), norm_h(hidden)))`` for any leading shape."""
     m = params["mtp"]
     e = embed(params, next_tokens).astype(hidden.dtype)
@@ -96,11 +98,12 @@ def fc_input(cfg: ModelConfig, params: Params, next_tokens: jax.Array, hidden: j
     ne, nh = m["pre_fc_norm_embedding"]["weight"], m["pre_fc_norm_hidden"]["weight"]
     if not isinstance(w, jax.Array):  # quantized fc: no fused kernel for it
         x = jnp.concatenate([rms_norm(e, ne, cfg.rms_norm_eps), rms_norm(hidden, nh, cfg.rms_norm_eps)], -1)
-        return dense(x, w)
+        return dense(x, w, execution=execution)
     lead = hidden.shape[:-1]
     flat = lambda a: a.reshape(-1, a.shape[-1])
     wf, ms = m["fc"].get("weight_folded"), m["fc"].get("embed_mean_square")
-    out = fc_gemm(flat(e), flat(hidden), ne, nh, w.astype(hidden.dtype), eps=cfg.rms_norm_eps, impl=impl,
+    out = fc_gemm(flat(e), flat(hidden), ne, nh, w.astype(hidden.dtype), eps=cfg.rms_norm_eps,
+                  impl=execution.impl_for("fc_gemm"),
                   w_folded=None if wf is None else wf.astype(hidden.dtype),
                   embed_mean_square=None if ms is None else jnp.take(ms, next_tokens.reshape(-1)))
     return out.reshape(*lead, -1)
@@ -138,29 +141,31 @@ def _head_out(cfg, params, x, draft_vocab):
 
 
 def forward_sequence(cfg: ModelConfig, params: Params, tokens: jax.Array, hidden: jax.Array,
-                     impl: str = "reference"):
+                     execution: ExecutionConfig = DEFAULT):
     """All pair keys of whole sequences at once (training, and the test reference).
 
     tokens ``[B, T]``, hidden ``[B, T, H]`` (the target's, per `mtp_hidden_source`).
     Returns logits ``[B, T-1, V]`` where entry ``k`` predicts ``tokens[:, k+2]``.
+    The no-cache path: ``execution`` sets its GEMMs (`mtp.model.target.definition_of`).
     """
+    execution = definition_of(execution)
     b, t = tokens.shape
-    x = fc_input(cfg, params, tokens[:, 1:], hidden[:, :-1], impl)
+    x = fc_input(cfg, params, tokens[:, 1:], hidden[:, :-1], execution)
     positions = jnp.broadcast_to(jnp.arange(1, t), (b, t - 1))
     p = params["mtp"]["layers"]["0"]
 
     def mixer(h):
-        q, k, v, gate = attention_qkv(p["self_attn"], h, positions, cfg)
-        return attention_out(p["self_attn"], causal_attention(q, k, v, gate)), None
+        q, k, v, gate = attention_qkv(p["self_attn"], h, positions, cfg, execution)
+        return attention_out(p["self_attn"], causal_attention(q, k, v, gate), execution), None
 
-    x, _ = decoder_layer(cfg, p, x, mixer)
+    x, _ = decoder_layer(cfg, p, x, mixer, execution)
     return _head_out(cfg, params, x, None)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("dcache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "execution"), donate_argnames=("dcache",))
 def append_rows(cfg: ModelConfig, params: Params, dcache: DrafterCache, next_tokens: jax.Array,
                 hiddens: jax.Array, first_key: jax.Array, count: jax.Array, *,
-                impl: str = "auto") -> DrafterCache:
+                execution: ExecutionConfig = DEFAULT) -> DrafterCache:
     """Write rows for pair keys ``first_key[b] + i`` (``i < count[b]``) after the resident rows.
 
     ``next_tokens[b, i]`` is ``t[key + 1]`` and ``hiddens[b, i]`` is ``hidden[key]``.
@@ -173,10 +178,10 @@ def append_rows(cfg: ModelConfig, params: Params, dcache: DrafterCache, next_tok
     i = jnp.arange(t)[None, :]
     valid = i < count[:, None]
     keys = first_key[:, None] + i
-    x = fc_input(cfg, params, next_tokens, hiddens, impl)
+    x = fc_input(cfg, params, next_tokens, hiddens, execution)
     p = params["mtp"]["layers"]["0"]
     k, v = attention_kv(p["self_attn"], rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps),
-                        keys + 1, cfg)
+                        keys + 1, cfg, execution)
     slots = dcache.rows[:, None] + i
     kv = dcache.kv.replace(
         k=(write_pages(dcache.kv.k[0], k, dcache.block_tables, slots, valid),),
@@ -191,7 +196,7 @@ def append_rows(cfg: ModelConfig, params: Params, dcache: DrafterCache, next_tok
 
 
 def draft_step(cfg: ModelConfig, params: Params, dcache: DrafterCache, token: jax.Array,
-               hidden: jax.Array, pair_key: jax.Array, active: jax.Array, impl: str,
+               hidden: jax.Array, pair_key: jax.Array, active: jax.Array, execution: ExecutionConfig,
                draft_vocab: jax.Array | None = None):
     """One draft for every slot: pair ``(token, hidden)`` at key ``pair_key`` -> next token.
 
@@ -199,11 +204,12 @@ def draft_step(cfg: ModelConfig, params: Params, dcache: DrafterCache, token: ja
     Returns ``(dcache, logits [B, V'], chained_hidden [B, H])``.
     """
     p = params["mtp"]["layers"]["0"]
-    x = fc_input(cfg, params, token[:, None], hidden[:, None, :], impl)
+    x = fc_input(cfg, params, token[:, None], hidden[:, None, :], execution)
     rows = dcache.rows[:, None]
     mixer = paged_attention_mixer(cfg, p, pair_key[:, None] + 1, rows, dcache.kv.k[0], dcache.kv.v[0],
-                                  dcache.block_tables, active[:, None], jnp.where(active, dcache.rows + 1, 0), impl)
-    x, (kp, vp) = decoder_layer(cfg, p, x, mixer, impl)
+                                  dcache.block_tables, active[:, None], jnp.where(active, dcache.rows + 1, 0),
+                                  execution)
+    x, (kp, vp) = decoder_layer(cfg, p, x, mixer, execution)
     logits, chained = _head_out(cfg, params, x[:, 0], draft_vocab)
     step = active.astype(jnp.int32)
     dcache = dcache.replace(kv=dcache.kv.replace(k=(kp,), v=(vp,)), rows=dcache.rows + step,
@@ -228,7 +234,8 @@ def append_chunks(count: int, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int
 
 
 def prefill_drafter(cfg: ModelConfig, params: Params, dcache: DrafterCache, tokens, hiddens,
-                    first_key, count, *, impl: str = "auto", chunk: int = PREFILL_CHUNK) -> DrafterCache:
+                    first_key, count, *, execution: ExecutionConfig = DEFAULT,
+                    chunk: int = PREFILL_CHUNK) -> DrafterCache:
     """Host-side driver: append pair keys chunk by chunk (`append_chunks`).
 
     ``tokens [B, L]`` and ``hiddens [B, L, H]`` are in sequence space; keys
@@ -247,7 +254,8 @@ def prefill_drafter(cfg: ModelConfig, params: Params, dcache: DrafterCache, toke
         hid_idx = np.clip(keys, 0, length - 1)
         nt = jnp.take_along_axis(tokens, jnp.asarray(tok_idx), axis=1)
         hs = jnp.take_along_axis(hiddens, jnp.asarray(hid_idx)[..., None], axis=1)
-        dcache = append_rows(cfg, params, dcache, nt, hs, jnp.asarray(first_key + off), jnp.asarray(n), impl=impl)
+        dcache = append_rows(cfg, params, dcache, nt, hs, jnp.asarray(first_key + off), jnp.asarray(n),
+                             execution=execution)
     return dcache
 
 

@@ -19,33 +19,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from mtp.cache.state import TargetCache
-from mtp import execution
 from mtp.carry import mtp_rows_to_trim
 from mtp.config import ModelConfig
+from mtp.execution import ExecutionConfig
 from mtp.model import layers, target
 from mtp.model.params import Params
 from mtp.mtp_head import DrafterCache, append_rows, draft_step
 from mtp.ops.gdn_step import MAX_STEPS
 
 MAX_VERIFY_WIDTH = MAX_STEPS  # the widest verify the loops are built and tested for: the verify kernels' unroll
-
-LOOP_GRAPH_ENV_VAR = execution.LOOP_GRAPH_VAR
-
-
-def decode_loop_compiler_options() -> dict[str, str]:
-    """XLA options for the jitted decode loops (`execution.ExecutionConfig.loop_compiler_options`).
-
-    ``MTP_DECODE_LOOP_GRAPH=0`` keeps XLA's defaults, ``while`` takes the loop graphs with XLA's
-    default scheduling; the variable is read when this module is imported (the loops'
-    ``jax.jit`` takes the options then).
-    """
-    return execution.of_process().loop_compiler_options()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +47,8 @@ class SpecConfig:
     refeed_accepted: bool = False
     draft_conf_tau: float = 0.0  # D-Cut: stop a chain once its min top-1 prob < tau
     eos_id: int = -1  # -1 = no EOS
-    impl: str = "auto"  # kernel path of every op (mtp.ops.dispatch)
+    # How the loop computes (kernel paths, GEMM layout, the loop's compiler options): `mtp.execution`.
+    execution: ExecutionConfig = ExecutionConfig()
     # Rows per plain decode step. 1 is the fastest. XLA's GPU GEMMs pick their
     # algorithm by shape, so a row's bf16 result can depend on how many rows share
     # the call; with ``plain_width = verify_width`` the plain loop runs the verify's
@@ -178,9 +168,41 @@ def pick_token(logits: jax.Array, temperature: float, key) -> jax.Array:
     return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
 
 
+class DecodeLoop:
+    """A decode loop, jitted once for each set of XLA options a ``spec`` asks for.
+
+    ``jax.jit`` fixes compiler options when the jitted function is built, and a loop's come from
+    its ``spec.execution.loop_compiler_options()`` (the CUDA-graph mode of the ``while_loop``).
+    So each distinct set gets a jitted function of its own, built on first use and then kept, and
+    a call or a ``lower`` goes to the one of its ``spec``: a config's options are read when its
+    loop is traced, never at import. ``cfg`` and ``spec`` are statics.
+    """
+
+    def __init__(self, fn, donate: tuple[str, ...]):
+        functools.update_wrapper(self, fn)
+        self._fn, self._donate, self._signature = fn, donate, inspect.signature(fn)
+
+    def jitted(self, spec: SpecConfig):
+        """The jitted loop that serves ``spec``."""
+        return _jit_loop(self._fn, self._donate, tuple(sorted(spec.execution.loop_compiler_options().items())))
+
+    def _serving(self, args, kwargs):
+        return self.jitted(self._signature.bind(*args, **kwargs).arguments["spec"])
+
+    def __call__(self, *args, **kwargs):
+        return self._serving(args, kwargs)(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._serving(args, kwargs).lower(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_loop(fn, donate: tuple[str, ...], options: tuple[tuple[str, str], ...]):
+    return jax.jit(fn, static_argnames=("cfg", "spec"), donate_argnames=donate, compiler_options=dict(options))
+
+
 # ------------------------------------------------------------------ plain greedy
-@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache",),
-                   compiler_options=decode_loop_compiler_options())
+@functools.partial(DecodeLoop, donate=("cache",))
 def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_token: jax.Array,
                 budget: jax.Array, spec: SpecConfig, rng: jax.Array | None = None):
     """Plain decoding of the target (greedy, or sampled at ``spec.temperature``).
@@ -192,14 +214,14 @@ def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_toke
     rng = jax.random.key(0) if rng is None else rng
     state = _initial_state(cfg, cache, None, first_token, jnp.zeros((b, cfg.hidden_size), jnp.float32),
                            budget, spec, rng, b)
-    params = layers.with_merged_weights(params)  # once per call, not per step
+    params = layers.with_merged_weights(params, spec.execution)  # once per call, not per step
 
     def body(s: LoopState) -> LoopState:
         rng, key = jax.random.split(s.rng)
         rows = jnp.repeat(s.last_token[:, None], spec.plain_width, axis=1)  # row 0 is the real one
         # Finished slots run as padding and keep their states, so the commit needs no select
         # against the old ones (which copied every Gated DeltaNet state each step).
-        cache, vout = target.verify(cfg, params, s.cache, rows, ~s.done, impl=spec.impl)
+        cache, vout = target.verify(cfg, params, s.cache, rows, ~s.done, execution=spec.execution)
         cache = target.commit(cache, vout, jnp.where(s.done, 0, 1), masked_verify=True)
         nxt = pick_token(vout.logits[:, 0], spec.temperature, key)
         out, num_out, done, _ = _emit(s, nxt[:, None], jnp.ones_like(nxt), spec.eos_id)
@@ -219,7 +241,7 @@ def _propose(cfg, params, spec: SpecConfig, s: LoopState, active, draft_vocab, k
     keys = jax.random.split(key, d)
     for i in range(d):
         dcache, logits, hidden = draft_step(cfg, params, dcache, tok, hidden.astype(s.last_hidden.dtype),
-                                            p0 + i, active, spec.impl, draft_vocab)
+                                            p0 + i, active, spec.execution, draft_vocab)
         probs = jax.nn.softmax(logits / (spec.temperature or 1.0), axis=-1)
         local = pick_token(logits, spec.temperature, keys[i])
         tok = local if draft_vocab is None else draft_vocab[local]
@@ -345,7 +367,7 @@ def _keep_drafter_rows(cfg, params, spec: SpecConfig, dcache: DrafterCache, s: L
     idx = jnp.clip(kept[:, None] + jnp.arange(d + 1)[None, :], 0, d)
     count = jnp.where(active, accepted - kept + 1, 0)
     return append_rows(cfg, params, dcache, jnp.take_along_axis(seq_tokens, idx, axis=1),
-                       jnp.take_along_axis(seq_hidden, idx[..., None], axis=1), p0 + kept, count, impl=spec.impl)
+                       jnp.take_along_axis(seq_hidden, idx[..., None], axis=1), p0 + kept, count, execution=spec.execution)
 
 
 def _count_step(m: DecodeMetrics, active, num_drafted, accepted, d: int) -> DecodeMetrics:
@@ -360,8 +382,7 @@ def _count_step(m: DecodeMetrics, active, num_drafted, accepted, d: int) -> Deco
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec"), donate_argnames=("cache", "dcache"),
-                   compiler_options=decode_loop_compiler_options())
+@functools.partial(DecodeLoop, donate=("cache", "dcache"))
 def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcache: DrafterCache,
                      first_token: jax.Array, first_hidden: jax.Array, budget: jax.Array,
                      spec: SpecConfig, rng: jax.Array | None = None,
@@ -386,7 +407,7 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
     rng = jax.random.key(0) if rng is None else rng
     dcache_rows, dcache_last_key, first_output_key = dcache.rows, dcache.last_pair_key, cache.lengths - 1
     state = _initial_state(cfg, cache, dcache, first_token, first_hidden, budget, spec, rng, b)
-    params = layers.with_merged_weights(params)  # once per call, not per step
+    params = layers.with_merged_weights(params, spec.execution)  # once per call, not per step
 
     def body(s: LoopState) -> LoopState:
         rng, kp, ka = jax.random.split(s.rng, 3)
@@ -394,7 +415,7 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
         p0 = s.cache.lengths - 1
         dcache, drafts, num_drafted, q = _propose(cfg, params, spec, s, active, draft_vocab, kp)
         verify_tokens = jnp.concatenate([s.last_token[:, None], drafts], axis=1)
-        cache, vout = target.verify(cfg, params, s.cache, verify_tokens, active, impl=spec.impl)
+        cache, vout = target.verify(cfg, params, s.cache, verify_tokens, active, execution=spec.execution)
         accepted, bonus, emitted = _accept(spec, vout.logits, drafts, num_drafted, q, draft_vocab,
                                            synthetic_acceptance, active, ka)
         out, num_out, done, taken = _emit(s, emitted, accepted + 1, spec.eos_id)
@@ -424,5 +445,5 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
         # append: key L-1+j pairs output token j with the hidden before it.
         dcache = dcache.trim(dcache.rows - dcache_rows, dcache_last_key)
         dcache = append_rows(cfg, params, dcache, state.out, state.out_hidden, first_output_key, state.num_out,
-                             impl=spec.impl)
+                             execution=spec.execution)
     return state.cache, dcache, state.out, state.num_out, state.metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import re
 
@@ -139,9 +140,8 @@ def tiny(request):
 GEMM_LAYOUTS = ("plain", "padded", "merged", "padded_merged", "merged_reduced")
 
 
-@pytest.fixture
-def gemm_layout(request, monkeypatch):
-    """The GPU's decode GEMM layouts, forced on a CPU (each read at trace time).
+def gemm_layout_config(name: str):
+    """The `ExecutionConfig` of a ``GEMM_LAYOUTS`` name: the GPU's decode GEMM layouts, forced on a CPU.
 
     "padded": ``dense``'s small-row padding, every projection of < 8 rows (and so the
     one-row residual stream) padded; "merged": ``dense_columns`` merges projections of
@@ -150,30 +150,30 @@ def gemm_layout(request, monkeypatch):
     prefills stay GEMMs). A GPU pads only large weights and reduces only small ones, so a
     tiny test model takes one or the other.
     """
-    from mtp.model import layers
+    from mtp.execution import ExecutionConfig
 
-    padded, merged = request.param in ("padded", "padded_merged"), "merged" in request.param
-    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "1" if padded else "0")
-    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "1" if merged else "0")
-    monkeypatch.setenv("MTP_SMALL_GEMMS_AS_REDUCE", "1" if "reduced" in request.param else "0")
-    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
-    monkeypatch.setattr(layers, "PAD_ROWS", 8)
-    monkeypatch.setattr(layers, "REDUCE_MAX_ROWS", 16)
-    jax.clear_caches()
-    yield request.param
-    jax.clear_caches()
+    return ExecutionConfig(pad_small_gemms=name in ("padded", "padded_merged"), merge_projections="merged" in name,
+                           small_gemms_as_reduce="reduced" in name, pad_min_weight=0, pad_rows=8, reduce_max_rows=16)
+
+
+@pytest.fixture
+def gemm_layout(request):
+    """`gemm_layout_config` of the parametrized name: what a test hands the model as its ``execution``."""
+    return gemm_layout_config(request.param)
 
 
 def decode_through_kernel(monkeypatch, module, kernel: str, op: str, decode_steps: int = 3, verify: int = 0,
-                          model: str = "tiny_dense", page: int = 4):
+                          model: str = "tiny_dense", page: int = 4, layout=None):
     """Prefill, ``decode_steps`` decode steps and a verify of ``verify`` tokens (0: none) on
     ``model`` (random weights, KV pages of ``page`` tokens), once with ``op`` on its reference and
-    once through ``module.<kernel>`` in interpret mode, every other op on its reference. Returns
+    once through ``module.<kernel>`` in interpret mode, every other op on its reference, in the
+    GEMM ``layout`` (an `ExecutionConfig`, the default's when None). Returns
     ``{choice: (logits, cache)}``, the logits of every step flattened, after checking that the
     kernel ran."""
     import jax.numpy as jnp
     import numpy as np
 
+    from mtp.execution import ExecutionConfig
     from mtp.model import target
 
     cfg = tiny_config(model)
@@ -186,17 +186,16 @@ def decode_through_kernel(monkeypatch, module, kernel: str, op: str, decode_step
     monkeypatch.setattr(module, kernel, lambda *a, **k: calls.append(1) or run(*a, **k))
     results = {}
     for choice in ("reference", "interpret"):
-        monkeypatch.setenv("MTP_KERNELS", f"reference,{op}={choice}")
-        jax.clear_caches()  # the switch is read when a function is traced
+        execution = dataclasses.replace(layout or ExecutionConfig(), kernels=(("", "reference"), (op, choice)))
         cache = paged_cache(cfg, b, blocks, page)
-        cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(b, jnp.int32), lens)
+        cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(b, jnp.int32), lens, execution=execution)
         out = []
         for step in range(decode_steps):
-            cache, o = target.decode(cfg, params, cache, toks[np.arange(b), lens + step][:, None])
+            cache, o = target.decode(cfg, params, cache, toks[np.arange(b), lens + step][:, None], execution=execution)
             out.append(o.logits)
         if verify:
             at = lens[:, None] + decode_steps + jnp.arange(verify)[None, :]
-            cache, o = target.verify(cfg, params, cache, jnp.take_along_axis(toks, at, axis=1))
+            cache, o = target.verify(cfg, params, cache, jnp.take_along_axis(toks, at, axis=1), execution=execution)
             out.append(o.logits)
         results[choice] = (np.concatenate([np.asarray(x).reshape(-1) for x in out]), cache)
     assert calls, "the kernel never ran"

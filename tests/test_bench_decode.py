@@ -129,7 +129,7 @@ def test_a_failed_part_exits_nonzero_after_writing_its_files(tmp_path):
 import sys
 from absl import app
 from experiments import bench_decode
-def part_b(report, reps):
+def part_b(report, reps, execution):
     raise RuntimeError("the default model is missing")
 bench_decode.part_b = part_b
 sys.argv = ["bench_decode", "--parts", "B", "--out_dir", {str(tmp_path)!r}]

@@ -9,6 +9,7 @@ import pytest
 
 from configs.bench_real_shape import get_config
 from experiments import bench_real_shape as brs
+from mtp.execution import ExecutionConfig
 from mtp.model import layers
 from mtp.model import params as P
 from mtp.model.params import flatten
@@ -118,21 +119,17 @@ def test_the_report_renders_a_peer_row_and_unmeasured_goals():
     assert "Skipped (deadline): x prefill" in md
 
 
-def test_a_padded_one_row_step_counts_its_real_row_only(monkeypatch):
+def test_a_padded_one_row_step_counts_its_real_row_only():
     """A GPU pads a one-row step's stream (`layers.stream_rows`). The router runs on every row, but
     the experts of the real row alone are read (`layers.moe`), so the floor counts those."""
     from experiments.bench_decode import chained_verify_step, random_cache
 
-    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "1")
-    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
-    monkeypatch.setattr(layers, "PAD_ROWS", 8)
-    jax.clear_caches()
+    padding = ExecutionConfig(kernels=(("", "reference"),), pad_small_gemms=True, pad_min_weight=0, pad_rows=8)
     cfg = brs.load_model_config("tiny_qwen35_moe")
     k = cfg.num_experts_per_tok
     params = brs.device_params(cfg, 0, jnp.float32)
     state = (random_cache(cfg, 1, 16, 16, jnp.float32, jax.random.key(1)), jnp.ones((1, 1), jnp.int32))
-    _, routing = jax.jit(brs.routing_of(chained_verify_step(cfg, "reference"), k))(state, params)
-    jax.clear_caches()
+    _, routing = jax.jit(brs.routing_of(chained_verify_step(cfg, padding), k))(state, params)
     assert len(routing) == cfg.num_hidden_layers and np.shape(routing[0]) == (8, k)  # 1 real row + 7 padding
     real, padded = brs.distinct_experts(routing, 1), brs.distinct_experts(routing)
     assert real == [k] * cfg.num_hidden_layers

@@ -22,12 +22,12 @@ from mtp.carry import (
     StoreRange,
     adopt,
     carry_armed_with,
-    carry_debug_enabled,
     merge_interval,
     mtp_rows_to_trim,
     plan_append,
     stamped_merge,
 )
+from mtp.execution import ExecutionConfig
 
 FAST = settings(max_examples=200, deadline=None)
 
@@ -497,7 +497,7 @@ def test_drafter_context_from_env_counts_only_exact_one(ctx_off, carry_off):
         env["MTP_DRAFTER_CONTEXT_OFF"] = ctx_off
     if carry_off is not None:
         env["MTP_DRAFTER_CARRY_OFF"] = carry_off
-    got = DrafterContext.from_env(env)
+    got = DrafterContext.of(ExecutionConfig.from_environ(env))
     if ctx_off == "1":
         assert got == DrafterContext.off()
     elif carry_off == "1":
@@ -506,10 +506,15 @@ def test_drafter_context_from_env_counts_only_exact_one(ctx_off, carry_off):
         assert got == DrafterContext()
 
 
-def test_drafter_context_from_env_reads_the_process_environment(monkeypatch):
-    monkeypatch.setenv("MTP_DRAFTER_CARRY_OFF", "1")
-    monkeypatch.delenv("MTP_DRAFTER_CONTEXT_OFF", raising=False)
-    assert DrafterContext.from_env() == DrafterContext(prefill=True, carry=False)
+def test_drafter_context_follows_the_engine_config():
+    """`EngineConfig`'s policy defaults from its execution config's kill switches; an explicit one is kept."""
+    from mtp.engine import EngineConfig
+
+    assert EngineConfig().drafter_context == DrafterContext()
+    carry_off = ExecutionConfig(drafter_carry_off=True)
+    assert EngineConfig(execution=carry_off).drafter_context == DrafterContext(prefill=True, carry=False)
+    assert EngineConfig(execution=ExecutionConfig(drafter_context_off=True)).drafter_context == DrafterContext.off()
+    assert EngineConfig(execution=carry_off, drafter_context=DrafterContext()).drafter_context == DrafterContext()
 
 
 @pytest.mark.parametrize("cfg", [DrafterContext(), DrafterContext(True, False), DrafterContext.off()])
@@ -523,7 +528,7 @@ def test_carry_armed_with(cfg, multi_seq):
 @pytest.mark.parametrize("value,want", [(None, False), ("1", True), ("0", False), ("true", False), ("1 ", False)])
 def test_carry_debug_enabled(value, want):
     env = {} if value is None else {"MTP_CARRY_DEBUG": value}
-    assert carry_debug_enabled(env) is want
+    assert ExecutionConfig.from_environ(env).carry_debug is want
 
 
 # ------------------------------------------------------------------ mtp_rows_to_trim

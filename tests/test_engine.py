@@ -13,6 +13,7 @@ from mtp.cache.pages import PagePoolExhausted
 from mtp.cache.prefix import PrefixCache, TurnEndStore
 from mtp.carry import DrafterContext
 from mtp.engine import Engine, EngineConfig, TurnRequest, run_sessions, session_hash, session_waves
+from mtp.execution import ExecutionConfig
 from mtp.model import target
 from mtp.model.layers import attention_kv
 from mtp.mtp_head import DrafterCache, fc_input, prefill_drafter
@@ -123,7 +124,7 @@ def _carried_keys(eng, entry):
     cfg, hp = eng.cfg, eng.head_params
     t = jnp.asarray(entry.tokens, jnp.int32)[None]
     h = target.forward_with_hiddens(cfg, hp, t).mtp_hidden(cfg.mtp_hidden_source)
-    x = fc_input(cfg, hp, t[:, 1:], h[:, :-1], "reference")
+    x = fc_input(cfg, hp, t[:, 1:], h[:, :-1], ExecutionConfig.everywhere("reference"))
     p = hp["mtp"]["layers"]["0"]
     k, _ = attention_kv(p["self_attn"], rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps),
                         jnp.arange(1, t.shape[1])[None], cfg)
@@ -193,7 +194,7 @@ def _prefilled_rows(eng, tokens):
         block_tables=jnp.arange(1, blocks + 1, dtype=jnp.int32)[None])
     t = jnp.asarray(tokens, jnp.int32)[None]
     h = target.forward_with_hiddens(cfg, hp, t).mtp_hidden(cfg.mtp_hidden_source)
-    dcache = prefill_drafter(cfg, hp, dcache, t, h, [0], [n - 1], impl="reference")
+    dcache = prefill_drafter(cfg, hp, dcache, t, h, [0], [n - 1], execution=ExecutionConfig.everywhere("reference"))
     pages = [np.asarray(dcache.kv.k[0]), np.asarray(dcache.kv.v[0])]
     return [np.stack([a[1 + r // ps, r % ps] for r in range(n - 1)]) for a in pages]
 
@@ -452,12 +453,12 @@ def test_a_turns_first_drafter_append_rides_on_its_last_prefill_call(workload, m
     kw = dict(max_context=256, num_pages=160, drafter_pages=160, marconi_min_tokens=64)
     prefill, append = engine_mod._prefill_slot, engine_mod._append_slot
 
-    def unfused(cfg, params, cache, hiddens, dcache, starts, chunk, *, width, temperature, impl):
+    def unfused(cfg, params, cache, hiddens, dcache, starts, chunk, *, width, temperature, execution):
         meta = width + engine_mod._CHUNK_META
         cache, hiddens, _, starts = prefill(cfg, params, cache, hiddens, None, starts, chunk[:, :meta],
-                                            width=width, temperature=temperature, impl=impl)
+                                            width=width, temperature=temperature, execution=execution)
         if dcache is not None:
-            dcache = append(cfg, params, dcache, hiddens, int(chunk[0, width]), chunk[:, meta:], impl=impl)
+            dcache = append(cfg, params, dcache, hiddens, int(chunk[0, width]), chunk[:, meta:], execution=execution)
         return cache, hiddens, dcache, starts
 
     monkeypatch.setattr(engine_mod, "_prefill_slot", unfused)

@@ -333,6 +333,7 @@ def test_every_bad_fp8_file_is_a_named_error(tmp_path):
 
 
 # ====================================================================== quantized at load, and decoding
+from mtp.execution import ExecutionConfig  # noqa: E402
 from mtp.generation import generate  # noqa: E402
 from mtp.speculative import SpecConfig  # noqa: E402
 from tests.conftest import agreeing_params  # noqa: E402
@@ -477,13 +478,11 @@ def test_greedy_speculative_decoding_on_the_fp8_kernel_is_token_identical(tmp_pa
     cfg = tiny_config("tiny_dense").replace(tie_word_embeddings=False)
     path = save_pretrained(tmp_path / "m", cfg, agreeing_params(cfg, 11, 0.01))
     cfg, params = load_pretrained(path, dtype=jnp.bfloat16, weight_quant="fp8")
-    monkeypatch.setenv("MTP_KERNELS", "fp8_gemm=interpret")
-    jax.clear_caches()  # the switch is read when a function is traced
     prompts = [[5, 9, 2, 7, 3], [11, 4, 8]]
-    spec = SpecConfig(max_new_tokens=8, verify_width=3, plain_width=3)
+    spec = SpecConfig(max_new_tokens=8, verify_width=3, plain_width=3,
+                      execution=ExecutionConfig().with_kernels(fp8_gemm="interpret"))
     plain = generate(cfg, params, prompts, spec, speculative=False).tokens
     res = generate(cfg, params, prompts, spec)
-    jax.clear_caches()
     assert calls and max(calls) <= triton.MAX_ROWS, calls
     assert res.tokens == plain
     assert res.stats.accepted > 0, res.stats

@@ -23,6 +23,7 @@ from mtp.cache.state import TargetCache
 from mtp.checkpoint import load_pretrained
 from mtp.data.sessions import Session, Turn
 from mtp.engine import Engine, EngineConfig, run_sessions
+from mtp.execution import ExecutionConfig
 from mtp.generation import generate
 from mtp.model import target
 from mtp.ops.paged_attention.mosaic import kernel_unsupported
@@ -60,7 +61,7 @@ def test_speculative_with_kernels_equals_plain_greedy_with_kernels(shipped):
     """Plain steps at the verify's width: on a GPU, bf16 GEMMs of other shapes may round
     differently (`SpecConfig.plain_width`), which is numerics, not a lossless-ness bug."""
     cfg, params = shipped
-    spec = SpecConfig(verify_width=3, max_new_tokens=12, impl="pallas", plain_width=3)
+    spec = SpecConfig(verify_width=3, max_new_tokens=12, execution=ExecutionConfig.everywhere("pallas"), plain_width=3)
     with kernels_on():
         fast = generate(cfg, params, PROMPTS, spec, speculative=True)
         plain = generate(cfg, params, PROMPTS, spec, speculative=False)
@@ -81,9 +82,9 @@ def test_kernel_logits_match_the_reference(shipped):
         cache = TargetCache.create(cfg, 2, 16, 16, 4, jnp.bfloat16)
         cache = cache.replace(block_tables=jnp.arange(1, 9, dtype=jnp.int32).reshape(2, 4))
         cache, _ = target.prefill(cfg, params, cache, tokens[:, :36], jnp.zeros(2, jnp.int32),
-                                  jnp.asarray([36, 30], jnp.int32), impl="reference")
+                                  jnp.asarray([36, 30], jnp.int32), execution=ExecutionConfig.everywhere("reference"))
         with kernels_on() if impl == "pallas" else contextlib.nullcontext():
-            _, vout = target.verify(cfg, params, cache, tokens[:, 36:], impl=impl)
+            _, vout = target.verify(cfg, params, cache, tokens[:, 36:], execution=ExecutionConfig.everywhere(impl))
         logits[impl] = np.asarray(vout.logits, np.float32)
     ref, got = logits["reference"], logits["pallas"]
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
@@ -97,8 +98,8 @@ def test_carry_engine_with_kernels_is_lossless(shipped):
         Turn(" ".join(map(str, rng.integers(1, cfg.vocab_size, 9))), 8) for _ in range(2)))]
     prompts = IdPrompts(rng.integers(1, cfg.vocab_size, 40).tolist())
     ecfg = EngineConfig(policy="carry", max_context=256, num_pages=64, drafter_pages=64,
-                        marconi_min_tokens=64)
-    spec = SpecConfig(verify_width=3, max_new_tokens=8, impl="pallas", plain_width=3)
+                        marconi_min_tokens=64, execution=ExecutionConfig.everywhere("pallas"))
+    spec = SpecConfig(verify_width=3, max_new_tokens=8, plain_width=3)
     plain_cfg = dataclasses.replace(ecfg, policy="cold", speculative=False)
     with kernels_on():
         fast = run_sessions(Engine(cfg, params, ecfg, spec), sessions, prompts)
@@ -107,20 +108,18 @@ def test_carry_engine_with_kernels_is_lossless(shipped):
 
 
 def test_speculative_with_the_triton_attention_equals_plain(shipped, monkeypatch):
-    """The Triton-lowered paged attention (opt-in, `MTP_KERNELS`) in both loops: still lossless."""
+    """The Triton-lowered paged attention (opt-in: a config entry of its own) in both loops: still lossless."""
     from mtp.ops.paged_attention import triton
 
     calls = []
     run = triton.paged_attention_triton
     monkeypatch.setattr(triton, "paged_attention_triton", lambda *a, **k: calls.append(1) or run(*a, **k))
     choice = "pallas" if jax.default_backend() == "gpu" else "interpret"
-    monkeypatch.setenv("MTP_KERNELS", f"paged_attention_triton={choice}")
-    jax.clear_caches()  # the switch is read when a function is traced
     cfg, params = shipped
-    spec = SpecConfig(verify_width=3, max_new_tokens=12, plain_width=3)
+    spec = SpecConfig(verify_width=3, max_new_tokens=12, plain_width=3,
+                      execution=ExecutionConfig().with_kernels(paged_attention_triton=choice))
     fast = generate(cfg, params, PROMPTS, spec, speculative=True)
     plain = generate(cfg, params, PROMPTS, spec, speculative=False)
-    jax.clear_caches()
     assert calls, "the Triton form never ran"
     assert fast.tokens == plain.tokens
     assert fast.stats.accepted > 0
@@ -136,16 +135,13 @@ def test_speculative_with_the_fc_kernel_as_loaded_equals_plain(shipped, monkeypa
     run = mosaic.fc_gemm_folded
     monkeypatch.setattr(mosaic, "fc_gemm_folded",
                         lambda *a, **k: normed.append(k.get("embed_normed")) or run(*a, **k))
-    monkeypatch.setenv("MTP_KERNELS", "fc_gemm=interpret")
-    jax.clear_caches()  # the switch is read when a function is traced
     cfg, params = shipped
-    spec = SpecConfig(verify_width=3, max_new_tokens=12, plain_width=3)
+    spec = SpecConfig(verify_width=3, max_new_tokens=12, plain_width=3,
+                      execution=ExecutionConfig().with_kernels(fc_gemm="interpret"))
     fast = generate(cfg, params, PROMPTS, spec, speculative=True)
     plain = generate(cfg, params, PROMPTS, spec, speculative=False)
-    monkeypatch.delenv("MTP_KERNELS")
-    jax.clear_caches()
-    ref = generate(cfg, params, PROMPTS, spec, speculative=True)  # the drafter through the reference fc
-    jax.clear_caches()
+    ref_spec = dataclasses.replace(spec, execution=ExecutionConfig().with_kernels(fc_gemm="reference"))
+    ref = generate(cfg, params, PROMPTS, ref_spec, speculative=True)  # the drafter through the reference fc
     assert normed and all(normed), normed
     assert fast.tokens == plain.tokens
     # Lossless whatever the drafter computes; its acceptance tells that it drafted as the reference does.

@@ -1,5 +1,6 @@
 """The target model: cached paths against the no-cache reference, state per position."""
 
+import dataclasses
 import json
 import re
 
@@ -10,6 +11,7 @@ import pytest
 
 from mtp.cache.pages import PageAllocator, PagePoolExhausted
 from mtp.config import ConfigError, ModelConfig
+from mtp.execution import ExecutionConfig
 from mtp.model import target
 from mtp.model import gated_deltanet as gdn
 from mtp.model import layers
@@ -71,64 +73,55 @@ def test_grouped_conv_equals_the_checkpoint_order_conv(value_dim_factor):
     np.testing.assert_allclose(k, l2norm(jnp.repeat(k_hf, r, axis=-2)), rtol=1e-5, atol=1e-6)
 
 
-def test_dense_pads_one_row_products_of_large_weights(monkeypatch):
+def test_dense_pads_one_row_products_of_large_weights():
     x = jax.random.normal(jax.random.key(0), (1, 1, 32))
     w = jax.random.normal(jax.random.key(1), (48, 32))
-    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 32 * 48 - 1)
-    # A fresh function per call: traces are cached, and the setting is read while tracing.
-    has_pad = lambda x: "pad" in str(jax.make_jaxpr(lambda a: layers.dense(a, w))(x))
-    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "1")
+    padding = ExecutionConfig(pad_small_gemms=True, pad_min_weight=32 * 48 - 1)
+    has_pad = lambda x, e=padding: "pad" in str(jax.make_jaxpr(lambda a: layers.dense(a, w, execution=e))(x))
     assert has_pad(x) and not has_pad(jnp.ones((2, 32)))
-    out = layers.dense(x, w)
+    out = layers.dense(x, w, execution=padding)
     assert out.shape == (1, 1, 48)
     np.testing.assert_allclose(out, jnp.einsum("...i,oi->...o", x, w), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 32 * 48)  # a weight at the bound keeps its shape
-    assert not has_pad(x)
-    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
-    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "0")
-    assert not has_pad(x)
-    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "yes")
+    assert not has_pad(x, dataclasses.replace(padding, pad_min_weight=32 * 48))  # a weight at the bound keeps its shape
+    assert not has_pad(x, ExecutionConfig(pad_small_gemms=False, pad_min_weight=0))
     with pytest.raises(ValueError, match="MTP_PAD_SMALL_GEMMS='yes'"):
-        layers.dense(x, w)
+        ExecutionConfig.from_environ({"MTP_PAD_SMALL_GEMMS": "yes"})
 
 
-def test_linear_writes_few_row_products_of_small_weights_as_reductions(monkeypatch):
+def test_linear_writes_few_row_products_of_small_weights_as_reductions():
     w = jax.random.normal(jax.random.key(1), (48, 32)).astype(jnp.bfloat16)
-    monkeypatch.setattr(layers, "REDUCE_MAX_WEIGHT", 48 * 32)
-    # A fresh function per call: traces are cached, and the setting is read while tracing.
-    is_dot = lambda x, w=w: "dot_general" in str(jax.make_jaxpr(lambda a: layers.linear(a, w))(x))
-    monkeypatch.setenv("MTP_SMALL_GEMMS_AS_REDUCE", "1")
+    reducing = ExecutionConfig(small_gemms_as_reduce=True, reduce_max_weight=48 * 32)
+    is_dot = lambda x, w=w, e=reducing: "dot_general" in str(
+        jax.make_jaxpr(lambda a: layers.linear(a, w, execution=e))(x))
     for rows in (2, 3, layers.REDUCE_MAX_ROWS):
         x = jax.random.normal(jax.random.key(rows), (rows, 1, 32)).astype(jnp.bfloat16)
         assert not is_dot(x)
-        out = layers.linear(x, w)
+        out = layers.linear(x, w, execution=reducing)
         assert out.shape == (rows, 1, 48) and out.dtype == jnp.bfloat16
         want = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=1e-2, atol=2e-2)
     assert is_dot(jnp.ones((1, 32), jnp.bfloat16))  # one row: XLA's own GEMV already reduces
     assert is_dot(jnp.ones((layers.REDUCE_MAX_ROWS + 1, 32), jnp.bfloat16))
     assert is_dot(jnp.ones((2, 64), jnp.bfloat16), jnp.ones((48, 64), jnp.bfloat16))  # weight too large
-    monkeypatch.setenv("MTP_SMALL_GEMMS_AS_REDUCE", "0")
-    assert is_dot(jnp.ones((2, 32), jnp.bfloat16))
-    monkeypatch.setenv("MTP_SMALL_GEMMS_AS_REDUCE", "on")
+    assert is_dot(jnp.ones((2, 32), jnp.bfloat16), e=dataclasses.replace(reducing, small_gemms_as_reduce=False))
     with pytest.raises(ValueError, match="MTP_SMALL_GEMMS_AS_REDUCE='on'"):
-        layers.linear(jnp.ones((2, 32)), w)
+        ExecutionConfig.from_environ({"MTP_SMALL_GEMMS_AS_REDUCE": "on"})
 
 
-def test_padded_stream_rows(monkeypatch):
+def test_padded_stream_rows():
     """A one-row step carries its stream padded: large GEMMs take all rows with no pad of
     their own, small ones only the real rows, and the mixers' outputs add back per row."""
-    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 32 * 48 - 1)
-    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "1")
+    padding = ExecutionConfig(pad_small_gemms=True, pad_min_weight=32 * 48 - 1)
     x = jax.random.normal(jax.random.key(0), (1, 1, 32))
-    rows = layers.stream_rows(x, pad=True)
+    rows = layers.stream_rows(x, pad=True, execution=padding)
     assert rows.shape == (layers.PAD_ROWS, 32) and not rows[1:].any()
     assert layers.stream_rows(x, pad=False).shape == (1, 32)
     assert layers.stream_rows(jnp.ones((3, 1, 32)), pad=True).shape == (3, 32)  # enough rows
     big, small = (jax.random.normal(jax.random.key(i), (n, 32)) for i, n in ((1, 48), (2, 16)))
     for w in (big, small):
-        np.testing.assert_allclose(layers.dense(rows, w, (1, 1)), layers.dense(x, w), rtol=1e-6)
-    jaxpr = lambda w: str(jax.make_jaxpr(lambda r: layers.dense_rows(r, w, (1, 1)))(rows))
+        np.testing.assert_allclose(layers.dense(rows, w, (1, 1), padding), layers.dense(x, w, execution=padding),
+                                   rtol=1e-6)
+    jaxpr = lambda w: str(jax.make_jaxpr(lambda r: layers.dense_rows(r, w, (1, 1), padding))(rows))
     assert "pad" not in jaxpr(big) and "slice" not in jaxpr(big)  # both rows, as they are
     assert "slice" in jaxpr(small)  # a small weight multiplies the real row only
     y = jax.random.normal(jax.random.key(3), (1, 1, 32))
@@ -136,27 +129,25 @@ def test_padded_stream_rows(monkeypatch):
     assert not add_rows(rows, y)[1:].any()
 
 
-def test_dense_columns_merges_projections_of_one_input(monkeypatch):
+def test_dense_columns_merges_projections_of_one_input():
     """One GEMM over the concatenated weights where merging is on, each product's columns
     equal to its own ``dense``; not for a prefill's many rows, nor for quantized weights."""
     ws = [jax.random.normal(jax.random.key(i), (n, 32)) for i, n in ((1, 48), (2, 8), (3, 16))]
-    dots = lambda x: str(jax.make_jaxpr(lambda a: [c.rows for c in layers.dense_columns(a, ws)])(x)
-                         ).count("dot_general")
+    merging = ExecutionConfig(merge_projections=True)
+    dots = lambda x, e=merging: str(jax.make_jaxpr(
+        lambda a: [c.rows for c in layers.dense_columns(a, ws, execution=e)])(x)).count("dot_general")
     x = jax.random.normal(jax.random.key(0), (2, 3, 32))
-    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "1")
-    cols = layers.dense_columns(x, ws)
+    cols = layers.dense_columns(x, ws, execution=merging)
     assert dots(x) == 1 and [c.start for c in cols] == [0, 48, 56] and cols[0].rows is cols[2].rows
     for c, w in zip(cols, ws):
         np.testing.assert_allclose(c.view((2, 3)), layers.dense(x, w), rtol=1e-5, atol=1e-5)
     assert dots(jnp.ones((layers.MERGE_MAX_ROWS + 1, 32))) == 3
-    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "0")
-    assert dots(x) == 3
-    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "on")
+    assert dots(x, ExecutionConfig(merge_projections=False)) == 3
     with pytest.raises(ValueError, match="MTP_MERGE_PROJECTIONS='on'"):
-        layers.dense_columns(x, ws)
+        ExecutionConfig.from_environ({"MTP_MERGE_PROJECTIONS": "on"})
 
 
-def test_merged_weights_are_made_once_and_used(monkeypatch):
+def test_merged_weights_are_made_once_and_used():
     """`with_merged_weights` adds each small group's concatenated weight beside its parts (not a
     large group's, nor with merging off), and `module_columns` multiplies by it: with the parts
     zeroed, the columns still equal the true products, and the trace has no concatenation."""
@@ -170,10 +161,9 @@ def test_merged_weights_are_made_once_and_used(monkeypatch):
                          "1": {"linear_attn": {names[0]: {"weight": big}, names[1]: {"weight": ws[1]}}}},
               "mtp": {"self_attn": {n: {"weight": quant.quantize(ws[1], "fp8")} for n in qkv}}}
     x = jax.random.normal(jax.random.key(0), (2, 32))
-    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "0")
-    assert layers.with_merged_weights(params) is params
-    monkeypatch.setenv("MTP_MERGE_PROJECTIONS", "1")
-    merged = layers.with_merged_weights(params)
+    merging = ExecutionConfig(merge_projections=True)
+    assert layers.with_merged_weights(params, ExecutionConfig(merge_projections=False)) is params
+    merged = layers.with_merged_weights(params, merging)
     key = layers.merged_key(names)
     assert key not in merged["layers"]["1"]["linear_attn"]  # too large: its concatenation stays fused
     assert merged["mtp"]["self_attn"].keys() == set(qkv)  # quantized weights: `dense_columns` never merges them
@@ -181,28 +171,26 @@ def test_merged_weights_are_made_once_and_used(monkeypatch):
     np.testing.assert_array_equal(module[key]["weight"], jnp.concatenate(ws))
     assert key not in params["layers"]["0"]["linear_attn"]  # the caller's params are left as they were
     zeroed = {**module, **{n: {"weight": jnp.zeros_like(w)} for n, w in zip(names, ws)}}
-    for c, w in zip(layers.module_columns(zeroed, x, names), ws):
+    for c, w in zip(layers.module_columns(zeroed, x, names, execution=merging), ws):
         np.testing.assert_allclose(c.view((2,)), layers.dense(x, w), rtol=1e-5, atol=1e-5)
-    assert "concatenate" not in str(jax.make_jaxpr(lambda a: [c.rows for c in layers.module_columns(module, a, names)])(x))
+    assert "concatenate" not in str(jax.make_jaxpr(
+        lambda a: [c.rows for c in layers.module_columns(module, a, names, execution=merging)])(x))
 
 
 def test_a_one_row_step_pads_its_stream_once(tiny, monkeypatch):
     """With padding on, decode has one pad (the stream's), not one per large GEMM."""
     cfg, params = tiny
-    monkeypatch.setattr(layers, "PAD_MIN_WEIGHT", 0)
-    monkeypatch.setenv("MTP_PAD_SMALL_GEMMS", "1")
+    padding = ExecutionConfig(pad_small_gemms=True, pad_min_weight=0)
     cache = paged_cache(cfg, 1, blocks=4)
 
-    def pads():
-        jax.clear_caches()  # decode is jitted, and the settings are read while tracing
-        text = str(jax.make_jaxpr(lambda c, t: target.decode(cfg, params, c, t))(
+    def pads():  # verify's own body, traced afresh (the jitted verify would keep its first trace)
+        text = str(jax.make_jaxpr(lambda c, t: target.verify.__wrapped__(cfg, params, c, t, execution=padding))(
             cache, jnp.ones((1, 1), jnp.int32)))
         return text.count("jit[name=_pad ")  # jnp.pad's (jitted) row pads, [1, H] -> [2, H]
 
     now = pads()
-    monkeypatch.setattr(target, "_pads_stream", lambda params: False)  # as before: a pad per GEMM
+    monkeypatch.setattr(target, "_pads_stream", lambda params, execution: False)  # as before: a pad per GEMM
     before = pads()
-    jax.clear_caches()
     assert before > 3 * cfg.num_hidden_layers
     # The stream's own, and per layer at most two at the mixer's output (its one-row out
     # projection, padded here as every weight is "large", and the residual add).
@@ -214,18 +202,19 @@ def test_prefill_then_decode_equals_forward(tiny, gemm_layout):
     cfg, params = tiny
     b, total = 3, 23
     toks = jax.random.randint(jax.random.key(5), (b, total), 0, cfg.vocab_size)
-    ref = target.forward(cfg, params, toks)
-    ref_rec = target.forward_with_hiddens(cfg, params, toks, gdn_mode="recurrent").logits
+    ref = target.forward(cfg, params, toks, gemm_layout)
+    ref_rec = target.forward_with_hiddens(cfg, params, toks, gdn_mode="recurrent", execution=gemm_layout).logits
     np.testing.assert_allclose(ref, ref_rec, atol=2e-5)
     lens = np.array([13, 6, 9], np.int32)  # ragged; pages of 4 so all cross page boundaries
     cache = paged_cache(cfg, b, blocks=8)
-    cache, out = target.prefill(cfg, params, cache, toks[:, :16], jnp.zeros(b, jnp.int32), jnp.asarray(lens))
+    cache, out = target.prefill(cfg, params, cache, toks[:, :16], jnp.zeros(b, jnp.int32), jnp.asarray(lens),
+                                execution=gemm_layout)
     for i in range(b):
         np.testing.assert_allclose(out.logits[i, : lens[i]], ref[i, : lens[i]], atol=2e-5)
     np.testing.assert_array_equal(cache.lengths, lens)
     for step in range(7):
         nxt = toks[np.arange(b), lens + step][:, None]
-        cache, o = target.decode(cfg, params, cache, nxt)
+        cache, o = target.decode(cfg, params, cache, nxt, execution=gemm_layout)
         np.testing.assert_allclose(o.logits[:, 0], ref[np.arange(b), lens + step], atol=3e-5)
 
 

@@ -144,10 +144,9 @@ def test_quantized_experts_equal_the_oracle_on_their_dequantized_weights(mode, f
 
 
 @pytest.mark.parametrize("impl", ["auto", "reference", "pallas", "interpret"])
-def test_every_impl_runs_the_reference_on_f32_inputs(impl, monkeypatch):
+def test_every_impl_runs_the_reference_on_f32_inputs(impl):
     """The kernels (`mtp.ops.moe.mosaic`) take 16-bit inputs only: f32 ones go to the reference
     whatever ``impl`` says (tests/test_moe_kernels.py has the kernels' own dispatch)."""
-    monkeypatch.setenv("MTP_KERNELS", "moe=reference")
     gate, up, down = _experts(13, 32, 16, 8)
     ids, w = _routing(14, 5, 3, 32)
     x = jax.random.normal(jax.random.key(15), (5, 16), F32)

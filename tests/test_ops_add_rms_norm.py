@@ -85,15 +85,17 @@ def test_mismatched_inputs_are_named(impl):
 def test_auto_takes_the_kernel_for_one_row_only(monkeypatch):
     """On a GPU ``auto`` takes the kernel when ``y`` is one row (``kernel_pays``), also inside the
     padded stream, and the reference above (XLA fuses its split-K GEMMs' reduction with the add and
-    the norm); ``MTP_KERNELS=add_rms_norm=pallas`` takes the kernel at any rows."""
+    the norm); a named ``pallas`` (``MTP_KERNELS=add_rms_norm=pallas``) takes the kernel at any rows."""
+    from mtp.execution import ExecutionConfig
     from mtp.ops import lowering
     from mtp.ops.add_rms_norm import triton
 
     calls = []
     monkeypatch.setattr(triton, "add_rms_norm_triton", lambda x, y, *a, **k: calls.append(y.shape) or ("s", "h"))
     monkeypatch.setattr(lowering, "on_gpu", lambda: True)
-    run = lambda x_rows, y_rows: add_rms_norm(*_case(0, (x_rows, 64), (y_rows, 1, 64), jnp.float32), eps=1e-6)
+    run = lambda x_rows, y_rows, impl="auto": add_rms_norm(*_case(0, (x_rows, 64), (y_rows, 1, 64), jnp.float32),
+                                                           eps=1e-6, impl=impl)
     assert run(layers.PAD_ROWS, 1)[0] == "s" and calls == [(1, 1, 64)]
     assert isinstance(run(2, 2)[0], jax.Array) and len(calls) == 1
-    monkeypatch.setenv("MTP_KERNELS", "add_rms_norm=pallas")
-    assert run(2, 2)[0] == "s" and len(calls) == 2
+    named = ExecutionConfig.from_environ({"MTP_KERNELS": "add_rms_norm=pallas"}).impl_for("add_rms_norm")
+    assert run(2, 2, named)[0] == "s" and len(calls) == 2

@@ -93,7 +93,9 @@ def test_unsupported_inputs_are_named():
 
 
 def test_auto_takes_the_kernel_on_a_gpu(monkeypatch):
-    """Timed on the H200 (2026-11-30), so ``auto`` takes it on a GPU; ``MTP_KERNELS`` can name the reference."""
+    """Timed on the H200 (2026-11-30), so ``auto`` takes it on a GPU; a config (``MTP_KERNELS``) can name the
+    reference."""
+    from mtp.execution import ExecutionConfig
     from mtp.ops import lowering
 
     calls = []
@@ -103,14 +105,15 @@ def test_auto_takes_the_kernel_on_a_gpu(monkeypatch):
     args = _case(cfg, 0, 2, 1, jnp.float32, True)
     heads = AttentionShape.of(cfg)
     assert attn_prologue(*args, heads=heads)[0] == "q" and len(calls) == 1
-    monkeypatch.setenv("MTP_KERNELS", "attn_prologue=reference")
-    assert isinstance(attn_prologue(*args, heads=heads)[0], jax.Array) and len(calls) == 1
+    named = ExecutionConfig.from_environ({"MTP_KERNELS": "attn_prologue=reference"}).impl_for("attn_prologue")
+    assert isinstance(attn_prologue(*args, heads=heads, impl=named)[0], jax.Array) and len(calls) == 1
 
 
 @pytest.mark.parametrize("gemm_layout", ["plain", "padded_merged"], indirect=True)
 def test_model_decode_and_verify_with_the_kernel_equal_the_reference(gemm_layout, monkeypatch):
     """Decode and a verify of 3 through the kernel alone (the other ops on their references) equal the same without it."""
-    runs = decode_through_kernel(monkeypatch, ap, "attn_prologue_triton", "attn_prologue", decode_steps=2, verify=3)
+    runs = decode_through_kernel(monkeypatch, ap, "attn_prologue_triton", "attn_prologue", decode_steps=2, verify=3,
+                                 layout=gemm_layout)
     (want, ref_cache), (got, cache) = runs["reference"], runs["interpret"]
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     for g, w in zip(cache.kv.k + cache.kv.v, ref_cache.kv.k + ref_cache.kv.v):

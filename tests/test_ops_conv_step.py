@@ -81,7 +81,9 @@ def test_mismatched_conv_shapes_are_named(impl):
 
 def test_auto_takes_the_kernel_on_a_gpu_unless_opt_in(monkeypatch):
     """Timed faster in the step (2026-11-30), so ``auto`` takes it on a GPU; an op listed in
-    ``dispatch.OPT_IN`` stays on its reference there until named in ``MTP_KERNELS``."""
+    ``dispatch.OPT_IN`` stays on its reference there until a path is named for it
+    (``ExecutionConfig.kernels``' own entry: ``MTP_KERNELS=conv_step=pallas``)."""
+    from mtp.execution import ExecutionConfig
     from mtp.ops import dispatch, lowering
 
     calls = []
@@ -90,16 +92,17 @@ def test_auto_takes_the_kernel_on_a_gpu_unless_opt_in(monkeypatch):
     heads = HeadShape(2, 4, 16, 16)
     args = _case(0, 2, heads, jnp.float32)
     assert conv_steps(*args, heads=heads)[0] == "kernel" and len(calls) == 1
-    monkeypatch.setattr(dispatch, "OPT_IN", {"conv_step": "a test"})
+    monkeypatch.setitem(dispatch.OPT_IN, "conv_step", "a test")
     assert isinstance(conv_steps(*args, heads=heads)[0], jax.Array) and len(calls) == 1
-    monkeypatch.setenv("MTP_KERNELS", "conv_step=pallas")
-    assert conv_steps(*args, heads=heads)[0] == "kernel" and len(calls) == 2
+    assert ExecutionConfig.everywhere("pallas").impl_for("conv_step") == "auto"  # a global value is no entry of its own
+    named = ExecutionConfig.from_environ({"MTP_KERNELS": "conv_step=pallas"}).impl_for("conv_step")
+    assert conv_steps(*args, heads=heads, impl=named)[0] == "kernel" and len(calls) == 2
 
 
 @pytest.mark.parametrize("gemm_layout", ["plain", "padded_merged"], indirect=True)
 def test_model_decode_with_the_kernel_equals_the_reference(gemm_layout, monkeypatch):
     """Decode and a verify of 3 tokens through the kernel alone (the other ops on their references) equals decode without it."""
-    runs = decode_through_kernel(monkeypatch, cs, "conv_steps_triton", "conv_step", verify=3)
+    runs = decode_through_kernel(monkeypatch, cs, "conv_steps_triton", "conv_step", verify=3, layout=gemm_layout)
     (want, ref_cache), (got, cache) = runs["reference"], runs["interpret"]
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     for g, w in zip(cache.linear.conv, ref_cache.linear.conv):  # later layers' inputs carry the rounding

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from mtp.execution import ExecutionConfig
 from mtp.ops.fc_gemm import api, fc_gemm, fc_gemm_reference, fold_fc_weight, mosaic, normed_embed_rows, row_mean_squares
 from mtp.ops.fc_gemm.mosaic import fc_gemm_folded
 
@@ -289,8 +290,11 @@ def test_quantize_head_folds_fc_weight_and_fc_input_uses_it():
     params = {"model": {"embed_tokens": {"weight": table}},
               "mtp": {"fc": {"weight": w}, "pre_fc_norm_embedding": {"weight": ne},
                       "pre_fc_norm_hidden": {"weight": nh}}}
-    # By default it folds where the kernel path is active: a GPU, not a CPU.
+    # By default it folds where the kernel path is active: a GPU, not a CPU, or where the config names it.
     assert (quantize_head(params, "bf16") is params) == (jax.default_backend() != "gpu")
+    assert quantize_head(params, "bf16", execution=ExecutionConfig.everywhere("reference")) is params
+    interpreted = quantize_head(params, "bf16", execution=ExecutionConfig.everywhere("interpret"))
+    assert "weight_folded" in interpreted["mtp"]["fc"]
     folded = quantize_head(params, "bf16", fold_fc=True)
     np.testing.assert_array_equal(np.asarray(folded["mtp"]["fc"]["weight_folded"], np.float32),
                                   np.asarray(fold_fc_weight(ne, nh, w), np.float32))
@@ -304,34 +308,33 @@ def test_quantize_head_folds_fc_weight_and_fc_input_uses_it():
 
     tokens = jnp.asarray([[1, 4, 7, 2, 9]], jnp.int32)
     hidden = hid[None]
-    ref = fc_input(Cfg, params, tokens, hidden, "reference")
+    ref = fc_input(Cfg, params, tokens, hidden, ExecutionConfig.everywhere("reference"))
     # A poisoned raw weight: the kernel path must read the folded one.
     poisoned = {**folded, "mtp": {**folded["mtp"], "fc": {**folded["mtp"]["fc"],
                                                           "weight": jnp.zeros_like(w)}}}
-    out = fc_input(Cfg, poisoned, tokens, hidden, "interpret")
+    out = fc_input(Cfg, poisoned, tokens, hidden, ExecutionConfig.everywhere("interpret"))
     assert out.shape == ref.shape
     assert _rel_err(out, ref) < 1e-2
     # ... and the embed rows' norms from the per-token table, gathered by token.
     fc = poisoned["mtp"]["fc"]
     swapped = {**poisoned, "mtp": {**poisoned["mtp"], "fc": {**fc, "embed_mean_square": fc["embed_mean_square"][::-1]}}}
-    assert _rel_err(fc_input(Cfg, swapped, tokens, hidden, "interpret"), ref) > 0.05
+    assert _rel_err(fc_input(Cfg, swapped, tokens, hidden, ExecutionConfig.everywhere("interpret")), ref) > 0.05
 
 
 def test_named_kernel_skips_the_auto_rule(monkeypatch):
     """``kernel_pays`` is ``auto``'s rule only: ``MTP_KERNELS=fc_gemm=pallas`` (or a global ``pallas``)
     takes the kernel at the propose step's rows too, so an A/B of reference vs pallas compares two paths."""
-    from mtp.ops import dispatch, lowering
+    from mtp.ops import lowering
 
     calls = []
     monkeypatch.setattr(mosaic, "fc_gemm_folded", lambda e, *a, **k: calls.append(e.shape) or "kernel")
     monkeypatch.setattr(lowering, "on_gpu", lambda: True)
-    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     args = _inputs(0, 8, 64)  # 8 rows at H = 64: auto's rule keeps the reference
     assert not api.kernel_pays(8, 64) and mosaic.kernel_unsupported(args[0], args[1], args[4]) is None
     assert isinstance(fc_gemm(*args, eps=1e-6), jax.Array) and not calls
     for named in ("fc_gemm=pallas", "pallas"):
-        monkeypatch.setenv(dispatch.ENV_VAR, named)
-        assert fc_gemm(*args, eps=1e-6) == "kernel"
+        impl = ExecutionConfig.from_environ({"MTP_KERNELS": named}).impl_for("fc_gemm")
+        assert fc_gemm(*args, eps=1e-6, impl=impl) == "kernel"
     assert fc_gemm(*args, eps=1e-6, impl="pallas") == "kernel" and len(calls) == 3
 
 

@@ -1,10 +1,13 @@
 """The fused Gated DeltaNet decode step: the kernel (interpret mode) against the model's own code."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp.execution import ExecutionConfig
 from mtp.model import target
 from mtp.ops.gdn_step import MAX_STEPS, gdn_step, gdn_step_reference, gdn_steps, gdn_steps_reference
 from mtp.ops.gdn_step.triton import default_chunks, gdn_steps_triton, kernel_unsupported
@@ -80,11 +83,12 @@ def test_model_decode_with_the_kernel_equals_the_reference(gemm_layout):
     lens = jnp.asarray([7, 4], jnp.int32)
     logits = {}
     for impl in ("reference", "interpret"):
+        execution = dataclasses.replace(gemm_layout, kernels=(("", impl),))
         cache = paged_cache(cfg, b, blocks)
-        cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(b, jnp.int32), lens, impl=impl)
+        cache, _ = target.prefill(cfg, params, cache, toks[:, :8], jnp.zeros(b, jnp.int32), lens, execution=execution)
         out = []
         for step in range(3):
-            cache, o = target.decode(cfg, params, cache, toks[np.arange(b), lens + step][:, None], impl=impl)
+            cache, o = target.decode(cfg, params, cache, toks[np.arange(b), lens + step][:, None], execution=execution)
             out.append(o.logits)
         logits[impl] = np.stack(out)
     np.testing.assert_allclose(logits["interpret"], logits["reference"], atol=2e-5, rtol=1e-5)
@@ -102,8 +106,8 @@ def test_auto_takes_the_kernel_on_a_gpu_unless_the_reference_is_named(monkeypatc
     args = _case(0, 2, 2, 4, 16, jnp.float32)
     kw = dict(num_k_heads=2, eps=1e-6)
     assert bool((gdn_step(*args, **kw)[0] == 7.0).all()) and len(calls) == 1
-    monkeypatch.setenv("MTP_KERNELS", "gdn_step=reference")
-    assert isinstance(gdn_step(*args, **kw)[0], jax.Array) and len(calls) == 1
+    named = ExecutionConfig.from_environ({"MTP_KERNELS": "gdn_step=reference"}).impl_for("gdn_step")
+    assert isinstance(gdn_step(*args, **kw, impl=named)[0], jax.Array) and len(calls) == 1
 
 
 def test_merged_projection_buffer_is_read_in_place():

@@ -7,6 +7,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from mtp.execution import ExecutionConfig
 from mtp.model import layers
 from mtp.ops import dispatch, lowering
 from mtp.ops.paged_attention import api, mosaic, paged_attention, paged_attention_reference, triton
@@ -108,29 +109,29 @@ def test_reference_matches_dense_numpy(nq, gate):
     assert np.all(np.asarray(ref, np.float32)[2] == 0)
 
 
-def test_bad_impl_flag_names_the_choices(monkeypatch):
+def test_bad_impl_flag_names_the_choices():
     args, _ = _inputs(0, 1, 1, 2, 1, 64, 16, [4], 1, 2)
     with pytest.raises(ValueError, match="auto, reference, pallas, interpret"):
         paged_attention(*args, impl="triton")
-    monkeypatch.setenv(dispatch.ENV_VAR, "fast")
+    environ = lambda kernels: ExecutionConfig.from_environ({"MTP_KERNELS": kernels})
     with pytest.raises(ValueError, match="MTP_KERNELS"):
-        paged_attention(*args)
-    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
-    assert dispatch.resolve_impl("auto") == "reference"
+        environ("fast")
+    assert dispatch.resolve_impl(environ("reference").impl_for("paged_attention")) == "reference"
     assert dispatch.resolve_impl("interpret") == "interpret"
-    monkeypatch.setenv(dispatch.ENV_VAR, "interpret,gdn_step=reference")  # all, then one op
-    assert dispatch.resolve_impl("auto", op="gdn_step") == "reference"
-    assert dispatch.resolve_impl("auto", op="paged_attention") == "interpret"
+    both = environ("interpret,gdn_step=reference")  # all, then one op
+    assert dispatch.resolve_impl(both.impl_for("gdn_step"), op="gdn_step") == "reference"
+    assert dispatch.resolve_impl(both.impl_for("paged_attention"), op="paged_attention") == "interpret"
     assert dispatch.resolve_impl("pallas", op="gdn_step") == "pallas"  # an explicit choice wins
-    monkeypatch.setenv(dispatch.ENV_VAR, "gdn-step=pallas")
     with pytest.raises(ValueError, match="no op named 'gdn-step'; the ops are paged_attention"):
-        dispatch.resolve_impl("auto", op="gdn_step")
-    monkeypatch.setenv(dispatch.ENV_VAR, "gdn_step=fast")
+        environ("gdn-step=pallas")
     with pytest.raises(ValueError, match="MTP_KERNELS entry gdn_step='fast'"):
-        dispatch.resolve_impl("auto", op="gdn_step")
-    monkeypatch.delenv(dispatch.ENV_VAR)
+        environ("gdn_step=fast")
+    with pytest.raises(ValueError, match="no op named 'gdn-step'"):
+        ExecutionConfig(kernels=(("gdn-step", "pallas"),))
+    with pytest.raises(ValueError, match="ExecutionConfig.everywhere='fast'"):
+        ExecutionConfig.everywhere("fast")
     expected = "pallas" if jax.default_backend() == "gpu" else "reference"
-    assert dispatch.resolve_impl("auto") == expected
+    assert dispatch.resolve_impl(ExecutionConfig.from_environ({}).impl_for("paged_attention")) == expected
 
 
 def test_shape_errors_are_named():
@@ -188,9 +189,7 @@ def test_auto_follows_the_target_device(monkeypatch):
         jax_default_device = CompileOnlyGpu()
 
     monkeypatch.setattr(lowering.jax, "config", Config())
-    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
-    monkeypatch.delenv(layers.PAD_ENV_VAR, raising=False)
-    assert lowering.on_gpu() and lowering.num_sms() == 99 and layers.pad_small_gemms()
+    assert lowering.on_gpu() and lowering.num_sms() == 99 and layers.pad_small_gemms(ExecutionConfig())
     assert dispatch.resolve_impl("auto", op="paged_attention") == "pallas"
 
 
@@ -219,31 +218,38 @@ def test_triton_form_matches_reference(b, nq, hq, hkv, d, page, lengths, max_blo
 
 
 def test_triton_form_is_taken_only_where_named(monkeypatch):
-    """Opt-in (``dispatch.OPT_IN``): ``auto`` keeps the Mosaic kernel / reference; a per-op ``MTP_KERNELS``
-    entry names the Triton form, a global value (``MTP_KERNELS=pallas``, measured slower there) does not;
-    shapes it cannot take (a page of 4 tokens) fall through to the usual path."""
+    """Opt-in (``dispatch.OPT_IN``): ``auto`` keeps the Mosaic kernel / reference; a per-op entry
+    (``MTP_KERNELS=paged_attention_triton=...``) names the Triton form, a global value
+    (``MTP_KERNELS=pallas``, measured slower there) does not; shapes it cannot take (a page of 4
+    tokens) fall through to the usual path."""
     calls = []
     monkeypatch.setattr(triton, "paged_attention_triton", lambda *a, **k: calls.append(k["interpret"]) or "triton")
     args, _ = _inputs(0, 1, 1, 4, 2, 32, 16, [20], 2, 3)
-    assert isinstance(paged_attention(*args), jax.Array) and not calls
-    monkeypatch.setenv("MTP_KERNELS", "paged_attention_triton=interpret")
-    assert paged_attention(*args) == "triton" and calls == [True]
+
+    def attend(inputs, kernels=None):  # as the model calls it, under MTP_KERNELS=kernels
+        execution = ExecutionConfig.from_environ({} if kernels is None else {"MTP_KERNELS": kernels})
+        return paged_attention(*inputs, impl=execution.impl_for("paged_attention"),
+                               triton_impl=execution.impl_for("paged_attention_triton"))
+
+    assert isinstance(attend(args), jax.Array) and not calls
+    assert attend(args, "paged_attention_triton=interpret") == "triton" and calls == [True]
     assert isinstance(paged_attention(*args, impl="reference"), jax.Array)  # an explicit impl is kept
     small, _ = _inputs(0, 1, 1, 4, 2, 32, 4, [7], 2, 3)
     assert "page size 4" in triton.triton_unsupported(small[0], small[1])
     huge = jax.ShapeDtypeStruct((2**22, 16, 2, 32), jnp.bfloat16)  # 2**32 elements, never allocated
     assert "int32" in triton.triton_unsupported(args[0], huge)
-    assert isinstance(paged_attention(*small), jax.Array) and len(calls) == 1
+    assert isinstance(attend(small, "paged_attention_triton=interpret"), jax.Array) and len(calls) == 1
     for everything in ("pallas", "interpret"):  # a global value is no per-op entry
-        monkeypatch.setenv("MTP_KERNELS", everything)
-        assert dispatch.resolve_impl("auto", op="paged_attention_triton") == "reference"
-        assert isinstance(paged_attention(*args), jax.Array) and len(calls) == 1  # D = 32: the reference
-    monkeypatch.setenv("MTP_KERNELS", "pallas")
+        triton_impl = ExecutionConfig.everywhere(everything).impl_for("paged_attention_triton")
+        assert dispatch.resolve_impl(triton_impl, op="paged_attention_triton") == "reference"
+        assert isinstance(attend(args, everything), jax.Array) and len(calls) == 1  # D = 32: the reference
     monkeypatch.setattr(lowering, "on_gpu", lambda: True)
-    assert dispatch.resolve_impl("auto", op="paged_attention_triton") == "reference"
-    assert dispatch.resolve_impl("auto", op="paged_attention") == "pallas"
-    monkeypatch.setenv("MTP_KERNELS", "interpret,paged_attention_triton=pallas")
-    assert dispatch.resolve_impl("auto", op="paged_attention_triton") == "pallas"
+    resolved = lambda execution, op: dispatch.resolve_impl(execution.impl_for(op), op=op)
+    on_pallas = ExecutionConfig.everywhere("pallas")
+    assert resolved(on_pallas, "paged_attention_triton") == "reference"
+    assert resolved(on_pallas, "paged_attention") == "pallas"
+    named = ExecutionConfig.from_environ({"MTP_KERNELS": "interpret,paged_attention_triton=pallas"})
+    assert resolved(named, "paged_attention_triton") == "pallas"
 
 
 def test_model_decode_and_verify_through_the_triton_form(monkeypatch):

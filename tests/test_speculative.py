@@ -10,6 +10,7 @@ import pytest
 from mtp import generation
 from mtp import speculative as speculative_mod
 from mtp.analysis import first_divergence
+from mtp.execution import ExecutionConfig
 from mtp.generation import generate, prepare_decode
 from mtp.mtp_head import DrafterCache, draft_step, forward_sequence, prefill_drafter, quantize_head
 from mtp.model import target
@@ -197,7 +198,7 @@ def test_drafter_prefill_rows_equal_step_by_step_drafts():
     for k in range(length - 1):
         active = jnp.array([True, k < 6])
         step, logits, _ = draft_step(cfg, params, step, toks[:, k + 1], hid[:, k], jnp.full((b,), k), active,
-                                     "reference")
+                                     ExecutionConfig.everywhere("reference"))
         if k == length - 2:  # the last draft's logits equal the whole-sequence MTP forward
             ref = forward_sequence(cfg, params, toks, hid)
             np.testing.assert_allclose(logits[0], ref[0, k], atol=3e-5)
@@ -355,37 +356,50 @@ def test_gpu_gemm_layout_keeps_speculative_equal_to_plain(greedy_reference, gemm
     from mtp import speculative
 
     cfg, params, prompts, base = greedy_reference["tiny_dense"]
-    plain = generate(cfg, params, prompts, SpecConfig(max_new_tokens=MAX_NEW), speculative=False)
+    plain_spec = SpecConfig(max_new_tokens=MAX_NEW, execution=gemm_layout)
+    plain = generate(cfg, params, prompts, plain_spec, speculative=False)
     assert plain.tokens == base
-    spec = SpecConfig(max_new_tokens=MAX_NEW, verify_width=3)
+    spec = SpecConfig(max_new_tokens=MAX_NEW, verify_width=3, execution=gemm_layout)
     res = generate(cfg, params, prompts, spec)
     assert res.tokens == plain.tokens
     _assert_both_outcomes(res.stats)
-    compiled = speculative.speculative_loop._cache_size()
+    compiled = speculative.speculative_loop.jitted(spec)._cache_size()
     assert generate(cfg, params, prompts, spec).tokens == res.tokens
-    assert speculative.speculative_loop._cache_size() == compiled  # the second call did not retrace
-    compiled = speculative.greedy_loop._cache_size()
-    assert generate(cfg, params, prompts, SpecConfig(max_new_tokens=MAX_NEW), speculative=False).tokens == base
-    assert speculative.greedy_loop._cache_size() == compiled
+    assert speculative.speculative_loop.jitted(spec)._cache_size() == compiled  # the second call did not retrace
+    compiled = speculative.greedy_loop.jitted(plain_spec)._cache_size()
+    assert generate(cfg, params, prompts, plain_spec, speculative=False).tokens == base
+    assert speculative.greedy_loop.jitted(plain_spec)._cache_size() == compiled
 
 
-def test_decode_loop_graph_options_are_valid_xla_options(monkeypatch):
-    monkeypatch.setenv(speculative_mod.LOOP_GRAPH_ENV_VAR, "1")
-    opts = speculative_mod.decode_loop_compiler_options()
+def test_decode_loop_graph_options_are_valid_xla_options():
+    options = lambda mode: ExecutionConfig(loop_graph=mode).loop_compiler_options()
+    opts = options("1")
     assert "WHILE" in opts["xla_gpu_enable_command_buffer"].split(",")
     # XLA rejects an unknown field or value when it compiles, on every backend.
     assert float(jax.jit(lambda x: x + 1, compiler_options=opts)(1.0)) == 2.0
     with pytest.raises(Exception, match="xla_gpu_no_such_option"):
         jax.jit(lambda x: x + 1, compiler_options={"xla_gpu_no_such_option": "1"})(1.0)
-    monkeypatch.setenv(speculative_mod.LOOP_GRAPH_ENV_VAR, "while")  # the graphs, XLA's own scheduling
-    graphs_only = speculative_mod.decode_loop_compiler_options()
+    graphs_only = options("while")  # the graphs, XLA's own scheduling
     assert graphs_only == {k: v for k, v in opts.items() if k != "xla_gpu_command_buffer_scheduling_mode"}
     assert float(jax.jit(lambda x: x + 1, compiler_options=graphs_only)(1.0)) == 2.0
-    monkeypatch.setenv(speculative_mod.LOOP_GRAPH_ENV_VAR, "0")
-    assert speculative_mod.decode_loop_compiler_options() == {}
-    monkeypatch.setenv(speculative_mod.LOOP_GRAPH_ENV_VAR, "on")
+    assert options("0") == {}
+    assert ExecutionConfig.from_environ({}).loop_compiler_options() == opts  # the default: the graphs
     with pytest.raises(ValueError, match="MTP_DECODE_LOOP_GRAPH='on'"):
-        speculative_mod.decode_loop_compiler_options()
+        ExecutionConfig.from_environ({"MTP_DECODE_LOOP_GRAPH": "on"})
+
+
+def test_each_loop_graph_mode_jits_its_own_loop(greedy_reference):
+    """The loops' compiler options come from the spec's config when the loop is built, not at
+    import: two modes are two jitted loops, each built once, and both decode the same tokens."""
+    from mtp import speculative
+
+    cfg, params, prompts, base = greedy_reference["tiny_dense"]
+    specs = [SpecConfig(max_new_tokens=MAX_NEW, execution=ExecutionConfig(loop_graph=m)) for m in ("1", "0")]
+    assert speculative.greedy_loop.jitted(specs[0]) is not speculative.greedy_loop.jitted(specs[1])
+    assert speculative.greedy_loop.jitted(specs[1]) is speculative.greedy_loop.jitted(
+        SpecConfig(max_new_tokens=1, execution=ExecutionConfig(loop_graph="0")))  # options alike: one loop
+    for spec in specs:
+        assert generate(cfg, params, prompts, spec, speculative=False).tokens == base
 
 
 def test_generate_names_missing_and_empty_prompts():

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from mtp.config import ModelConfig
-from mtp.model.layers import MERGED_GROUPS, dense, module_columns
+from mtp.execution import ExecutionConfig
+from mtp.model.layers import DEFAULT, MERGED_GROUPS, dense, module_columns
 from mtp.ops.conv_step import conv_steps
 from mtp.ops.conv_step.reference import conv_state_after, conv_windows
 from mtp.ops.gdn_step import HeadShape, gdn_steps
@@ -36,7 +37,7 @@ from mtp.ops.norms import gated_rms_norm
 CHUNK = 64
 
 
-def project(p, x: jax.Array, cfg: ModelConfig, lead: tuple[int, ...]):
+def project(p, x: jax.Array, cfg: ModelConfig, lead: tuple[int, ...], execution: ExecutionConfig = DEFAULT):
     """The input projections ``(mixed_qkv, qkvz, ba)``; ``mixed_qkv`` in the grouped conv order.
 
     ``in_proj_qkvz`` is laid out per key-head group as ``[q, k, v.., z..]``, so the
@@ -47,7 +48,7 @@ def project(p, x: jax.Array, cfg: ModelConfig, lead: tuple[int, ...]):
     kernel reads z, b and a in place, so that XLA never copies a slice of them.
     ``x`` is ``[*lead, H]`` or the padded stream's rows (`layers.stream_rows`).
     """
-    qkvz, ba = module_columns(p, x, MERGED_GROUPS["linear_attn"], lead)
+    qkvz, ba = module_columns(p, x, MERGED_GROUPS["linear_attn"], lead, execution)
     groups, qkv_width = qkvz_groups(qkvz.view(lead), cfg)
     mixed = groups[..., :qkv_width].reshape(*lead, -1)
     return mixed, qkvz, ba
@@ -97,37 +98,37 @@ def chunked_delta_rule(q, k, v, beta, g, state):
     return jnp.swapaxes(out, 1, 2), state
 
 
-def out_project(p, y: jax.Array) -> jax.Array:
+def out_project(p, y: jax.Array, execution: ExecutionConfig = DEFAULT) -> jax.Array:
     """``out_proj`` over the gated, normed per-head outputs ``[.., H, Dv]``."""
-    return dense(y.reshape(*y.shape[:-2], -1), p["out_proj"]["weight"])
+    return dense(y.reshape(*y.shape[:-2], -1), p["out_proj"]["weight"], execution=execution)
 
 
-def output(p, core: jax.Array, z: jax.Array, x_dtype, cfg: ModelConfig) -> jax.Array:
-    return out_project(p, gated_rms_norm(core.astype(x_dtype), z, p["norm"]["weight"], cfg.rms_norm_eps))
+def output(p, core: jax.Array, z: jax.Array, x_dtype, cfg: ModelConfig, execution: ExecutionConfig = DEFAULT):
+    return out_project(p, gated_rms_norm(core.astype(x_dtype), z, p["norm"]["weight"], cfg.rms_norm_eps), execution)
 
 
 def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bool,
-              impl: str = "reference"):
+              execution: ExecutionConfig = DEFAULT):
     """One Gated DeltaNet layer over ``x [B, T, H]`` (or the padded stream's rows, `layers.stream_rows`).
 
     ``valid [B, T]`` marks the real tokens, which are a prefix of each row. With
     ``per_step`` (decode and verify) the state after every position is returned as well,
     and the conv and the tokens after it are `mtp.ops.conv_step.conv_steps` and
-    `mtp.ops.gdn_step.gdn_steps` (one kernel each for up
-    to 8 tokens where ``impl`` picks it). Returns ``(y, new_conv, new_rec, step_states)``.
+    `mtp.ops.gdn_step.gdn_steps` (one kernel each for up to 8 tokens where ``execution``
+    picks it). Returns ``(y, new_conv, new_rec, step_states)``.
     """
     lead = valid.shape
-    mixed, qkvz, ba = project(p, x, cfg, lead)
+    mixed, qkvz, ba = project(p, x, cfg, lead, execution)
     mixed = jnp.where(valid[..., None], mixed, 0)
     steps = None
     if per_step:  # decode and verify: the conv and the state after every token as one op
         assert qkvz.start == 0, "conv_steps reads in_proj_qkvz from the GEMM output's first columns"
         conv_out, conv_states = conv_steps(mixed, qkvz.rows, valid, conv_state, p["conv1d"]["weight"],
-                                           heads=HeadShape.of(cfg), impl=impl)
+                                           heads=HeadShape.of(cfg), impl=execution.impl_for("conv_step"))
         y, rec_steps = gdn_steps(conv_out, qkvz.rows, ba.rows, valid, rec_state, p["A_log"], p["dt_bias"],
                                  p["norm"]["weight"], num_k_heads=cfg.linear_num_key_heads, eps=cfg.rms_norm_eps,
-                                 ba_col=ba.start, impl=impl)
-        out = out_project(p, y)
+                                 ba_col=ba.start, impl=execution.impl_for("gdn_step"))
+        out = out_project(p, y, execution)
         # A masked token keeps the states: the last step's are the final ones.
         new_conv, new_rec = conv_states[:, -1], rec_steps[:, -1]
         steps = (conv_states, rec_steps)
@@ -137,6 +138,6 @@ def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bo
         q, k, v, beta, g = split_heads(conv_out, b, a, p, cfg)
         k, beta, g = mask_updates(k, beta, g, valid)
         core, new_rec = chunked_delta_rule(q, k, v, beta, g, rec_state)
-        out = output(p, core, z, x.dtype, cfg)
+        out = output(p, core, z, x.dtype, cfg, execution)
         new_conv = conv_state_after(conv_state, mixed, jnp.sum(valid, axis=1).astype(jnp.int32))
     return out, new_conv, new_rec, steps

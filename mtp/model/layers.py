@@ -1,8 +1,9 @@
 """Building blocks of the Qwen3-Next hybrid: GEMMs, gated attention, FFNs.
 
 Each block is a plain function of ``(params_subtree, inputs)``; parameter subtrees
-are the checkpoint's own nesting. The math a kernel reproduces is its op's: the norms
-(`mtp.ops.norms`), the attention's q/k norms, RoPE and gate split
+are the checkpoint's own nesting. ``execution`` (`mtp.execution.ExecutionConfig`, a static of
+the jitted callers) sets the GEMM layout and the path of each op a block calls. The math a
+kernel reproduces is its op's: the norms (`mtp.ops.norms`), the attention's q/k norms, RoPE and gate split
 (`mtp.ops.attn_prologue.reference`), the routed experts (`mtp.ops.moe`). Numerics follow the Hugging Face implementation
 (norms in float32 and cast back, f32 softmax, f32 matmul accumulation).
 """
@@ -16,50 +17,54 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mtp import execution
 from mtp.config import ModelConfig
+from mtp.execution import ExecutionConfig
 from mtp.ops import fp8, lowering, quantized
 from mtp.ops.attn_prologue.reference import key_values, qkv_of, rope
 from mtp.ops.lowering import tensor_parallel_mesh
 from mtp.ops.moe import routed_experts
 
-PAD_ENV_VAR = execution.PAD_VAR
-MERGE_ENV_VAR = execution.MERGE_VAR
-REDUCE_ENV_VAR = execution.REDUCE_VAR
+DEFAULT = ExecutionConfig()
 
 
-def _gpu_default_switch(field: str) -> bool:
-    """A GEMM-layout switch of `execution.of_process`; unset, on exactly on a GPU."""
-    value = getattr(execution.of_process(), field)
+def _gpu_default_switch(value: bool | None) -> bool:
+    """A GEMM-layout switch of an `ExecutionConfig`: ``None``, on exactly on a GPU."""
     return lowering.on_gpu() if value is None else value
 
 
-def pad_small_gemms() -> bool:
+def pad_small_gemms(execution: ExecutionConfig = DEFAULT) -> bool:
     """Whether `dense` pads a one-row product with a large weight to 2 rows.
 
     On by default on a GPU, where XLA's GEMM streams such weights faster for 2 rows
-    than for 1 (measured, see ``PAD_ROWS``); ``MTP_PAD_SMALL_GEMMS=0`` or ``1`` decides
-    instead (benchmarks flip it to compare).
+    than for 1 (measured, see ``PAD_ROWS``); ``execution.pad_small_gemms`` decides instead
+    (benchmarks flip it to compare; ``MTP_PAD_SMALL_GEMMS=0`` or ``1`` at an entry point).
     """
-    return _gpu_default_switch("pad_small_gemms")
+    return _gpu_default_switch(execution.pad_small_gemms)
 
 
-def merge_projections() -> bool:
+def merge_projections(execution: ExecutionConfig = DEFAULT) -> bool:
     """Whether `dense_columns` runs projections of one input as one GEMM.
 
     On by default on a GPU, where a decode step's launches cost more than its small
-    GEMMs' bytes (see ``dense_columns``); ``MTP_MERGE_PROJECTIONS=0`` or ``1`` decides instead.
+    GEMMs' bytes (see ``dense_columns``); ``execution.merge_projections`` decides instead
+    (``MTP_MERGE_PROJECTIONS`` at an entry point).
     """
-    return _gpu_default_switch("merge_projections")
+    return _gpu_default_switch(execution.merge_projections)
 
 
-def small_gemms_as_reduce() -> bool:
+def small_gemms_as_reduce(execution: ExecutionConfig = DEFAULT) -> bool:
     """Whether `linear` writes a few-row product with a small weight as a reduction.
 
     On by default on a GPU, where a small model's verify ran faster so (see ``linear``);
-    ``MTP_SMALL_GEMMS_AS_REDUCE=0`` or ``1`` decides instead (benchmarks flip it to compare).
+    ``execution.small_gemms_as_reduce`` decides instead (benchmarks flip it to compare;
+    ``MTP_SMALL_GEMMS_AS_REDUCE`` at an entry point).
     """
-    return _gpu_default_switch("small_gemms_as_reduce")
+    return _gpu_default_switch(execution.small_gemms_as_reduce)
+
+
+def _measured(forced: int | None, default: int) -> int:
+    """A layout bound: an `ExecutionConfig`'s forced value (tests force them on tiny models), else the measured one."""
+    return default if forced is None else forced
 
 
 # Plain decode at batch 1 multiplies one row by each weight: a weight stream. On the
@@ -75,14 +80,15 @@ PAD_ROWS = 2
 PAD_MIN_WEIGHT = 2048 * 4096
 
 
-def pads_weight(w) -> bool:
-    """Whether a one-row product with ``w`` is padded: a plain weight of over ``PAD_MIN_WEIGHT`` elements.
+def pads_weight(w, execution: ExecutionConfig = DEFAULT) -> bool:
+    """Whether a one-row product with ``w`` is padded: a plain weight of over ``PAD_MIN_WEIGHT``
+    elements (``execution.pad_min_weight`` where set).
 
     Never an FP8 weight: its kernel (`mtp.ops.fp8.triton`) streams one row at 0.78-0.89x the bf16
     weight's time and two or more at 1.27-1.35x (results/kernels/fp8_few_rows_h200/), so a second
     row would cost it what it saves XLA's bf16 GEMM.
     """
-    return isinstance(w, jax.Array) and w.size > PAD_MIN_WEIGHT
+    return isinstance(w, jax.Array) and w.size > _measured(execution.pad_min_weight, PAD_MIN_WEIGHT)
 
 
 # Where `linear` writes a product as a reduction: what measured faster on the H200 (2026-11-30; the default
@@ -94,7 +100,7 @@ REDUCE_MAX_ROWS = 4
 REDUCE_MAX_WEIGHT = 1 << 20
 
 
-def linear(x: jax.Array, w) -> jax.Array:
+def linear(x: jax.Array, w, execution: ExecutionConfig = DEFAULT) -> jax.Array:
     """``x @ w.T`` for a HF ``[out, in]`` weight, plain or block-scaled FP8: f32 accumulation, x's dtype out.
 
     An FP8 weight (`mtp.ops.fp8.BlockFp8Weight`, as Qwen's FP8 checkpoints load) goes to the
@@ -102,7 +108,8 @@ def linear(x: jax.Array, w) -> jax.Array:
     device memory.
 
     A product of 2..``REDUCE_MAX_ROWS`` rows with a weight of at most ``REDUCE_MAX_WEIGHT``
-    elements (a small model's verify) is written as multiply + sum where
+    elements (a small model's verify; ``execution.reduce_max_rows`` and ``reduce_max_weight``
+    where set) is written as multiply + sum where
     `small_gemms_as_reduce` says, and not under a tensor-parallel mesh (whose
     shardings were measured with GEMMs): XLA then emits one reduction kernel, as it does
     for a one-row product, instead of a Triton GEMM, and fuses its elementwise neighbours
@@ -110,28 +117,30 @@ def linear(x: jax.Array, w) -> jax.Array:
     (results/decode/decode_h200.md, 2026-11-30, few-row products as reductions).
     """
     if isinstance(w, fp8.BlockFp8Weight):
-        return fp8.matmul(x, w).astype(x.dtype)
+        return fp8.matmul(x, w, impl=execution.impl_for("fp8_gemm")).astype(x.dtype)
     rows = math.prod(x.shape[:-1])
-    if (1 < rows <= REDUCE_MAX_ROWS and w.size <= REDUCE_MAX_WEIGHT and small_gemms_as_reduce()
-            and tensor_parallel_mesh() is None):
+    if (1 < rows <= _measured(execution.reduce_max_rows, REDUCE_MAX_ROWS)
+            and w.size <= _measured(execution.reduce_max_weight, REDUCE_MAX_WEIGHT)
+            and small_gemms_as_reduce(execution) and tensor_parallel_mesh() is None):
         f32 = jnp.float32
         return jnp.sum(x[..., None, :].astype(f32) * w.astype(f32), axis=-1).astype(x.dtype)
     y = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
 
 
-def padded_linear(x: jax.Array, w: jax.Array, rows_to: int) -> jax.Array:
+def padded_linear(x: jax.Array, w: jax.Array, rows_to: int, execution: ExecutionConfig = DEFAULT) -> jax.Array:
     """``x @ w.T`` computed on ``x``'s rows zero-padded to ``rows_to`` (the extra rows dropped)."""
     rows = math.prod(x.shape[:-1])
-    return _padded_rows(x.reshape(rows, x.shape[-1]), w, rows_to)[:rows].reshape(
+    return _padded_rows(x.reshape(rows, x.shape[-1]), w, rows_to, execution)[:rows].reshape(
         *x.shape[:-1], w.shape[0])
 
 
-def _padded_rows(x2: jax.Array, w: jax.Array, rows_to: int) -> jax.Array:
-    return linear(jnp.pad(x2, ((0, rows_to - x2.shape[0]), (0, 0))), w)
+def _padded_rows(x2: jax.Array, w: jax.Array, rows_to: int, execution: ExecutionConfig) -> jax.Array:
+    return linear(jnp.pad(x2, ((0, rows_to - x2.shape[0]), (0, 0))), w, execution)
 
 
-def dense_rows(x: jax.Array, w, lead: tuple[int, ...] | None = None) -> jax.Array:
+def dense_rows(x: jax.Array, w, lead: tuple[int, ...] | None = None,
+               execution: ExecutionConfig = DEFAULT) -> jax.Array:
     """``dense`` as the GEMM wrote it: ``[R, out]`` with ``x``'s rows first, ``R >= rows``.
 
     Where ``dense`` pads a small product, the padding rows are kept. A kernel that reads
@@ -144,23 +153,25 @@ def dense_rows(x: jax.Array, w, lead: tuple[int, ...] | None = None) -> jax.Arra
     rows = math.prod(x.shape[:-1] if lead is None else lead)
     x2 = x.reshape(-1, x.shape[-1])
     target_weight = isinstance(w, (jax.Array, fp8.BlockFp8Weight))  # plain or a checkpoint's FP8
-    if x2.shape[0] > rows and not pads_weight(w):
+    pads = pads_weight(w, execution)
+    if x2.shape[0] > rows and not pads:
         x2 = x2[:rows]
     if target_weight:
-        if x2.shape[0] < PAD_ROWS and pads_weight(w) and pad_small_gemms():
-            return _padded_rows(x2, w, PAD_ROWS)
-        return linear(x2, w)
+        pad_rows = _measured(execution.pad_rows, PAD_ROWS)
+        if x2.shape[0] < pad_rows and pads and pad_small_gemms(execution):
+            return _padded_rows(x2, w, pad_rows, execution)
+        return linear(x2, w, execution)
     return quantized.linear(x2, w)  # the MTP head's weights at ``--mtp_quant``
 
 
-def dense(x: jax.Array, w, lead: tuple[int, ...] | None = None) -> jax.Array:
+def dense(x: jax.Array, w, lead: tuple[int, ...] | None = None, execution: ExecutionConfig = DEFAULT) -> jax.Array:
     """``x @ w.T`` for a HF ``[out, in]`` weight, plain, block-scaled FP8 (`mtp.ops.fp8`) or
     quantized for the MTP head (`mtp.ops.quantized`) -> ``[*lead, out]``.
 
     ``lead``: ``x`` is the padded stream's rows (see ``dense_rows``); default ``x.shape[:-1]``.
     """
     lead = x.shape[:-1] if lead is None else lead
-    return first_rows(dense_rows(x, w, lead), lead)
+    return first_rows(dense_rows(x, w, lead, execution), lead)
 
 
 class Columns(NamedTuple):
@@ -185,7 +196,7 @@ MERGE_MAX_ROWS = 64
 
 
 def dense_columns(x: jax.Array, ws, lead: tuple[int, ...] | None = None,
-                  merged: jax.Array | None = None) -> list[Columns]:
+                  merged: jax.Array | None = None, execution: ExecutionConfig = DEFAULT) -> list[Columns]:
     """``dense`` of one input by several weights, as one GEMM where they merge.
 
     A decode step is mostly small kernels, each a few µs of launch and tail inside a
@@ -200,16 +211,16 @@ def dense_columns(x: jax.Array, ws, lead: tuple[int, ...] | None = None,
     ``merged``: ``ws`` already concatenated (`with_merged_weights`).
     """
     lead = x.shape[:-1] if lead is None else lead
-    if not (_mergeable(ws) and math.prod(lead) <= MERGE_MAX_ROWS):
-        return [Columns(y, 0, y.shape[-1]) for y in (dense_rows(x, w, lead) for w in ws)]
-    rows = dense_rows(x, jnp.concatenate(ws, axis=0) if merged is None else merged, lead)
+    if not (_mergeable(ws, execution) and math.prod(lead) <= MERGE_MAX_ROWS):
+        return [Columns(y, 0, y.shape[-1]) for y in (dense_rows(x, w, lead, execution) for w in ws)]
+    rows = dense_rows(x, jnp.concatenate(ws, axis=0) if merged is None else merged, lead, execution)
     starts = [0, *itertools.accumulate(w.shape[0] for w in ws)]
     return [Columns(rows, s, w.shape[0]) for s, w in zip(starts, ws)]
 
 
-def _mergeable(ws) -> bool:
+def _mergeable(ws, execution: ExecutionConfig) -> bool:
     """Whether `dense_columns` may merge these weights, at any rows (see there)."""
-    return (len(ws) > 1 and merge_projections() and tensor_parallel_mesh() is None
+    return (len(ws) > 1 and merge_projections(execution) and tensor_parallel_mesh() is None
             and all(isinstance(w, jax.Array) and w.dtype == ws[0].dtype for w in ws))
 
 
@@ -223,7 +234,7 @@ def merged_key(names) -> str:
     return "+".join(names)
 
 
-def with_merged_weights(params):
+def with_merged_weights(params, execution: ExecutionConfig = DEFAULT):
     """``params`` with each ``MERGED_GROUPS`` group's weights also concatenated, once, beside them.
 
     ``dense_columns`` concatenates a group's weights inside the trace. Where XLA fuses
@@ -247,7 +258,7 @@ def with_merged_weights(params):
         for key, names in MERGED_GROUPS.items():
             module = out.get(key)
             ws = [module.get(n, {}).get("weight") for n in names] if isinstance(module, dict) else []
-            if _mergeable(ws) and sum(w.size for w in ws) <= PREMERGE_MAX_WEIGHT:
+            if _mergeable(ws, execution) and sum(w.size for w in ws) <= PREMERGE_MAX_WEIGHT:
                 out[key] = {**module, merged_key(names): {"weight": jnp.concatenate(ws, axis=0)}}
                 merged.append(key)
         return out
@@ -256,15 +267,17 @@ def with_merged_weights(params):
     return out if merged else params  # nothing to merge: the caller's tree itself
 
 
-def module_columns(p, x: jax.Array, names, lead: tuple[int, ...] | None = None) -> list[Columns]:
+def module_columns(p, x: jax.Array, names, lead: tuple[int, ...] | None = None,
+                   execution: ExecutionConfig = DEFAULT) -> list[Columns]:
     """`dense_columns` of a module's named projections, on the merged weight where `with_merged_weights` made one."""
     merged = p.get(merged_key(names))
     return dense_columns(x, [p[n]["weight"] for n in names], lead,
-                         merged=None if merged is None else merged["weight"])
+                         merged=None if merged is None else merged["weight"], execution=execution)
 
 
-def stream_rows(x: jax.Array, pad: bool) -> jax.Array:
-    """The residual stream ``[*lead, H]`` as GEMM rows ``[R, H]``; with ``pad``, zero rows up to ``PAD_ROWS``.
+def stream_rows(x: jax.Array, pad: bool, execution: ExecutionConfig = DEFAULT) -> jax.Array:
+    """The residual stream ``[*lead, H]`` as GEMM rows ``[R, H]``; with ``pad``, zero rows up to
+    ``PAD_ROWS`` (``execution.pad_rows`` where set).
 
     Decode at batch 1 has one row, which ``dense`` pads to two before each large
     GEMM: a pad kernel per projection (53 in the 1.38B model's step). Padding the
@@ -274,8 +287,9 @@ def stream_rows(x: jax.Array, pad: bool) -> jax.Array:
     never read back as outputs.
     """
     x2 = x.reshape(-1, x.shape[-1])
-    if pad and x2.shape[0] < PAD_ROWS:
-        x2 = jnp.pad(x2, ((0, PAD_ROWS - x2.shape[0]), (0, 0)))
+    pad_rows = _measured(execution.pad_rows, PAD_ROWS)
+    if pad and x2.shape[0] < pad_rows:
+        x2 = jnp.pad(x2, ((0, pad_rows - x2.shape[0]), (0, 0)))
     return x2
 
 
@@ -285,15 +299,16 @@ def first_rows(y_rows: jax.Array, lead: tuple[int, ...]) -> jax.Array:
 
 
 # ------------------------------------------------------------------ gated attention
-def attention_qkv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
+def attention_qkv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig, execution: ExecutionConfig = DEFAULT):
     """Project to rotated ``q [.., T, Hq, D]``, ``k, v [.., T, Hkv, D]`` and the output gate."""
     lead = _lead(x, positions)
-    return qkv_of(attention_columns(p, x, lead), p["q_norm"]["weight"], p["k_norm"]["weight"], positions, lead, cfg)
+    return qkv_of(attention_columns(p, x, lead, execution), p["q_norm"]["weight"], p["k_norm"]["weight"], positions,
+                  lead, cfg)
 
 
-def attention_columns(p, x: jax.Array, lead: tuple[int, ...]) -> list[Columns]:
+def attention_columns(p, x: jax.Array, lead: tuple[int, ...], execution: ExecutionConfig = DEFAULT) -> list[Columns]:
     """The q (with its gate), k and v projections of ``x``, as `module_columns`."""
-    return module_columns(p, x, MERGED_GROUPS["self_attn"], lead)
+    return module_columns(p, x, MERGED_GROUPS["self_attn"], lead, execution)
 
 
 def _lead(x, positions):
@@ -301,21 +316,21 @@ def _lead(x, positions):
     return positions.shape if x.ndim == positions.ndim else x.shape[:-1]
 
 
-def _projections(p, x, lead, names):
+def _projections(p, x, lead, names, execution):
     """The named projections of ``x``, each ``[*lead, out]``."""
-    return [c.view(lead) for c in module_columns(p, x, names, lead)]
+    return [c.view(lead) for c in module_columns(p, x, names, lead, execution)]
 
 
-def attention_kv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
+def attention_kv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig, execution: ExecutionConfig = DEFAULT):
     """Only the rotated keys and values: all a drafter prefill needs (no queries)."""
     lead = _lead(x, positions)
-    k, v = key_values(*_projections(p, x, lead, ("k_proj", "v_proj")), p["k_norm"]["weight"], lead, cfg)
+    k, v = key_values(*_projections(p, x, lead, ("k_proj", "v_proj"), execution), p["k_norm"]["weight"], lead, cfg)
     return rope(k, positions, cfg), v
 
 
-def attention_out(p, attn: jax.Array) -> jax.Array:
+def attention_out(p, attn: jax.Array, execution: ExecutionConfig = DEFAULT) -> jax.Array:
     """``o_proj`` over the (already gated) per-head outputs ``[.., T, Hq, D]``."""
-    return dense(attn.reshape(*attn.shape[:-2], -1), p["o_proj"]["weight"])
+    return dense(attn.reshape(*attn.shape[:-2], -1), p["o_proj"]["weight"], execution=execution)
 
 
 def causal_attention(q, k, v, gate) -> jax.Array:
@@ -335,18 +350,19 @@ def causal_attention(q, k, v, gate) -> jax.Array:
 
 
 # ------------------------------------------------------------------ FFNs
-def mlp(p, x: jax.Array) -> jax.Array:
-    return dense(jax.nn.silu(dense(x, p["gate_proj"]["weight"])) * dense(x, p["up_proj"]["weight"]),
-                 p["down_proj"]["weight"])
+def mlp(p, x: jax.Array, execution: ExecutionConfig = DEFAULT) -> jax.Array:
+    gate = jax.nn.silu(dense(x, p["gate_proj"]["weight"], execution=execution))
+    return dense(gate * dense(x, p["up_proj"]["weight"], execution=execution), p["down_proj"]["weight"],
+                 execution=execution)
 
 
-def route(p, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def route(p, x: jax.Array, cfg: ModelConfig, execution: ExecutionConfig = DEFAULT) -> tuple[jax.Array, jax.Array]:
     """Each row's experts and their weights: int32 ``[N, k]`` and f32 ``[N, k]``, ``N`` = x's rows.
 
     As Hugging Face's Qwen3-Next routes: an f32 softmax over the router logits, the top
     ``k``, renormalised when ``norm_topk_prob``, rounded to the activation dtype.
     """
-    logits = dense(x, p["gate"]["weight"]).astype(jnp.float32)
+    logits = dense(x, p["gate"]["weight"], execution=execution).astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
@@ -356,7 +372,8 @@ def route(p, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     return top_i.reshape(-1, k).astype(jnp.int32), top_w.reshape(-1, k)
 
 
-def moe(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None) -> jax.Array:
+def moe(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None,
+        execution: ExecutionConfig = DEFAULT) -> jax.Array:
     """Top-k routed experts (`route`) plus the sigmoid-gated shared expert.
 
     The selected experts run as one sparse op (`mtp.ops.moe.routed_experts`, which reads
@@ -369,19 +386,21 @@ def moe(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None) -> jax.
     """
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0] if real_rows is None else real_rows
-    expert_ids, expert_weights = route(p, x2, cfg)  # the router GEMM on the stream's rows as they are
+    expert_ids, expert_weights = route(p, x2, cfg, execution)  # the router GEMM on the stream's rows as they are
     experts = p["experts"]
     out = routed_experts(x2[:rows], expert_ids[:rows], expert_weights[:rows], experts["gate_proj"]["weight"],
-                         experts["up_proj"]["weight"], experts["down_proj"]["weight"])
+                         experts["up_proj"]["weight"], experts["down_proj"]["weight"], impl=execution.impl_for("moe"))
     if rows < x2.shape[0]:
         out = jnp.concatenate([out, jnp.zeros((x2.shape[0] - rows, out.shape[1]), out.dtype)])
     out = out.reshape(x.shape)
     if "shared_expert" in p:
-        shared = mlp(p["shared_expert"], x).astype(jnp.float32)
-        out = out + jax.nn.sigmoid(dense(x, p["shared_expert_gate"]["weight"]).astype(jnp.float32)) * shared
+        shared = mlp(p["shared_expert"], x, execution).astype(jnp.float32)
+        gate = dense(x, p["shared_expert_gate"]["weight"], execution=execution).astype(jnp.float32)
+        out = out + jax.nn.sigmoid(gate) * shared
     return out.astype(x.dtype)
 
 
-def ffn(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None) -> jax.Array:
+def ffn(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None,
+        execution: ExecutionConfig = DEFAULT) -> jax.Array:
     """The layer's FFN; ``real_rows`` as in `moe` (a dense MLP is row-wise and needs no telling)."""
-    return moe(p, x, cfg, real_rows) if "gate" in p else mlp(p, x)
+    return moe(p, x, cfg, real_rows, execution) if "gate" in p else mlp(p, x, execution)

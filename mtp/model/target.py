@@ -3,7 +3,9 @@
 All three run the same decoder stack; they differ only in where attention reads
 keys from (the sequence itself, or the paged cache) and which Gated DeltaNet
 evaluation they use (chunked for long spans, per-step for verify). Every function
-takes the static `ModelConfig` first and returns new state rather than mutating.
+takes the static `ModelConfig` first and returns new state rather than mutating; the
+jitted ones take the run's `ExecutionConfig` as a static ``execution`` too (kernel paths and
+GEMM layout), so each config compiles its own program.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from flax import struct
 
 from mtp.cache.state import LinearState, TargetCache
 from mtp.config import ModelConfig
+from mtp.execution import ExecutionConfig
 from mtp.model import gated_deltanet as gdn
 from mtp.model import layers
 from mtp.model.layers import attention_out, attention_qkv, causal_attention, ffn, first_rows, stream_rows
@@ -60,22 +63,35 @@ def lm_head(cfg: ModelConfig, params: Params, hidden_post: jax.Array) -> jax.Arr
                       preferred_element_type=jnp.float32)
 
 
-def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer, impl: str = "reference"):
+# The no-cache path (`forward_with_hiddens`, `mtp.mtp_head.forward_sequence`) is the definition
+# the cached paths are tested against, and what training differentiates: its fused ops run their
+# references whatever the run's config names; its GEMMs (layout, FP8 weights, routed experts)
+# follow the config.
+DEFINITION_OPS = ("add_rms_norm", "conv_step", "gdn_step", "fc_gemm")
+
+
+def definition_of(execution: ExecutionConfig) -> ExecutionConfig:
+    """``execution`` as the no-cache path runs it: ``DEFINITION_OPS`` on their references."""
+    return execution.with_kernels(**{op: "reference" for op in DEFINITION_OPS})
+
+
+def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer, execution: ExecutionConfig):
     """Pre-norm residual block; ``mixer(h) -> (y, new_state)`` is the layer's token mixer on normed input.
 
     Returns ``(x, new_state)``, the mixer's state (its written KV pages, its recurrent state)
     passed through as gemma's attention returns its cache. ``x`` is ``[*lead, H]`` or the
     padded stream's rows (`layers.stream_rows`): the norms and the FFN are row-wise, and the
     mixer's ``y`` is ``[*lead, H]``. The mixer's residual add and the FFN's norm are one op
-    (`mtp.ops.add_rms_norm`, a kernel where ``impl`` picks it).
+    (`mtp.ops.add_rms_norm`, a kernel where ``execution`` picks it).
     """
     y, state = mixer(rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps))
-    x, h = add_rms_norm(x, y, p["post_attention_layernorm"]["weight"], eps=cfg.rms_norm_eps, impl=impl)
-    return x + ffn(p["mlp"], h, cfg, real_rows=math.prod(y.shape[:-1])), state
+    x, h = add_rms_norm(x, y, p["post_attention_layernorm"]["weight"], eps=cfg.rms_norm_eps,
+                        impl=execution.impl_for("add_rms_norm"))
+    return x + ffn(p["mlp"], h, cfg, real_rows=math.prod(y.shape[:-1]), execution=execution), state
 
 
 def paged_attention_mixer(cfg, p, rope_positions, slots, k_pages, v_pages, block_tables, write,
-                          attn_lengths, impl):
+                          attn_lengths, execution: ExecutionConfig):
     """Gated attention that writes this step's K/V into pages, then attends over them.
 
     ``rope_positions`` are sequence positions; ``slots`` are where the K/V land in
@@ -86,12 +102,14 @@ def paged_attention_mixer(cfg, p, rope_positions, slots, k_pages, v_pages, block
 
     def mixer(h):
         attn = p["self_attn"]
-        columns = layers.attention_columns(attn, h, rope_positions.shape)
+        columns = layers.attention_columns(attn, h, rope_positions.shape, execution)
         q, gate, kp, vp = attn_prologue(columns, attn["q_norm"]["weight"], attn["k_norm"]["weight"], rope_positions,
                                         slots, k_pages, v_pages, block_tables, write, heads=AttentionShape.of(cfg),
-                                        impl=impl)
-        o = paged_attention(q, kp, vp, block_tables, attn_lengths, gate=gate, impl=impl)
-        return attention_out(attn, o), (kp, vp)
+                                        impl=execution.impl_for("attn_prologue"))
+        o = paged_attention(q, kp, vp, block_tables, attn_lengths, gate=gate,
+                            impl=execution.impl_for("paged_attention"),
+                            triton_impl=execution.impl_for("paged_attention_triton"))
+        return attention_out(attn, o, execution), (kp, vp)
 
     return mixer
 
@@ -107,7 +125,7 @@ def _final(cfg, params, x, lead, last_only: jax.Array | None) -> StepOutput:
     return dict(logits=logits, hidden_pre=x, hidden_post=post)
 
 
-def _pads_stream(params: Params) -> bool:
+def _pads_stream(params: Params, execution: ExecutionConfig) -> bool:
     """Whether a one-row step carries its residual stream padded (`layers.stream_rows`).
 
     Where `dense` would pad some of the layers' GEMMs (a GPU, and a plain weight above
@@ -115,13 +133,16 @@ def _pads_stream(params: Params) -> bool:
     not per GEMM. A model whose large weights are all FP8 keeps one row.
     """
     weights = jax.tree.leaves(params["model"]["layers"], is_leaf=lambda w: isinstance(w, fp8.BlockFp8Weight))
-    return layers.pad_small_gemms() and any(layers.pads_weight(w) for w in weights)
+    return layers.pad_small_gemms(execution) and any(layers.pads_weight(w, execution) for w in weights)
 
 
 # ------------------------------------------------------------------ reference path
 def forward_with_hiddens(cfg: ModelConfig, params: Params, tokens: jax.Array,
-                         gdn_mode: str = "chunked") -> StepOutput:
-    """The whole sequence from an empty state, no cache: the reference path (and training)."""
+                         gdn_mode: str = "chunked", execution: ExecutionConfig = layers.DEFAULT) -> StepOutput:
+    """The whole sequence from an empty state, no cache: the reference path (and training).
+
+    ``execution``: its GEMM layout and GEMM paths (`definition_of`)."""
+    execution = definition_of(execution)
     b, t = tokens.shape
     x = embed(params, tokens)
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -131,36 +152,37 @@ def forward_with_hiddens(cfg: ModelConfig, params: Params, tokens: jax.Array,
         p = params["model"]["layers"][str(i)]
         if kind == "full_attention":
             def mixer(h, p=p):
-                q, k, v, gate = attention_qkv(p["self_attn"], h, positions, cfg)
-                return attention_out(p["self_attn"], causal_attention(q, k, v, gate)), None
+                q, k, v, gate = attention_qkv(p["self_attn"], h, positions, cfg, execution)
+                return attention_out(p["self_attn"], causal_attention(q, k, v, gate), execution), None
         else:
             def mixer(h, p=p):
                 return gdn.gdn_layer(p["linear_attn"], h, cfg, zeros.conv[0], zeros.recurrent[0],
-                                     valid, per_step=gdn_mode == "recurrent")[0], None
-        x, _ = decoder_layer(cfg, p, x, mixer)
+                                     valid, per_step=gdn_mode == "recurrent", execution=execution)[0], None
+        x, _ = decoder_layer(cfg, p, x, mixer, execution)
     return StepOutput(**_final(cfg, params, x, (b, t), None))
 
 
-def forward(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
-    """Logits ``[B, T, vocab]`` of the whole sequence with no cache."""
-    return forward_with_hiddens(cfg, params, tokens).logits
+def forward(cfg: ModelConfig, params: Params, tokens: jax.Array,
+            execution: ExecutionConfig = layers.DEFAULT) -> jax.Array:
+    """Logits ``[B, T, vocab]`` of the whole sequence with no cache (``execution`` as `forward_with_hiddens`)."""
+    return forward_with_hiddens(cfg, params, tokens, execution=execution).logits
 
 
 # ------------------------------------------------------------------ cached paths
 def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, attn_lengths,
-                per_step: bool, impl: str, linear_init: LinearState):
+                per_step: bool, execution: ExecutionConfig, linear_init: LinearState):
     """Shared body of prefill and verify: the stack over cached state."""
     b, t = tokens.shape
     positions = start[:, None] + jnp.arange(t)[None, :]
-    x = stream_rows(embed(params, tokens), _pads_stream(params))
+    x = stream_rows(embed(params, tokens), _pads_stream(params, execution), execution)
     ks, vs, convs, recs, conv_steps, rec_steps = [], [], [], [], [], []
     for i, kind in enumerate(cfg.layer_types):
         p = params["model"]["layers"][str(i)]
         if kind == "full_attention":
             j = len(ks)
             mixer = paged_attention_mixer(cfg, p, positions, positions, cache.kv.k[j], cache.kv.v[j],
-                                          cache.block_tables, write, attn_lengths, impl)
-            x, (k, v) = decoder_layer(cfg, p, x, mixer, impl)
+                                          cache.block_tables, write, attn_lengths, execution)
+            x, (k, v) = decoder_layer(cfg, p, x, mixer, execution)
             ks.append(k)
             vs.append(v)
         else:
@@ -168,10 +190,10 @@ def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, at
 
             def mixer(h, p=p, j=j):
                 y, conv, rec, steps = gdn.gdn_layer(p["linear_attn"], h, cfg, linear_init.conv[j],
-                                                    linear_init.recurrent[j], valid, per_step, impl)
+                                                    linear_init.recurrent[j], valid, per_step, execution)
                 return y, (conv, rec, steps)
 
-            x, (conv, rec, steps) = decoder_layer(cfg, p, x, mixer, impl)
+            x, (conv, rec, steps) = decoder_layer(cfg, p, x, mixer, execution)
             convs.append(conv)
             recs.append(rec)
             if per_step:
@@ -182,10 +204,10 @@ def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, at
     return x, kv, linear, (tuple(conv_steps), tuple(rec_steps))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "all_logits"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "execution", "all_logits"), donate_argnames=("cache",))
 def prefill(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array,
             start: jax.Array, num_new: jax.Array, write_from: jax.Array | None = None, *,
-            impl: str = "auto", all_logits: bool = True) -> tuple[TargetCache, StepOutput]:
+            execution: ExecutionConfig = layers.DEFAULT, all_logits: bool = True) -> tuple[TargetCache, StepOutput]:
     """Prefill ``num_new[b]`` tokens of ``tokens[b]`` at positions ``start[b]...`` of each slot.
 
     A slot with ``start > 0`` continues from the cache's Gated DeltaNet state (a
@@ -204,7 +226,7 @@ def prefill(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Ar
     zeros = LinearState.zeros(cfg, b, cache.linear.conv[0].dtype if cache.linear.conv else jnp.float32)
     init = cache.linear.select_slots(start > 0, zeros)
     x, kv, linear, _ = _run_cached(cfg, params, cache, tokens, start, valid, write,
-                                   start + t, False, impl, init)
+                                   start + t, False, execution, init)
     active = num_new > 0
     out = _final(cfg, params, x, (b, t), None if all_logits else jnp.maximum(num_new - 1, 0))
     new_cache = cache.replace(
@@ -215,9 +237,10 @@ def prefill(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Ar
     return new_cache, StepOutput(**out)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "execution"), donate_argnames=("cache",))
 def verify(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array,
-           active: jax.Array | None = None, *, impl: str = "auto") -> tuple[TargetCache, VerifyOutput]:
+           active: jax.Array | None = None, *,
+           execution: ExecutionConfig = layers.DEFAULT) -> tuple[TargetCache, VerifyOutput]:
     """Run ``Q`` new tokens per slot after its ``lengths[b]`` cached positions.
 
     Writes their K/V but does not advance ``lengths`` or the Gated DeltaNet
@@ -229,7 +252,7 @@ def verify(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Arr
     b, q = tokens.shape
     valid = jnp.ones((b, q), bool) if active is None else jnp.broadcast_to(active[:, None], (b, q))
     x, kv, _, steps = _run_cached(cfg, params, cache, tokens, cache.lengths, valid, valid,
-                                  cache.lengths + q, True, impl, cache.linear)
+                                  cache.lengths + q, True, execution, cache.linear)
     out = _final(cfg, params, x, (b, q), None)
     return cache.replace(kv=kv), VerifyOutput(**out, conv_steps=steps[0], rec_steps=steps[1])
 
@@ -260,9 +283,9 @@ def commit(cache: TargetCache, out: VerifyOutput, num_keep: jax.Array, masked_ve
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "execution"), donate_argnames=("cache",))
 def decode(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array, *,
-           impl: str = "auto") -> tuple[TargetCache, VerifyOutput]:
+           execution: ExecutionConfig = layers.DEFAULT) -> tuple[TargetCache, VerifyOutput]:
     """One or more new tokens per slot, all kept: verify followed by a full commit."""
-    cache, out = verify(cfg, params, cache, tokens, impl=impl)
+    cache, out = verify(cfg, params, cache, tokens, execution=execution)
     return commit(cache, out, jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)), out

@@ -5,7 +5,8 @@ caches or the config: ``reference.py`` holds its pure-JAX definition, which is t
 math for what the kernel fuses (the model imports it from there), the kernel files
 (``triton.py``, ``mosaic.py``: the Pallas lowering they use) implement the same signature, and
 ``api.py`` holds the public entry point, whose ``impl`` goes through the one switch
-(`dispatch.choose`). Shared beside them: `dispatch` (the switch and ``MTP_KERNELS``),
+(`dispatch.choose`); the model hands each op the path its `mtp.execution.ExecutionConfig` names.
+Shared beside them: `dispatch` (the switch),
 `lowering` (the target device, meshes, compiler parameters, interpreter scopes), `norms` (the
 model's norms) and `paged_kv` (the paged KV layout and its page writes).
 """

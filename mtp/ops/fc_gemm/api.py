@@ -16,7 +16,8 @@ from mtp.ops.lowering import mosaic_interpret_scope
 
 
 def kernel_pays(m: int, h: int) -> bool:
-    """Where ``auto`` (``impl`` and ``MTP_KERNELS``) takes the kernel on a GPU (results/kernels/).
+    """Where ``impl="auto"`` (no path named for the op: ``ExecutionConfig.impl_for``) takes the kernel on a GPU
+    (results/kernels/).
 
     What decides is the fc op where the model runs it, a drafter append
     (``append_rows`` of the 1.38B-shaped model, CUPTI kernel time of the whole call, L2

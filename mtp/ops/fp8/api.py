@@ -1,7 +1,8 @@
 """The FP8 GEMM entry point: ``x @ w.T`` for a `BlockFp8Weight`, reference or kernel.
 
 `matmul` resolves ``impl`` through the project's kernel switch (`mtp.ops.dispatch.choose`,
-op ``"fp8_gemm"``, so ``MTP_KERNELS=fp8_gemm=...`` names it like every other op). The reference
+op ``"fp8_gemm"``: the model hands it ``ExecutionConfig.impl_for("fp8_gemm")``, so
+``MTP_KERNELS=fp8_gemm=...`` names it like every other op). The reference
 (`reference.w8a16` / `w8a8`) dequantizes right before XLA's dot. The kernel (`triton`, with the
 reference's signature and an ``unsupported`` that names the inputs it declines) runs where the
 resolved path is ``"pallas"`` or ``"interpret"``; under ``"auto"`` on a GPU only where its measured

@@ -43,7 +43,8 @@ def gdn_steps(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *, num_k_he
     output in place (no device memcpy of a slice of it per layer) made a batch-1 decode
     step of the 1.38B model 1.290 vs 1.336 ms and a batch-8 step 1.678 vs 1.805 ms, side
     by side on the H200 (results/decode/decode_h200.md, 2026-11-29). Before that the kernel cut
-    kernel time but not the step. ``MTP_KERNELS=gdn_step=reference`` turns it off.
+    kernel time but not the step. ``impl="reference"`` turns it off (the model's config:
+    ``ExecutionConfig.kernels``, ``MTP_KERNELS=gdn_step=reference`` at an entry point).
     Traced under a mesh that splits ``lowering.TENSOR_AXIS`` over the key heads, the
     kernel runs per shard on each device's key-head groups (a step never mixes heads);
     splits it cannot take run the reference, which XLA partitions.

@@ -3,8 +3,9 @@
 The model's MoE layer (`mtp.model.layers.moe`) routes (softmax, top-k, normalisation, the
 weights' rounding) and adds the shared expert; this op computes the rest, what the selected
 experts cost and no more (`reference` for the definition and the two sparse forms). ``impl``
-is resolved by `mtp.ops.dispatch.choose` under the op name ``"moe"`` (so
-``MTP_KERNELS=moe=reference`` and the global switch apply): on a GPU ``"auto"`` runs the
+is resolved by `mtp.ops.dispatch.choose` under the op name ``"moe"`` (the model hands it
+``ExecutionConfig.impl_for("moe")``, so ``MTP_KERNELS=moe=reference`` and the global value
+apply): on a GPU ``"auto"`` runs the
 grouped-GEMM kernels of `mosaic` (Mosaic GPU; ``"interpret"`` runs them in Pallas' GPU
 interpreter), except where `mosaic.unsupported` names why they cannot take the inputs (f32,
 quantized experts, sizes their tiles do not divide) or the trace runs under a mesh (the kernels
@@ -52,7 +53,7 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, impl: str =
     mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or mosaic.unsupported(
         x, ids, expert_weights, gate, up, down), mesh_kernel=True)
     if mode != "reference":
-        if not dispatch.auto_decides(impl, "moe") or pays(ids):
+        if impl != "auto" or pays(ids):  # a named path runs the kernels at any size
             return mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
         return reference.routed_experts_gather(x, ids, expert_weights, gate, up, down)
     return reference.routed_experts(x, ids, expert_weights, gate, up, down)

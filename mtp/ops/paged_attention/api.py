@@ -2,7 +2,7 @@
 
 `mtp.ops.dispatch.choose` picks the path: the Mosaic GPU kernel (`mosaic`, op
 ``"paged_attention"``) on a GPU for inputs it takes, the Triton-lowered form (`triton`, op
-``"paged_attention_triton"``) where ``MTP_KERNELS`` names it, the pure-JAX definition
+``"paged_attention_triton"``) where ``triton_impl`` names it, the pure-JAX definition
 (`reference`) elsewhere.
 """
 
@@ -30,7 +30,7 @@ def unsupported(q, k_pages) -> str | None:
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, gate=None,
-                    impl="auto"):
+                    impl="auto", triton_impl="auto"):
     """Causal attention of Q new tokens per sequence over its paged KV.
 
     q: [B, Q, Hq, D]; k_pages, v_pages: [num_pages, page_size, Hkv, D];
@@ -41,20 +41,21 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale=None, g
     Returns [B, Q, Hq, D] in q's dtype; softmax and accumulation in f32.
 
     Inputs the kernel cannot take (``unsupported``) always go to the reference.
-    ``MTP_KERNELS=paged_attention_triton=pallas`` (or ``=interpret``) sends the calls it
-    can take to the Triton-lowered form (`triton.paged_attention_triton`); it paid only in the
-    default model's loops, so ``auto`` and a global ``MTP_KERNELS`` value leave it
-    (``dispatch.OPT_IN``). ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas
+    ``triton_impl="pallas"`` (or ``"interpret"``) sends the calls it can take to the
+    Triton-lowered form (`triton.paged_attention_triton`) whatever ``impl`` says; it paid only in
+    the default model's loops, so ``"auto"`` leaves it (``dispatch.OPT_IN``), and the model names
+    it only where ``ExecutionConfig.kernels`` has an entry of its own for it
+    (``MTP_KERNELS=paged_attention_triton=pallas``; `ExecutionConfig.impl_for`).
+    ``impl="interpret"`` runs the Mosaic GPU kernel through the Pallas
     interpreter (CPU tests); call it eagerly then, since interpret mode is switched on around
     this call's own lowering. Traced under a mesh that splits ``lowering.TENSOR_AXIS``
     (``jax.set_mesh``), the kernel runs per shard, on each device's own KV heads.
     """
     check_inputs(q, k_pages, v_pages, block_tables, lengths, gate)  # before either form's support reads q
-    if impl == "auto":  # the Triton form, opt-in: only where an MTP_KERNELS entry of its own names it
-        form = dispatch.choose("paged_attention_triton", impl, lambda: triton.triton_unsupported(q, k_pages))
-        if form != "reference":
-            return triton.paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, scale=scale, gate=gate,
-                                                 interpret=form == "interpret")
+    form = dispatch.choose("paged_attention_triton", triton_impl, lambda: triton.triton_unsupported(q, k_pages))
+    if form != "reference":  # the Triton form, opt-in: "auto" never takes it
+        return triton.paged_attention_triton(q, k_pages, v_pages, block_tables, lengths, scale=scale, gate=gate,
+                                             interpret=form == "interpret")
     mode = dispatch.choose("paged_attention", impl, lambda: unsupported(q, k_pages), mesh_kernel=True)
     if mode == "reference":
         return _reference_jit(q, k_pages, v_pages, block_tables, lengths, scale=scale, gate=gate)
