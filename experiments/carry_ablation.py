@@ -34,7 +34,7 @@ from experiments.results_io import provenance, write_atomic, write_json
 from mtp import runtime
 from mtp.analysis import MIN_BOOTSTRAP_SESSIONS, interval_caveat, paired_bootstrap, summarize
 from mtp.metrics import AcceptanceStats
-from mtp.engine import EngineConfig
+from mtp.serving import EngineConfig
 from mtp.speculative import SpecConfig
 
 _CONFIG = cli.define_config("configs/carry_ablation.py", "The experiment's config file; its fields are listed above.")

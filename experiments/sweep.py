@@ -28,7 +28,7 @@ from experiments.results_io import provenance, write_atomic, write_json
 from mtp import runtime
 from mtp.analysis import summarize
 from mtp.data.sessions import load_sessions
-from mtp.engine import EngineConfig
+from mtp.serving import EngineConfig
 from mtp.speculative import SpecConfig
 
 _CONFIG = cli.define_config("configs/sweep.py", "The sweep's config file; its fields are listed above.")

@@ -590,7 +590,7 @@ def test_rows_to_trim_arrays_numpy_and_jit(rows, dtype):
 
 
 def test_the_marconi_threshold_is_the_engine_configs_own():
-    from mtp.engine import EngineConfig
+    from mtp.serving import EngineConfig
 
     assert DEFAULT_MARCONI_MIN_TOKENS == 256 == EngineConfig().marconi_min_tokens
     assert EngineConfig(marconi_min_tokens=0).marconi_min_tokens == 0  # always restore
