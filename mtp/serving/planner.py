@@ -185,7 +185,7 @@ class CarriedDrafters:
             turn.stats.carry_outcome = outcome.kind
         held = len(entry.block_table) if entry is not None else 0
         turn.drafter_pages = self._allocate(max(0, math.ceil(need / self.ecfg.page_size) - held), refused,
-                                          wave_sessions)
+                                            wave_sessions)
         if self.ecfg.debug or carry_lib.carry_debug_enabled():
             logging.info("carry gen=%d session=%x slot=%d: %s", turn.generation, turn.session, turn.slot, outcome)
 
@@ -301,10 +301,10 @@ class TurnPlanner:
                               start_calls=int(copy is not None), decode_s=0.0, wave_turns=1, output_len=0,
                               acceptance=AcceptanceStats())
             turn = TurnPlan(request=req, slot=slot, generation=gen, session=sess, hashes=hashes, cached=cached,
-                          snap=snap, page_copy=copy,
-                          hidden_range=carry_lib.stamped_merge(self.hidden_ranges[slot], gen, start, n - start),
-                          target_pages=shared + own, drafter_pages=[], adopted=None, drafter_rows=(0, -1),
-                          append_plan=None, stats=stats)
+                            snap=snap, page_copy=copy,
+                            hidden_range=carry_lib.stamped_merge(self.hidden_ranges[slot], gen, start, n - start),
+                            target_pages=shared + own, drafter_pages=[], adopted=None, drafter_rows=(0, -1),
+                            append_plan=None, stats=stats)
             if self.ecfg.speculative:
                 self.carry.reserve(turn, prompt, need, wave_sessions, self.carry_armed)
             undo.pop_all()
