@@ -67,6 +67,7 @@ def carry_armed(ecfg: EngineConfig) -> bool:
 
 
 def drafter_prefill_on(ecfg: EngineConfig) -> bool:
+    """Whether a turn whose target prefill starts at 0 also fills its drafter over the whole prompt."""
     return ecfg.speculative and ecfg.drafter_context.prefill and quant.supports_drafter_prefill(ecfg.mtp_quant)
 
 
