@@ -11,7 +11,7 @@ from experiments.harness import STINTS
 from mtp.checkpoint import WEIGHT_QUANT_CHOICES
 from mtp.carry import DEFAULT_MARCONI_MIN_TOKENS
 from mtp.config import MTP_HIDDEN_SOURCES
-from mtp.engine import DRAFTER_POLICIES, TextPrompts
+from mtp.serving import DRAFTER_POLICIES, TextPrompts
 from mtp.quant import QUANT_CHOICES, parse_quant
 from mtp.speculative import MAX_VERIFY_WIDTH
 

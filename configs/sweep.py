@@ -8,7 +8,7 @@ import ml_collections
 
 from configs import carry_ablation
 from experiments import cli
-from mtp.engine import DRAFTER_POLICIES
+from mtp.serving import DRAFTER_POLICIES
 
 AXES = ("verify_width", "mtp_quant", "mtp_hidden_source", "refeed_accepted", "rebuild_output_rows", "draft_conf_tau",
         "marconi_min_tokens")

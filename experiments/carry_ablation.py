@@ -35,7 +35,7 @@ from experiments.results_io import provenance, write_atomic, write_json
 from mtp import runtime
 from mtp.analysis import MIN_BOOTSTRAP_SESSIONS, interval_caveat, paired_bootstrap, summarize
 from mtp.metrics import AcceptanceStats
-from mtp.engine import EngineConfig
+from mtp.serving import EngineConfig
 from mtp.execution import ExecutionConfig
 from mtp.speculative import SpecConfig
 

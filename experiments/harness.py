@@ -15,7 +15,7 @@ from mtp import sharding
 from mtp.checkpoint import load_config, load_pretrained
 from mtp.data.sessions import load_preamble, load_sessions
 from mtp.data.tokenizer import Tokenizer
-from mtp.engine import Engine, EngineConfig, TextPrompts, run_sessions, session_waves
+from mtp.serving import Engine, EngineConfig, TextPrompts, run_sessions, session_waves
 from mtp.execution import ExecutionConfig
 from mtp.speculative import SpecConfig
 
@@ -93,7 +93,7 @@ def run_policies_interleaved(cfg, params, sessions, prompts, spec, ecfgs: dict, 
     Each config gets its own compiled engine (all alive at once: N configs hold N
     engines' page pools and hidden stores), and the engines take turns, in an order
     that rotates every round, each on exactly the schedule it would follow alone
-    (`engine.session_waves`). Run one config after another, a process's drift (host
+    (`serving.session_waves`). Run one config after another, a process's drift (host
     load, clocks, what the previous config left in memory) lands on whole policies and
     biases their differences; interleaved, it lands on all of them alike, so the paired
     TTFT differences compare policies, not moments.

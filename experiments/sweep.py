@@ -29,7 +29,7 @@ from experiments.results_io import provenance, write_atomic, write_json
 from mtp import runtime
 from mtp.analysis import summarize
 from mtp.data.sessions import load_sessions
-from mtp.engine import EngineConfig
+from mtp.serving import EngineConfig
 from mtp.execution import ExecutionConfig
 from mtp.speculative import SpecConfig
 

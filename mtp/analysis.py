@@ -13,7 +13,7 @@ from mtp.model import target
 
 
 def summarize(turns: Sequence) -> dict:
-    """Aggregate `engine.TurnStats` of one policy (one split).
+    """Aggregate `serving.TurnStats` of one policy (one split).
 
     Rates are pooled: the acceptance figures over all the turns' verify steps (DESIGN §2's
     definitions), decode tokens/s as the tokens the decode loops produced (a turn's first

@@ -608,5 +608,5 @@ DEFAULT_MARCONI_MIN_TOKENS = 256
 """Restoring a recurrent-state snapshot skips the target prefill, so the drafter cannot
 be prefilled for that prefix; below this matched length the drafter loss outweighs the
 prefill saved. The crossover was measured between ~99 and ~219 tokens; 256 is inside
-the win region and a whole number of 16-token pages. `mtp.engine.EngineConfig`'s
+the win region and a whole number of 16-token pages. `mtp.serving.EngineConfig`'s
 ``marconi_min_tokens`` is the one setting of it; an experiment records the value it ran with."""

@@ -3,7 +3,7 @@
 This is the host side of a single turn with no prefix reuse: allocate pages,
 prefill the target (capturing every position's hidden), prefill the drafter from
 those hiddens, then run one jitted decode loop. The multi-turn session engine
-(`mtp.engine`) reuses the same steps with prefix caching and the drafter carry.
+(`mtp.serving`) reuses the same steps with prefix caching and the drafter carry.
 """
 
 from __future__ import annotations

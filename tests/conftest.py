@@ -72,7 +72,7 @@ def per_expert_tensors(params) -> dict:
 
 class IdPrompts:
     """Sessions whose user chunks are token ids (``Turn.user`` holds them space-separated),
-    for `mtp.engine.run_sessions` without a tokenizer.
+    for `mtp.serving.run_sessions` without a tokenizer.
 
     ``retokenize = n > 0`` rewrites the ``n``-th last token of the previous full sequence:
     at 1, as a chat template re-tokenizing a turn boundary would; deeper, inside the
@@ -96,7 +96,7 @@ class IdPrompts:
 
 
 def turn_decisions(stats) -> dict:
-    """What the engine decided for a turn (`mtp.engine.TurnStats`), for comparing two runs of it
+    """What the engine decided for a turn (`mtp.serving.TurnStats`), for comparing two runs of it
     (its acceptance compares apart, by `AcceptanceStats.counts`; its timings never)."""
     return {k: getattr(stats, k) for k in ("path", "cached_tokens", "prefilled_tokens", "drafter_prefilled",
                                            "drafter_adopted", "drafter_appended", "carry_outcome", "carry_armed",

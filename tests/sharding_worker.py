@@ -28,10 +28,9 @@ sys.path.insert(0, str(ROOT))
 from tests.conftest import (IdPrompts, agreeing_params, id_sessions, random_params, tiny_config,  # noqa: E402
                             turn_decisions)
 from mtp import checkpoint, generation  # noqa: E402
-from mtp import engine as E  # noqa: E402
 from mtp import sharding as S  # noqa: E402
 from mtp.cache.state import TargetCache  # noqa: E402
-from mtp.engine import Engine, EngineConfig, run_sessions  # noqa: E402
+from mtp.serving import Engine, EngineConfig, run_sessions, steps  # noqa: E402
 from mtp.speculative import SpecConfig  # noqa: E402
 
 DEVICES = 4
@@ -173,7 +172,7 @@ def engine_case(name: str, tp: int, ep: int, seed: int, mixing: float = 0.01) ->
         single = run_sessions(Engine(cfg, params, ecfg, spec), sessions, prompts)
         engine = Engine(cfg, sharded, ecfg, spec, mesh=mesh)
         engine.precompile()
-        programs = (E._prefill_slot, E._append_slot, E._begin_turn)
+        programs = (steps.prefill_slot, steps.append_slot, steps.begin_turn)
         compiled = [f._cache_size() for f in programs]
         multi = run_sessions(engine, sessions, prompts)
         check([f._cache_size() for f in programs] == compiled,
@@ -188,10 +187,11 @@ def engine_case(name: str, tp: int, ep: int, seed: int, mixing: float = 0.01) ->
             check(a.stats.acceptance.counts() == b.stats.acceptance.counts(),
                   f"{label} {a.request.session_id}: acceptance differs sharded {b.stats.acceptance} vs "
                   f"single {a.stats.acceptance}")
-        check_layout(engine.cache, S.cache_sharding(engine.cache, cfg, mesh), None, f"{label} target cache")
-        check_layout(engine.dcache, S.cache_sharding(engine.dcache, cfg, mesh), None, f"{label} drafter cache")
-        check(engine.hiddens.sharding.is_fully_replicated and len(engine.hiddens.sharding.device_set) == tp * ep,
-              f"{label}: the hidden store is {engine.hiddens.sharding}, not whole on every device")
+        device = engine.device
+        check_layout(device.cache, S.cache_sharding(device.cache, cfg, mesh), None, f"{label} target cache")
+        check_layout(device.dcache, S.cache_sharding(device.dcache, cfg, mesh), None, f"{label} drafter cache")
+        check(device.hiddens.sharding.is_fully_replicated and len(device.hiddens.sharding.device_set) == tp * ep,
+              f"{label}: the hidden store is {device.hiddens.sharding}, not whole on every device")
         accepted = sum(r.stats.acceptance.accepted for r in multi)
         drafted = sum(r.stats.acceptance.draft_tokens for r in multi)
         check(0 < accepted < drafted, f"{label}: accepted {accepted} of {drafted} drafts; the check needs both")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mtp.analysis import MIN_BOOTSTRAP_SESSIONS, interval_caveat, paired_bootstrap, summarize
-from mtp.engine import TurnStats
+from mtp.serving import TurnStats
 from mtp.metrics import AcceptanceStats
 
 

@@ -508,7 +508,7 @@ def test_drafter_context_from_env_counts_only_exact_one(ctx_off, carry_off):
 
 def test_drafter_context_follows_the_engine_config():
     """`EngineConfig`'s policy defaults from its execution config's kill switches; an explicit one is kept."""
-    from mtp.engine import EngineConfig
+    from mtp.serving import EngineConfig
 
     assert EngineConfig().drafter_context == DrafterContext()
     carry_off = ExecutionConfig(drafter_carry_off=True)
@@ -595,7 +595,7 @@ def test_rows_to_trim_arrays_numpy_and_jit(rows, dtype):
 
 
 def test_the_marconi_threshold_is_the_engine_configs_own():
-    from mtp.engine import EngineConfig
+    from mtp.serving import EngineConfig
 
     assert DEFAULT_MARCONI_MIN_TOKENS == 256 == EngineConfig().marconi_min_tokens
     assert EngineConfig(marconi_min_tokens=0).marconi_min_tokens == 0  # always restore

@@ -12,7 +12,7 @@ import pytest
 from mtp.checkpoint import load_pretrained
 from mtp.data.sessions import load_preamble, load_sessions
 from mtp.data.tokenizer import Tokenizer
-from mtp.engine import Engine, EngineConfig, TextPrompts, run_sessions
+from mtp.serving import Engine, EngineConfig, TextPrompts, run_sessions
 from mtp.speculative import SpecConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

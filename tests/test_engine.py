@@ -12,8 +12,8 @@ import pytest
 from mtp.cache.pages import PagePoolExhausted
 from mtp.cache.prefix import PrefixCache, TurnEndStore
 from mtp.carry import DrafterContext
-from mtp.engine import Engine, EngineConfig, TurnRequest, run_sessions, session_hash, session_waves
 from mtp.execution import ExecutionConfig
+from mtp.serving import Engine, EngineConfig, TurnRequest, run_sessions, session_hash, session_waves
 from mtp.model import target
 from mtp.model.layers import attention_kv
 from mtp.mtp_head import DrafterCache, fc_input, prefill_drafter
@@ -121,7 +121,7 @@ def _carried_keys(eng, entry):
     """The pair key each of ``entry``'s rows holds, and how far the row's K is from it: the nearest
     of the keys' K computed from the true target hiddens of ``entry.tokens`` (DESIGN §2: row r
     holds key k = (embed(t[k+1]), hidden[k]) at RoPE position k + 1)."""
-    cfg, hp = eng.cfg, eng.head_params
+    cfg, hp = eng.cfg, eng.device.head_params
     t = jnp.asarray(entry.tokens, jnp.int32)[None]
     h = target.forward_with_hiddens(cfg, hp, t).mtp_hidden(cfg.mtp_hidden_source)
     x = fc_input(cfg, hp, t[:, 1:], h[:, :-1], ExecutionConfig.everywhere("reference"))
@@ -129,7 +129,7 @@ def _carried_keys(eng, entry):
     k, _ = attention_kv(p["self_attn"], rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps),
                         jnp.arange(1, t.shape[1])[None], cfg)
     want = np.asarray(k[0]).reshape(t.shape[1] - 1, -1)
-    ps, pages = eng.ecfg.page_size, np.asarray(eng.dcache.kv.k[0])
+    ps, pages = eng.ecfg.page_size, np.asarray(eng.device.dcache.kv.k[0])
     got = np.stack([pages[entry.block_table[r // ps], r % ps].reshape(-1) for r in range(entry.rows)])
     dist = np.abs(got[:, None] - want[None]).max(-1)  # [rows, keys]
     return dist.argmin(1), dist.min(1)
@@ -180,14 +180,14 @@ def test_every_carried_row_holds_the_key_its_entry_says(verify_width, refeed, re
 def _entry_rows(eng, entry):
     """The K and V of ``entry``'s rows, in row order, read from the engine's drafter pages."""
     ps = eng.ecfg.page_size
-    pages = [np.asarray(eng.dcache.kv.k[0]), np.asarray(eng.dcache.kv.v[0])]
+    pages = [np.asarray(eng.device.dcache.kv.k[0]), np.asarray(eng.device.dcache.kv.v[0])]
     return [np.stack([a[entry.block_table[r // ps], r % ps] for r in range(entry.rows)]) for a in pages]
 
 
 def _prefilled_rows(eng, tokens):
     """The K and V of the rows a whole-sequence drafter prefill writes for ``tokens`` (keys
     0 .. len - 2, from the target's hiddens of the same sequence), read back the same way."""
-    cfg, hp, ps = eng.cfg, eng.head_params, eng.ecfg.page_size
+    cfg, hp, ps = eng.cfg, eng.device.head_params, eng.ecfg.page_size
     n = len(tokens)
     blocks = math.ceil(n / ps)
     dcache = DrafterCache.create(cfg, 1, blocks + 1, ps, blocks, jnp.float32).replace(
@@ -265,10 +265,10 @@ def _held_pages_are_owned(eng):
     """Every held page's refcount is exactly the number of owners that name it: the prefix
     cache and the turn-end store (target pool), the carried drafters (drafter pool). Run
     between waves, when no turn holds anything; a leaked reference is a page nobody owns."""
-    target = collections.Counter(eng.prefix._pages.values())
-    target.update(e.tail_page for e in eng.turn_ends._entries.values() if e.tail_page is not None)
+    target = collections.Counter(eng.planner.prefix._pages.values())
+    target.update(e.tail_page for e in eng.planner.turn_ends._entries.values() if e.tail_page is not None)
     drafter = collections.Counter(p for e in eng.carried.values() for p in e.block_table)
-    for pool, owned in ((eng.pages, target), (eng.dpages, drafter)):
+    for pool, owned in ((eng.planner.pages, target), (eng.planner.dpages, drafter)):
         held = {p: pool.refcount(p) for p in range(1, pool.num_pages) if pool.refcount(p) > 0}
         assert held == dict(owned), f"{pool.num_free} free; held {held}; owned {dict(owned)}"
         assert pool.num_free == pool.num_pages - 1 - len(held)
@@ -304,7 +304,7 @@ def test_small_pool_evicts_and_stays_lossless(model, workload, reference, monkey
         assert reference[(r.request.session_id, r.request.prompt)] == r.output
     assert evicted["prefix"] > 0 and evicted["turn_ends"] > 0, evicted  # pages freed by evictions
     _held_pages_are_owned(eng)
-    assert len(eng.prefix) > 0 and max(carried) > 0  # the checks above had owners to account for
+    assert len(eng.planner.prefix) > 0 and max(carried) > 0  # the checks above had owners to account for
 
 
 def test_exhausted_pool_and_oversized_prompt_are_clear_errors(model):
@@ -321,7 +321,7 @@ def test_exhausted_pool_and_oversized_prompt_are_clear_errors(model):
                    EngineConfig(policy="carry", max_context=256, num_pages=160, drafter_pages=160), SPEC)
     with pytest.raises(ValueError, match=r"session x: .* runs the model at 65 positions .* max_position_embeddings=64"):
         short.run_wave([TurnRequest("x", tuple(range(1, 55)), MAX_NEW)])  # 54 + 10 - 2 cached, 3 verified on top
-    assert short.pages.num_free == short.pages.num_pages - 1
+    assert short.planner.pages.num_free == short.planner.pages.num_pages - 1
     (res,) = short.run_wave([TurnRequest("x", tuple(range(1, 54)), MAX_NEW)])
     assert len(res.output) == MAX_NEW
 
@@ -340,7 +340,7 @@ def test_turn_end_snapshot_prefills_only_the_new_tokens(model, workload, referen
             assert r.stats.prefilled_tokens == r.stats.prompt_len - in_cache
         else:  # restored from the last 64-aligned prefill snapshot instead
             assert r.stats.prefilled_tokens > r.stats.prompt_len - in_cache
-    assert len(eng.turn_ends) == (len(res) if turn_end else 0)
+    assert len(eng.planner.turn_ends) == (len(res) if turn_end else 0)
 
 
 def test_budget_cut_mid_acceptance_keeps_cache_and_snapshots_exact(workload):
@@ -359,7 +359,7 @@ def test_budget_cut_mid_acceptance_keeps_cache_and_snapshots_exact(workload):
 
 def _pool_state(eng):
     """Free counts and every page's refcount, of both pools."""
-    return [(p.num_free, [p.refcount(i) for i in range(p.num_pages)]) for p in (eng.pages, eng.dpages)]
+    return [(p.num_free, [p.refcount(i) for i in range(p.num_pages)]) for p in (eng.planner.pages, eng.planner.dpages)]
 
 
 def test_an_invalid_request_fails_its_wave_before_any_turn_takes_anything(model):
@@ -419,8 +419,9 @@ def test_a_failing_turn_end_still_releases_every_turn_of_the_wave(model, monkeyp
     monkeypatch.setattr(carry_lib, "CarriedDrafter", drifted)
     with pytest.raises(ValueError, match="rows exceed"):
         eng.run_wave([TurnRequest(s, tuple(range(k, k + 20)), MAX_NEW) for k, s in enumerate("ab", 1)])
-    assert eng.pages.num_free == eng.pages.num_pages - 1 and eng.dpages.num_free == eng.dpages.num_pages - 1
-    assert not eng.carried and len(eng.prefix) == 0
+    pools = (eng.planner.pages, eng.planner.dpages)
+    assert all(pool.num_free == pool.num_pages - 1 for pool in pools)
+    assert not eng.carried and len(eng.planner.prefix) == 0
 
 
 @pytest.mark.parametrize("kw, armed", [
@@ -445,47 +446,48 @@ def test_a_turns_first_drafter_append_rides_on_its_last_prefill_call(workload, m
     timed run compiles none of them."""
     import jax
 
-    from mtp import engine as engine_mod
+    from mtp.mtp_head import APPEND_BUCKETS
+    from mtp.serving import steps
+    from mtp.serving.metadata import ChunkMeta
 
     cfg = tiny_config("tiny_dense").replace(tie_word_embeddings=False)
     params = agreeing_params(cfg, 3, 0.01)
     prompts, sessions = workload
     kw = dict(max_context=256, num_pages=160, drafter_pages=160, marconi_min_tokens=64)
-    prefill, append = engine_mod._prefill_slot, engine_mod._append_slot
+    prefill, append = steps.prefill_slot, steps.append_slot
 
     def unfused(cfg, params, cache, hiddens, dcache, starts, chunk, *, width, temperature, execution):
-        meta = width + engine_mod._CHUNK_META
-        cache, hiddens, _, starts = prefill(cfg, params, cache, hiddens, None, starts, chunk[:, :meta],
+        meta, drafter_append = ChunkMeta.unpack(chunk, tokens=width)
+        cache, hiddens, _, starts = prefill(cfg, params, cache, hiddens, None, starts, meta.pack(),
                                             width=width, temperature=temperature, execution=execution)
         if dcache is not None:
-            dcache = append(cfg, params, dcache, hiddens, int(chunk[0, width]), chunk[:, meta:], execution=execution)
+            dcache = append(cfg, params, dcache, hiddens, int(meta.slot[0]), drafter_append, execution=execution)
         return cache, hiddens, dcache, starts
 
-    monkeypatch.setattr(engine_mod, "_prefill_slot", unfused)
+    monkeypatch.setattr(steps, "prefill_slot", unfused)
     separate = Engine(cfg, params, EngineConfig(policy="carry", **kw), SPEC)
     want = run_sessions(separate, sessions, prompts)
-    monkeypatch.setattr(engine_mod, "_prefill_slot", prefill)
+    monkeypatch.setattr(steps, "prefill_slot", prefill)
 
     jax.clear_caches()
     eng = Engine(cfg, params, EngineConfig(policy="carry", **kw), SPEC)
     eng.precompile()
-    compiled = (prefill._cache_size(), append._cache_size(), engine_mod._begin_turn._cache_size())
-    assert compiled == (1 + len(engine_mod.APPEND_BUCKETS), len(engine_mod.APPEND_BUCKETS), 2)
+    compiled = (prefill._cache_size(), append._cache_size(), steps.begin_turn._cache_size())
+    assert compiled == (1 + len(APPEND_BUCKETS), len(APPEND_BUCKETS), 2)
     standalone = []
-    monkeypatch.setattr(engine_mod, "_append_slot", lambda *a, **k: standalone.append(1) or append(*a, **k))
+    monkeypatch.setattr(steps, "append_slot", lambda *a, **k: standalone.append(1) or append(*a, **k))
     got = run_sessions(eng, sessions, prompts)
     assert not standalone  # every append here fits one chunk
-    assert (prefill._cache_size(), append._cache_size(), engine_mod._begin_turn._cache_size()) == compiled
+    assert (prefill._cache_size(), append._cache_size(), steps.begin_turn._cache_size()) == compiled
     assert sum(r.stats.drafter_appended > 0 for r in got) >= 4 and sum(r.stats.drafter_prefilled > 0 for r in got) >= 1
     for g, w in zip(got, want):
         assert g.output == w.output and g.stats.acceptance.counts() == w.stats.acceptance.counts()
     assert {k: (e.rows, e.last_pair_key, e.block_table) for k, e in eng.carried.items()} == \
         {k: (e.rows, e.last_pair_key, e.block_table) for k, e in separate.carried.items()}
-    np.testing.assert_allclose(np.asarray(eng.dcache.kv.k[0]), np.asarray(separate.dcache.kv.k[0]), rtol=1e-5,
-                               atol=1e-6)
-    np.testing.assert_allclose(np.asarray(eng.dcache.kv.v[0]), np.asarray(separate.dcache.kv.v[0]), rtol=1e-5,
-                               atol=1e-6)
-    assert np.abs(np.asarray(eng.dcache.kv.k[0])[1:]).sum() > 0  # rows were written, not two empty pools
+    got_kv, want_kv = eng.device.dcache.kv, separate.device.dcache.kv
+    np.testing.assert_allclose(np.asarray(got_kv.k[0]), np.asarray(want_kv.k[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_kv.v[0]), np.asarray(want_kv.v[0]), rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(eng.device.dcache.kv.k[0])[1:]).sum() > 0  # rows were written, not two empty pools
 
 
 def test_a_prefill_chunk_writes_every_output_into_its_donated_inputs(model, workload, reference):
@@ -499,14 +501,15 @@ def test_a_prefill_chunk_writes_every_output_into_its_donated_inputs(model, work
     eng.precompile()
 
     def buffers():
-        return [x.unsafe_buffer_pointer() for x in jax.tree.leaves((eng.cache, eng.hiddens, eng.dcache, eng.starts))]
+        d = eng.device
+        return [x.unsafe_buffer_pointer() for x in jax.tree.leaves((d.cache, d.hiddens, d.dcache, d.starts))]
 
     before = buffers()
     prompts, sessions = workload
     results = run_sessions(eng, sessions[:2], prompts)
     assert sum(r.stats.drafter_appended > 0 for r in results) >= 1  # the fused chunk ran
     assert buffers() == before
-    assert int(eng.starts.token[0]) == results[-1].output[0]
+    assert int(eng.device.starts.token[0]) == results[-1].output[0]
     for r in results:
         assert r.output == reference[(r.request.session_id, r.request.prompt)]
 
@@ -516,7 +519,8 @@ def test_a_turns_start_reports_its_device_calls_and_its_wait(model, workload):
     and the wait on the device after the last dispatch. Under ``cold`` every turn prefills
     from 0: one setup call, its chunks, a snapshot read at each chunk end inside the prompt,
     and the drafter prefill's appends but the first, which rides on the last chunk."""
-    from mtp.engine import SNAPSHOT_INTERVAL, append_chunks
+    from mtp.mtp_head import append_chunks
+    from mtp.serving import SNAPSHOT_INTERVAL
 
     prompts, sessions = workload
     results = run_sessions(_engine(model, policy="cold"), sessions, prompts)
@@ -548,27 +552,27 @@ def test_a_sampled_first_token_depends_on_its_turn_alone(model, workload):
 
 def test_a_turn_that_fails_to_start_leaves_its_session_the_carry(model, monkeypatch):
     """The adopted entry leaves `Engine.carried` only once the turn's prefill has run."""
-    from mtp import engine as engine_mod
+    from mtp.serving import steps
 
     prompts, sessions = IdPrompts(list(range(1, 71))), id_sessions(1, 2, seed=9)
     eng = _engine(model, policy="carry")
     run_sessions(eng, [dataclasses.replace(sessions[0], turns=sessions[0].turns[:1])], prompts)
     (entry,) = eng.carried.values()
-    held = eng.dpages.num_free
+    held = eng.planner.dpages.num_free
     first = run_sessions(_engine(model, policy="cold", speculative=False), sessions[:1], prompts)[0]
     req = TurnRequest("s0", tuple(first.request.prompt) + tuple(first.output) + (5, 6, 7), 4)
-    real = engine_mod._prefill_slot
-    monkeypatch.setattr(engine_mod, "_prefill_slot", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device")))
+    real = steps.prefill_slot
+    monkeypatch.setattr(steps, "prefill_slot", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device")))
     with pytest.raises(RuntimeError, match="device"):
         eng.run_wave([req])
-    assert list(eng.carried.values()) == [entry] and eng.dpages.num_free == held
-    monkeypatch.setattr(engine_mod, "_prefill_slot", real)
+    assert list(eng.carried.values()) == [entry] and eng.planner.dpages.num_free == held
+    monkeypatch.setattr(steps, "prefill_slot", real)
     (res,) = eng.run_wave([req])
     assert res.stats.carry_outcome == "adopted" and res.stats.drafter_adopted == entry.rows
 
 
 def _rows_k(eng, entry):
-    ps, pages = eng.ecfg.page_size, np.asarray(eng.dcache.kv.k[0])
+    ps, pages = eng.ecfg.page_size, np.asarray(eng.device.dcache.kv.k[0])
     return np.stack([pages[entry.block_table[r // ps], r % ps] for r in range(entry.rows)])
 
 
@@ -576,7 +580,7 @@ def test_a_truncated_adoption_that_fails_to_start_hands_back_only_the_kept_rows(
     """A prompt that rewrote a token inside the previous output adopts fewer rows than the entry
     holds, and its tail append writes from there on, over the entry's later rows: a turn that then
     fails leaves the session the kept rows, untouched, and no more."""
-    from mtp import engine as engine_mod
+    from mtp.serving import steps
 
     cfg, params = model  # the tail needs two appends, so the prompt runs past the tiny config's 512 positions
     eng = _engine((cfg.replace(max_position_embeddings=1024), params), policy="carry", max_context=800,
@@ -587,7 +591,7 @@ def test_a_truncated_adoption_that_fails_to_start_hands_back_only_the_kept_rows(
     full = list(first.request.prompt) + first.output
     # A tail of 700 tokens: the chunk's fused append, then a second one that fails.
     retok = full[:10] + [full[10] % 90 + 1] + full[11:] + np.random.default_rng(0).integers(1, 97, 700).tolist()
-    monkeypatch.setattr(engine_mod, "_append_slot", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("append")))
+    monkeypatch.setattr(steps, "append_slot", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("append")))
     with pytest.raises(RuntimeError, match="append"):
         eng.run_wave([TurnRequest("a", tuple(retok), MAX_NEW)])
     (kept,) = eng.carried.values()
@@ -653,8 +657,8 @@ def test_a_turn_that_leaves_no_drafter_row_deposits_nothing_and_replaces_the_slo
     if rebuild:
         (entry,) = eng.carried.values()
         assert entry.session_hash == session_hash("b") and entry.rows == 1 and entry.last_pair_key == len(prompt) - 1
-        assert eng.dpages.num_free == eng.dpages.num_pages - 1 - len(entry.block_table)
+        assert eng.planner.dpages.num_free == eng.planner.dpages.num_pages - 1 - len(entry.block_table)
     else:
         assert eng.carried == {}
-        assert eng.dpages.num_free == eng.dpages.num_pages - 1
+        assert eng.planner.dpages.num_free == eng.planner.dpages.num_pages - 1
     _held_pages_are_owned(eng)

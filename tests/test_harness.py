@@ -46,7 +46,7 @@ def test_interleaved_policies_serve_the_turns_each_serves_alone(monkeypatch):
     import numpy as np
 
     from experiments import harness
-    from mtp.engine import EngineConfig
+    from mtp.serving import EngineConfig
     from mtp.speculative import SpecConfig
     from tests.conftest import IdPrompts, agreeing_params, id_sessions, tiny_config, turn_decisions
 

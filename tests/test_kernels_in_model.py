@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from mtp.cache.state import TargetCache
 from mtp.checkpoint import load_pretrained
 from mtp.data.sessions import Session, Turn
-from mtp.engine import Engine, EngineConfig, run_sessions
+from mtp.serving import Engine, EngineConfig, run_sessions
 from mtp.execution import ExecutionConfig
 from mtp.generation import generate
 from mtp.model import target

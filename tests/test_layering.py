@@ -1,4 +1,5 @@
-"""Imports run one way: experiments → serving → decode loops → model → caches → ops, config at the bottom.
+"""Imports run one way: experiments → serving → decode loops → model → caches → ops, config at the bottom;
+and no class or function in ``mtp/`` grows past what a reader takes in at once.
 
 Every module of ``mtp/`` belongs to one layer of `LAYERS` and may import only its own layer and
 those below it; imports inside functions count, since a deferred import is how a cycle hides. The
@@ -21,7 +22,7 @@ LAYERS = (
     ("checkpoint I/O and analysis", ("mtp.checkpoint", "mtp.analysis")),
     ("sharding", ("mtp.sharding",)),
     ("decode loops", ("mtp.speculative", "mtp.generation", "mtp.train")),
-    ("serving", ("mtp.engine", "mtp.serving")),
+    ("serving", ("mtp.serving",)),
     ("experiments", ("experiments", "configs")),
 )
 
@@ -100,3 +101,17 @@ def test_no_import_cycle():
         if m not in state:
             visit(m, [m])
     assert not cycles, "\n".join(cycles)
+
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 250, 100
+
+
+def test_no_class_over_250_lines_and_no_function_over_100():
+    long = []
+    for path in sorted((ROOT / "mtp").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            limit = (MAX_CLASS_LINES if isinstance(node, ast.ClassDef)
+                     else MAX_FUNCTION_LINES if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
+            if limit and node.end_lineno - node.lineno + 1 > limit:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, "\n".join(long)

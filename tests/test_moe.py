@@ -11,8 +11,8 @@ import pytest
 
 from experiments.expert_scaling import decode_step_cost
 from mtp import quant
+from mtp.serving import Engine, EngineConfig, run_sessions
 from mtp.ops import quantized
-from mtp.engine import Engine, EngineConfig, run_sessions
 from mtp.generation import generate
 from mtp.model import layers, target
 from mtp.ops.moe import api, reference, routed_experts

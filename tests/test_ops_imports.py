@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPS = ROOT / "mtp" / "ops"
 PACKAGES = sorted(p.name for p in OPS.iterdir() if (p / "__init__.py").exists())
 SHARED = sorted(f"mtp.ops.{p.stem}" for p in OPS.glob("*.py") if p.stem != "__init__")
-FORBIDDEN = ("mtp.model", "mtp.cache", "mtp.config", "mtp.engine")
+FORBIDDEN = ("mtp.model", "mtp.cache", "mtp.config", "mtp.serving")
 
 PROBE = """
 import importlib, json, sys
