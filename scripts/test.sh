@@ -21,9 +21,6 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
   export JAX_COMPILATION_CACHE_DIR
 fi
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
-# A size bound turns on JAX's file lock around every cache read and write (without one, a worker
-# can read an entry the other is still writing: a partial executable, deserialized, crashed a worker).
-export JAX_COMPILATION_CACHE_MAX_SIZE="${JAX_COMPILATION_CACHE_MAX_SIZE:-$((16 << 30))}"
 # Two workers: one a core of the 2-core machine the README times both loops on (and CI's).
 if [ "${1:-}" = "--full" ]; then
   shift
