@@ -9,8 +9,8 @@
 # passes and fusion decisions are unchanged; a vectorised sum may add in another order, within f32
 # rounding, so tests compare differently-shaped programs with tolerances, as they must anyway), and a
 # persistent compilation cache for this run, which serves a program compiled again after a
-# `jax.clear_caches()` or in a test's subprocess (a directory of its own for each worker:
-# tests/conftest.py). A user's own XLA_FLAGS and JAX_COMPILATION_CACHE_DIR are kept.
+# `jax.clear_caches()`, in a test's subprocess or on the other worker. A user's own XLA_FLAGS and
+# JAX_COMPILATION_CACHE_DIR are kept.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$ROOT"

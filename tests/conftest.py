@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 import re
 
@@ -217,23 +216,7 @@ def _slow_tests() -> dict[str, str]:
     return out
 
 
-def _own_compile_cache() -> None:
-    """Gives each pytest-xdist worker its own directory of the persistent compile cache it was given.
-
-    JAX writes a cache entry in place, with no lock unless the cache has a size bound, so a worker
-    could read an entry the other is still writing (a partial executable, deserialized: a crashed
-    worker). A size bound's lock costs more than the sharing saves: every write then rereads every
-    entry's access time. A worker's own subprocesses share its directory; the worker waits for them.
-    """
-    worker, base = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    if worker and base:
-        own = os.path.join(base, worker)
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = own
-        jax.config.update("jax_compilation_cache_dir", own)
-
-
 def pytest_configure(config):
-    _own_compile_cache()
     config.addinivalue_line("markers", "slow: left out of the default loop (`bash scripts/test.sh`); "
                                        "`bash scripts/test.sh --full` and CI run it")
 
