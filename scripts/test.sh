@@ -20,9 +20,8 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
   trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
   export JAX_COMPILATION_CACHE_DIR
 fi
-# Only programs that took a second or more to compile are cached: reading back the tiny programs of
-# eager ops (a reference path's `lax.scan` run op by op) crashed a worker inside XLA's deserializer
-# twice in full runs, and those programs cost little to compile again.
+# Only programs that took a second or more to compile are cached: eager ops' tiny programs cost
+# little to compile again, and writing every one of them costs the run disk time.
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 # Two workers: one a core of the 2-core machine the README times both loops on (and CI's).
 if [ "${1:-}" = "--full" ]; then

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import pathlib
 import re
 
@@ -200,6 +201,37 @@ def decode_through_kernel(monkeypatch, module, kernel: str, op: str, decode_step
         results[choice] = (np.concatenate([np.asarray(x).reshape(-1) for x in out]), cache)
     assert calls, "the kernel never ran"
     return results
+
+
+# ------------------------------------------------------------------ a worker's address space
+def _mapped_regions() -> int | None:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no per-process map limit to keep under
+        return None
+
+
+def _map_limit() -> int:
+    try:
+        return int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 65530
+
+
+@pytest.fixture(autouse=True)
+def _under_the_map_limit():
+    """Drops JAX's compiled programs after a test once the worker holds half the kernel's
+    ``vm.max_map_count`` memory mappings. Every CPU executable XLA loads maps a few regions, and
+    tests that run reference paths op by op load thousands (one test file: ~18,000 mappings); a
+    worker that has run a few hundred tests then reaches the limit (65,530 by default), an mmap
+    inside XLA fails, and the worker dies of a segfault. Recompiling afterwards is cheap: the
+    persistent compile cache serves what took long to build."""
+    yield
+    regions = _mapped_regions()
+    if regions is not None and regions > _map_limit() // 2:
+        jax.clear_caches()
+        gc.collect()
 
 
 # ------------------------------------------------------------------ the fast test loop
