@@ -8,7 +8,7 @@ draft step), at batch 1 and 8, with ``verify(K)/decode`` and ``propose/decode``;
 each decode step against its memory-bandwidth floor (weight + KV + state bytes read
 per step / the device copy bandwidth measured in the same run), the step both as a
 ``fori_loop`` of steps and inside the plain greedy loop itself (``--loop_tokens``). A step's
-time is the slope between two calls of different lengths (`_per_step_slope`), which drops
+time is the slope between two calls of different lengths (`experiments.timing`), which drops
 what a call costs once; each row also gives the shorter call's time per step, that cost
 included.
 Random weights give no meaningful acceptance, so part A reports speed per step only.
@@ -44,6 +44,7 @@ from experiments.ceilings import copy_bandwidth
 from experiments.cli import require_ints
 from experiments.model_shapes import BIG, SMALL
 from experiments.results_io import write_atomic, write_json
+from experiments.timing import per_step_slope
 from mtp import analysis, runtime, sharding
 from mtp.cache.state import TargetCache
 from mtp.config import ModelConfig
@@ -110,34 +111,8 @@ def _median_ms(fn, state, reps, *args):
     return 1e3 * float(np.median(times)), state
 
 
-def _per_step_slope(calls, reps, warmup=1):
-    """``(ms a step, ms a step of the shorter call whole)`` from ``{steps: call}``, two calls that
-    run different numbers of steps; ``call()`` runs once and returns its wall seconds. Each
-    call first runs ``warmup`` times untimed (its compile among them).
-
-    A call also costs something once: the host's dispatch and sync and, on a GPU, XLA's update of
-    the call's CUDA graphs for its buffers, which move between calls (they are donated). For
-    the 1.38B step that was ~1.7 ms a call, 0.1 ms a step of a 16-step call (results/decode/decode_h200.md,
-    2026-11-30). The slope between the two calls' medians, timed interleaved, drops it: what a
-    step costs inside a loop that runs on, as a decode does.
-    """
-    for call in calls.values():
-        for _ in range(warmup):
-            call()
-    times = {n: [] for n in calls}
-    for _ in range(reps):
-        for n, call in calls.items():
-            times[n].append(call())
-    (n1, t1), (n2, t2) = sorted((n, float(np.median(ts))) for n, ts in times.items())
-    if t2 <= t1:
-        raise RuntimeError(f"a call of {n2} steps ran no slower than one of {n1} ({1e3 * t2:.3f} vs "
-                           f"{1e3 * t1:.3f} ms): the timing noise exceeds the steps' own time; raise --reps "
-                           "or --steps_per_call")
-    return 1e3 * (t2 - t1) / (n2 - n1), 1e3 * t1 / n1
-
-
 def _per_step_ms(step, state, reps, params, steps_per_call, profile=False, by_source=False):
-    """ms of one ``step`` run back to back on device (`_per_step_slope` over ``fori_loop``s of
+    """ms of one ``step`` run back to back on device (`per_step_slope` over ``fori_loop``s of
     ``steps_per_call`` and 4x as many steps), the same for the shorter call whole, the state
     after, and (with ``profile``) `_kernel_profile` of the shorter program, per step.
     """
@@ -154,7 +129,7 @@ def _per_step_ms(step, state, reps, params, steps_per_call, profile=False, by_so
             return time.perf_counter() - t
         return call
 
-    ms, ms_call = _per_step_slope({n: timed(fn) for n, fn in loops.items()}, reps, warmup=2)
+    ms, ms_call = per_step_slope({n: timed(fn) for n, fn in loops.items()}, reps, warmup=2)
     prof = {}
     if profile:
         prof, after = _kernel_profile(loops[steps_per_call], (box[0], params), steps_per_call, by_source=by_source)
@@ -329,7 +304,7 @@ def greedy_loop_ms(cfg: ModelConfig, params, batch: int, context: int, new_token
                    execution: ExecutionConfig = ExecutionConfig()) -> tuple[float, float, dict]:
     """ms a token of the plain greedy loop itself (`generate(speculative=False)`), after a prompt
     of ``context`` random tokens: the decode step as users run it, in its ``while_loop`` with the
-    loops' compiler options. `_per_step_slope` over runs of ``new_tokens`` and twice as many
+    loops' compiler options. `per_step_slope` over runs of ``new_tokens`` and twice as many
     tokens, and the ``new_tokens`` run whole, per token; with no end-of-text id every sequence
     makes them all; the prompt's prefill is timed apart and excluded. With ``profile``, also
     `_kernel_profile` of one more run of the loop, per token.
@@ -349,7 +324,7 @@ def greedy_loop_ms(cfg: ModelConfig, params, batch: int, context: int, new_token
             return r.decode_s
         return call
 
-    ms, ms_call = _per_step_slope({n: timed(n) for n in specs}, reps)
+    ms, ms_call = per_step_slope({n: timed(n) for n in specs}, reps)
     prof = {}
     if profile:
         decode = prepare_decode(cfg, params, prompts, specs[new_tokens], speculative=False)

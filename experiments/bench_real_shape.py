@@ -48,7 +48,7 @@ What is measured, each against a floor measured in the same run:
   kernels where installed) at ``--config.peer_layers`` layers of ``--config.peer_model``, ms a
   decoded token beside our plain loop's at the same shape.
 
-A step's time is the slope between calls of two lengths (`bench_decode._per_step_slope`), which
+A step's time is the slope between calls of two lengths (`experiments.timing`), which
 drops what a call costs once. Results go to ``out_dir`` as ``results.json`` (rewritten after every
 row, so a run cut short keeps what it measured) and ``results.md``; measurements that would start
 past ``--config.deadline_s`` are listed as skipped.
@@ -74,10 +74,11 @@ import numpy as np
 from absl import app, logging
 from ml_collections import config_flags
 
-from experiments.bench_decode import (_per_step_slope, chained_propose_step, chained_verify_step,
+from experiments.bench_decode import (chained_propose_step, chained_verify_step,
                                       random_cache, random_drafter_cache)
 from experiments.ceilings import copy_bandwidth, gemm_flops_per_s
 from experiments.results_io import write_atomic, write_json
+from experiments.timing import per_step_slope
 from mtp.checkpoint import may_be_fp8
 from mtp.config import ModelConfig
 from mtp.execution import ExecutionConfig
@@ -359,7 +360,7 @@ class Programs:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _steps_program(step, compiler_options: dict[str, str] | None = None):
+def steps_program(step, compiler_options: dict[str, str] | None = None):
     """``(state, params, n) -> state`` after ``n`` steps, ``n`` traced: one compile times both lengths.
 
     ``compiler_options``: XLA's, e.g. the decode loops' CUDA-graph options
@@ -369,18 +370,17 @@ def _steps_program(step, compiler_options: dict[str, str] | None = None):
                    donate_argnums=0, compiler_options=compiler_options)
 
 
-def _with_routing(step, k):
-    """A step whose state carries the routing of its last run."""
+def with_routing(step, k, state_abs, params_abs):
+    """``(step, its abstract state)`` for a step whose state also carries the routing of its last
+    run, ``(state, routing)``: the experts each of its MoE layers' top-``k`` picked, which the
+    routed experts' floor counts."""
     routed = routing_of(step, k)
 
     def run(state, params):
         return routed(state[0], params)
 
-    return run
-
-
-def _abstract(tree):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    _, routing = jax.eval_shape(lambda s, p: run((s, None), p), state_abs, params_abs)
+    return run, (state_abs, routing)
 
 
 class ModelBench:
@@ -417,14 +417,6 @@ class ModelBench:
         ctx = self.conf.context
         dc = random_drafter_cache(self.cfg, batch, ctx + self.loop_room, PAGE, DTYPE, jax.random.key(6))
         return dc.replace(rows=jnp.full((batch,), ctx, jnp.int32), last_pair_key=jnp.full((batch,), ctx, jnp.int32))
-
-    def _routed_state(self, step, params_abs, state_abs):
-        """The step and the abstract ``(state, routing)`` its routed version carries."""
-        if self.k_route is None:
-            return step, state_abs
-        routed = _with_routing(step, self.k_route)
-        _, routing = jax.eval_shape(lambda s, p: routed((s, None), p), state_abs, params_abs)
-        return routed, (state_abs, routing)
 
     def _state_abs(self, make):
         return jax.eval_shape(make)
@@ -468,8 +460,10 @@ class ModelBench:
         self._declare_prefill()
 
     def _declare_step(self, what, step, params_abs, make_state):
-        step, state_abs = self._routed_state(step, params_abs, self._state_abs(make_state))
-        self.programs.submit(f"{self.name}/{what}", _steps_program(step), state_abs, params_abs,
+        state_abs = self._state_abs(make_state)
+        if self.k_route is not None:
+            step, state_abs = with_routing(step, self.k_route, state_abs, params_abs)
+        self.programs.submit(f"{self.name}/{what}", steps_program(step), state_abs, params_abs,
                              jax.ShapeDtypeStruct((), jnp.int32))
         routing_abs = state_abs[1] if self.k_route is not None else None
         self.step_states[what] = (make_state, routing_abs)
@@ -511,7 +505,7 @@ class ModelBench:
                 return time.perf_counter() - t
             return call
 
-        ms, ms_call = _per_step_slope({n: call_of(n), 4 * n: call_of(4 * n)}, self.conf.reps)
+        ms, ms_call = per_step_slope({n: call_of(n), 4 * n: call_of(4 * n)}, self.conf.reps)
         experts = distinct_experts(box[0][1], tokens) if self.k_route is not None else None
         floor_ms = 1e3 * floor_bytes(experts) / self.report.copy_bw
         row = dict(ms=ms, ms_whole_call=ms_call, floor_ms=floor_ms, ratio_to_floor=ms / floor_ms,
@@ -608,7 +602,7 @@ class ModelBench:
                 return seconds
             return call
 
-        ms, ms_call = _per_step_slope({n: call_of(n) for n in budgets}, self.conf.reps)
+        ms, ms_call = per_step_slope({n: call_of(n) for n in budgets}, self.conf.reps)
         return ms, ms_call, extras
 
     def measure_loops(self, params, rows, deadline, speculative: bool):
@@ -923,7 +917,7 @@ def run_peer(peer: ModelBench, conf, report: Report, deadline: Deadline):
         device = "cuda" if jax.default_backend() == "gpu" else "cpu"
         model = hf_peer.build_model(peer.cfg.to_hf(), P.flatten(params), device, "bfloat16")
         result = hf_peer.decode_ms_per_token(model, peer.cfg.vocab_size, conf.peer_prompt, conf.loop_tokens,
-                                             max(2, conf.reps // 2), conf.seed, _per_step_slope)
+                                             max(2, conf.reps // 2), conf.seed)
         del model
         report.add(what="peer", model=peer.name, layers=peer.cfg.num_hidden_layers, prompt=conf.peer_prompt,
                    ours_ms_per_token=ours["ms_per_token"], ratio_to_ours=result["ms_per_token"] / ours["ms_per_token"],

@@ -11,7 +11,9 @@ from __future__ import annotations
 import inspect
 import re
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
+
+from experiments.timing import per_step_slope
 
 # A stack of routed experts, `mtp.model.params.EXPERT_STACK` restated: this module imports no JAX.
 _EXPERTS = re.compile(r"^(?P<stem>.*\.mlp\.experts\.)(?P<proj>gate|up|down)_proj\.weight$")
@@ -75,10 +77,9 @@ def gated_delta_rule_implementations() -> dict[str, str]:
     return out
 
 
-def decode_ms_per_token(model, vocab_size: int, prompt_len: int, tokens: int, reps: int, seed: int,
-                        per_step_slope: Callable) -> dict[str, Any]:
+def decode_ms_per_token(model, vocab_size: int, prompt_len: int, tokens: int, reps: int, seed: int) -> dict[str, Any]:
     """ms a decoded token, greedy at batch 1 after a random prompt of ``prompt_len`` tokens:
-    ``per_step_slope`` (`experiments.bench_decode._per_step_slope`) between ``model.generate`` runs of
+    `experiments.timing.per_step_slope` between ``model.generate`` runs of
     ``tokens`` and twice as many new tokens, which drops the prompt's prefill."""
     import torch
     import transformers

@@ -5,7 +5,7 @@ r"""Where a real-shape decode step's time goes: CUPTI kernel times per kernel gr
     PYTHONPATH=. python3 -m experiments.profile_step --model=tiny_qwen35_moe:fp8 --out_dir=/tmp/p   # a CPU check
 
 The step is `bench_real_shape`'s: `bench_decode.chained_verify_step(cfg, execution)` (K = 1 is the
-plain decode step, K > 1 a verify) in `_steps_program`'s ``fori_loop``, with the routing of its own
+plain decode step, K > 1 a verify) in `bench_real_shape.steps_program`'s ``fori_loop``, with the routing of its own
 tokens carried out (`bench_real_shape.routing_of`) for the floor; random weights made on the device
 (`bench_real_shape.device_params`, a seed fixes them) and a random cache of ``--context`` positions.
 
@@ -15,7 +15,7 @@ baseline; the step is compiled with the config's decode-loop XLA options, as the
 reports
 
 * the step's time, the slope between calls of ``--steps`` and 4x as many steps, the variants'
-  calls interleaved (`interleaved_slopes`), and its active-bytes floor over the copy bandwidth
+  calls interleaved (`experiments.timing.interleaved_slopes`), and its active-bytes floor over the copy bandwidth
   measured in the same run (`bench_real_shape`'s floor);
 * one call's CUPTI kernels (L2 cold before it, `cupti.kernel_timings`), per step: the kernel count,
   the summed kernel time and the rest of the step (launch gaps and idle), and per kernel group
@@ -50,13 +50,14 @@ import numpy as np
 from absl import app, flags
 
 from experiments import cupti
-from experiments.bench_decode import chained_verify_step, kernel_sources, random_cache, source_of
-from experiments.bench_real_shape import (DTYPE, PAGE, ModelSpec, _abstract, _steps_program, _with_routing, at_depth,
-                                          cache_bytes, device_params, distinct_experts, expert_bytes,
-                                          grow_memory_pool_on_demand, is_fp8, lm_head_bytes, load_model_config,
-                                          tensor_bytes)
+from experiments.bench_decode import abstract, chained_verify_step, kernel_sources, random_cache, source_of
+from experiments.bench_real_shape import (DTYPE, PAGE, ModelSpec, at_depth, cache_bytes, device_params,
+                                          distinct_experts, expert_bytes, grow_memory_pool_on_demand, is_fp8,
+                                          lm_head_bytes, load_model_config, steps_program, tensor_bytes,
+                                          with_routing)
 from experiments.ceilings import copy_bandwidth, median_seconds
 from experiments.results_io import provenance, write_atomic, write_json
+from experiments.timing import interleaved_slopes
 from mtp.execution import ExecutionConfig
 from mtp.model import params as P
 
@@ -158,24 +159,6 @@ def group_floors(cfg, weights: str, experts: list[int], width: int, context: int
     return out
 
 
-def interleaved_slopes(calls: dict[str, dict[int, callable]], reps: int) -> dict[str, tuple[float, float]]:
-    """``{variant: (ms a step, ms a step of the shorter call whole)}``, every variant's calls of both
-    lengths interleaved rep by rep (`bench_decode._per_step_slope`'s slope, side by side)."""
-    for per in calls.values():
-        for call in per.values():
-            call()  # warm-up
-    times = {v: {n: [] for n in per} for v, per in calls.items()}
-    for _ in range(reps):
-        for v, per in calls.items():
-            for n, call in per.items():
-                times[v][n].append(call())
-    out = {}
-    for v, per in times.items():
-        (n1, t1), (n2, t2) = sorted((n, float(np.median(ts))) for n, ts in per.items())
-        out[v] = (1e3 * (t2 - t1) / (n2 - n1), 1e3 * t1 / n1)
-    return out
-
-
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     name, _, sets = text.partition(":")
     env = dict(kv.split("=", 1) for kv in filter(None, sets.split(";")))
@@ -257,7 +240,7 @@ def main(argv):
     params = device_params(cfg, FLAGS.seed, weights=spec.weights)
     jax.block_until_ready(params)
     data["weights_s"] = time.perf_counter() - t
-    params_abs = _abstract(params)
+    params_abs = abstract(params)
     k_route = cfg.num_experts_per_tok
     for width in widths:
         def make_state(width=width):
@@ -268,18 +251,17 @@ def main(argv):
         progs, boxes = {}, {}
         for name, env in variants:
             execution = variant_execution(env)
-            step = _with_routing(chained_verify_step(cfg, execution), k_route)
-            _, routing = jax.eval_shape(lambda s, p: step((s, None), p), state_abs, params_abs)
+            step, routed_abs = with_routing(chained_verify_step(cfg, execution), k_route, state_abs, params_abs)
             t = time.perf_counter()
             try:  # compiled with the decode loops' XLA options, as the loops run the step
-                compiled = _steps_program(step, execution.loop_compiler_options()).lower(
-                    (state_abs, routing), params_abs, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+                compiled = steps_program(step, execution.loop_compiler_options()).lower(
+                    routed_abs, params_abs, jax.ShapeDtypeStruct((), jnp.int32)).compile()
             except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, the rest run
                 data["errors"].append(f"{name} K={width} compile: {type(e).__name__}: {e}"[:3000])
                 print(data["errors"][-1], flush=True)
                 continue
             progs[name] = (compiled, time.perf_counter() - t)
-            boxes[name] = [(make_state(), tuple(jnp.zeros(r.shape, r.dtype) for r in routing))]
+            boxes[name] = [(make_state(), tuple(jnp.zeros(r.shape, r.dtype) for r in routed_abs[1]))]
 
         def call_of(name, n):
             def call():
