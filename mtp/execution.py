@@ -12,7 +12,7 @@ the ops never see the config.
 An entry point (a script, an experiment's ``main``) reads the environment once,
 `ExecutionConfig.from_environ` of ``os.environ``, so that a user can still flip a run with the
 ``MTP_*`` variables (``MTP_KERNELS``, ``MTP_PAD_SMALL_GEMMS``, ``MTP_MERGE_PROJECTIONS``,
-``MTP_SMALL_GEMMS_AS_REDUCE``, ``MTP_FUSE_SHARED_EXPERT``, ``MTP_DECODE_LOOP_GRAPH``, ``MTP_DRAFTER_CONTEXT_OFF``,
+``MTP_SMALL_GEMMS_AS_REDUCE``, ``MTP_DECODE_LOOP_GRAPH``, ``MTP_DRAFTER_CONTEXT_OFF``,
 ``MTP_DRAFTER_CARRY_OFF``, ``MTP_CARRY_DEBUG``); a bad value raises a one-line ``ValueError``
 naming the variable and the values it takes. Nothing in ``mtp`` reads them anywhere else. This
 module imports only the standard library, so the ops may import it.
@@ -43,7 +43,6 @@ KERNELS_VAR = "MTP_KERNELS"
 PAD_VAR = "MTP_PAD_SMALL_GEMMS"
 MERGE_VAR = "MTP_MERGE_PROJECTIONS"
 REDUCE_VAR = "MTP_SMALL_GEMMS_AS_REDUCE"
-FUSE_SHARED_VAR = "MTP_FUSE_SHARED_EXPERT"
 LOOP_GRAPH_VAR = "MTP_DECODE_LOOP_GRAPH"
 DRAFTER_CONTEXT_OFF_VAR = "MTP_DRAFTER_CONTEXT_OFF"
 DRAFTER_CARRY_OFF_VAR = "MTP_DRAFTER_CARRY_OFF"
@@ -92,9 +91,7 @@ class ExecutionConfig:
     ``kernels``: ``(op, choice)`` pairs as `parse_kernels` reads them (``op`` empty: every op;
     ``MTP_KERNELS``); `impl_for` is the path one op is handed. The three GEMM-layout switches are
     ``None`` for their default (on exactly on a GPU) or a forced value (``MTP_PAD_SMALL_GEMMS``,
-    ``MTP_MERGE_PROJECTIONS``, ``MTP_SMALL_GEMMS_AS_REDUCE``). ``fuse_shared_expert``
-    (``MTP_FUSE_SHARED_EXPERT``): the MoE layer hands its shared expert to the routed-expert op,
-    which reads it with the selected experts (`mtp.model.layers.moe`); ``None`` is on. ``loop_graph``
+    ``MTP_MERGE_PROJECTIONS``, ``MTP_SMALL_GEMMS_AS_REDUCE``). ``loop_graph``
     (``MTP_DECODE_LOOP_GRAPH``): ``"1"`` records the decode ``while_loop`` as a CUDA graph with
     concurrent scheduling, ``"while"`` the graph with XLA's scheduling, ``"0"`` XLA's defaults
     (`loop_compiler_options`). ``drafter_context_off`` / ``drafter_carry_off``: the kill switches
@@ -106,7 +103,6 @@ class ExecutionConfig:
     pad_small_gemms: bool | None = None
     merge_projections: bool | None = None
     small_gemms_as_reduce: bool | None = None
-    fuse_shared_expert: bool | None = None
     # The layout's bounds (`mtp.model.layers`: PAD_ROWS, PAD_MIN_WEIGHT, REDUCE_MAX_ROWS,
     # REDUCE_MAX_WEIGHT): None keeps the measured values; tests force them so that a tiny model
     # takes the GPU's layouts.
@@ -146,7 +142,6 @@ class ExecutionConfig:
             pad_small_gemms=_switch(environ, PAD_VAR),
             merge_projections=_switch(environ, MERGE_VAR),
             small_gemms_as_reduce=_switch(environ, REDUCE_VAR),
-            fuse_shared_expert=_switch(environ, FUSE_SHARED_VAR),
             loop_graph=loop_graph,
             drafter_context_off=environ.get(DRAFTER_CONTEXT_OFF_VAR) == "1",
             drafter_carry_off=environ.get(DRAFTER_CARRY_OFF_VAR) == "1",

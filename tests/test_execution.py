@@ -34,7 +34,7 @@ def test_impl_for_reads_the_op_then_the_global_entry():
     ("MTP_KERNELS", "fast", "'fast'"), ("MTP_KERNELS", "gdn-step=pallas", "no op named 'gdn-step'"),
     ("MTP_KERNELS", "gdn_step=fast", "'fast'"), ("MTP_PAD_SMALL_GEMMS", "yes", "'yes'"),
     ("MTP_MERGE_PROJECTIONS", "on", "'on'"), ("MTP_SMALL_GEMMS_AS_REDUCE", "true", "'true'"),
-    ("MTP_FUSE_SHARED_EXPERT", "no", "'no'"), ("MTP_DECODE_LOOP_GRAPH", "on", "'on'")])
+    ("MTP_DECODE_LOOP_GRAPH", "on", "'on'")])
 def test_a_bad_value_fails_in_one_line_naming_the_variable(var, value, named):
     with pytest.raises(ValueError) as err:
         ExecutionConfig.from_environ({var: value})

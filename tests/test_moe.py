@@ -11,7 +11,6 @@ import pytest
 
 from experiments.expert_scaling import decode_step_cost
 from mtp import quant
-from mtp.execution import ExecutionConfig
 from mtp.serving import Engine, EngineConfig, run_sessions
 from mtp.ops import quantized
 from mtp.generation import generate
@@ -23,26 +22,17 @@ from tests.conftest import IdPrompts, agreeing_params, id_sessions, paged_cache,
 F32 = jnp.float32
 
 
-def _every_expert(x, gate, up, down):
-    """f32 ``[N, E, H]``: every expert of the stack on every row, with the op's roundings."""
+def dense_oracle(x, expert_ids, expert_weights, gate, up, down):
+    """Every expert on every row, weighted by a routing matrix that is zero off the selected experts:
+    the MoE as it was computed before the op, kept only as this test's oracle."""
     dt = x.dtype
     w = lambda a: (a.dequantize() if hasattr(a, "dequantize") else a).astype(dt)
     g = jnp.einsum("nh,eih->nei", x, w(gate), preferred_element_type=F32).astype(dt)
     u = jnp.einsum("nh,eih->nei", x, w(up), preferred_element_type=F32).astype(dt)
-    return jnp.einsum("nei,ehi->neh", jax.nn.silu(g) * u, w(down), preferred_element_type=F32).astype(dt).astype(F32)
-
-
-def dense_oracle(x, expert_ids, expert_weights, gate, up, down, shared=None):
-    """Every expert on every row, weighted by a routing matrix that is zero off the selected experts,
-    plus the ``shared`` expert on every row: the MoE as it was computed before the op, kept only as
-    this test's oracle."""
+    y = jnp.einsum("nei,ehi->neh", jax.nn.silu(g) * u, w(down), preferred_element_type=F32).astype(dt)
     experts = reference.num_experts(gate)
     routing = jnp.sum(jax.nn.one_hot(expert_ids, experts, dtype=F32) * expert_weights[..., None], axis=1)
-    out = jnp.einsum("ne,neh->nh", routing, _every_expert(x, gate, up, down))
-    if shared is None:
-        return out
-    one = [jax.tree.map(lambda leaf: leaf[None], w) for w in shared.weights()]
-    return out + shared.weight[:, None] * _every_expert(x, *one)[:, 0]
+    return jnp.einsum("ne,neh->nh", routing, y.astype(F32))
 
 
 def _experts(seed, experts, hidden, inner, dtype=F32):
@@ -88,62 +78,6 @@ def test_sparse_forms_equal_the_dense_oracle(form, experts, rows, k):
     assert got.dtype == F32 and got.shape == (rows, hidden)
     np.testing.assert_allclose(np.asarray(got), np.asarray(dense_oracle(x, ids, w, gate, up, down)),
                                rtol=2e-5, atol=2e-6)
-
-
-def _shared(seed, rows, hidden, inner, dtype=F32):
-    """A random shared expert for ``rows`` tokens, weighted as the layer weights it (a sigmoid)."""
-    gate, up, down = (a[0] for a in _experts(seed, 1, hidden, inner, dtype))
-    weight = jax.nn.sigmoid(jax.random.normal(jax.random.key(seed + 1), (rows,), F32))
-    return reference.SharedExpert(gate, up, down, weight)
-
-
-def _dots(fn, *args, **kwargs) -> int:
-    return sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(fn)(*args, **kwargs).jaxpr.eqns)
-
-
-@pytest.mark.parametrize("shared_inner", [12, 20])  # the routed experts' width (it stacks onto them), another
-@pytest.mark.parametrize("experts, rows, k", [(64, 1, 4), (64, 7, 8), (128, 90, 2)])
-@pytest.mark.parametrize("form", FORMS)
-def test_the_shared_expert_equals_the_dense_oracle_in_every_form(form, experts, rows, k, shared_inner):
-    """Each form adds ``weight[n] * shared_expert(x[n])``; the gather form reads a shared expert of
-    the routed experts' shapes as each token's last pair, in the routed experts' own GEMMs (three, and the weighted sum)."""
-    hidden, inner = 24, 12
-    gate, up, down = _experts(rows + k + 1, experts, hidden, inner)
-    ids, w = _routing(experts + rows + 1, rows, k, experts)
-    x = jax.random.normal(jax.random.key(rows + 1), (rows, hidden), F32)
-    shared = _shared(rows + 2, rows, hidden, shared_inner)
-    assert reference.stacks_onto(shared, gate, up, down) == (shared_inner == inner)
-    got = jax.jit(FORMS[form])(x, ids, w, gate, up, down, shared=shared)
-    want = dense_oracle(x, ids, w, gate, up, down, shared)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
-    assert not np.allclose(np.asarray(got), np.asarray(dense_oracle(x, ids, w, gate, up, down)), atol=1e-3)
-    if form == "gather":
-        assert _dots(FORMS[form], x, ids, w, gate, up, down, shared=shared) == (4 if shared_inner == inner else 7)
-
-
-@pytest.mark.parametrize("form", ["gather", "segments"])
-def test_the_shared_experts_gradient_equals_the_dense_oracles(form):
-    experts, rows, k, hidden, inner = 64, 6, 4, 16, 8
-    gate, up, down = _experts(31, experts, hidden, inner)
-    ids, w = _routing(32, rows, k, experts)
-    x = jax.random.normal(jax.random.key(33), (rows, hidden), F32)
-    shared = _shared(34, rows, hidden, inner)
-    probe = jax.random.normal(jax.random.key(35), (rows, hidden), F32)
-    loss = lambda f: lambda x, s: jnp.sum(f(x, ids, w, gate, up, down, shared=s) * probe)
-    got = jax.jit(jax.grad(loss(FORMS[form]), argnums=(0, 1)))(x, shared)
-    want = jax.jit(jax.grad(loss(dense_oracle), argnums=(0, 1)))(x, shared)
-    for name, a, b in zip(("x", "gate", "up", "down", "weight"), jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=name)
-
-
-def test_bf16_shared_expert_keeps_the_roundings():
-    gate, up, down = _experts(36, 64, 32, 16, jnp.bfloat16)
-    ids, w = _routing(37, 4, 8, 64)
-    x = jax.random.normal(jax.random.key(38), (4, 32), F32).astype(jnp.bfloat16)
-    shared = _shared(39, 4, 32, 16, jnp.bfloat16)
-    got = jax.jit(reference.routed_experts_gather)(x, ids, w, gate, up, down, shared)
-    want = dense_oracle(x, ids, w, gate, up, down, shared)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2**-6, atol=2**-6)
 
 
 def test_the_op_switches_form_on_the_static_pair_count(monkeypatch):
@@ -234,11 +168,6 @@ def test_bad_inputs_are_named():
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
             routed_experts(*args)
-    shared = _shared(18, 3, 16, 4)
-    for bad, match in [(shared._replace(down=shared.down[:8]), r"shared expert's gate and up must be \[I', H=16\]"),
-                       (shared._replace(weight=shared.weight[:2]), r"shared expert's weight must be float32 \[N=3\]")]:
-        with pytest.raises(ValueError, match=match):
-            routed_experts(x, ids, w, gate, up, down, shared=bad)
     with pytest.raises(ValueError, match="impl"):
         routed_experts(x, ids, w, gate, up, down, impl="fast")
 
@@ -248,7 +177,7 @@ def test_bad_inputs_are_named():
 def oracle_moe(monkeypatch):
     """`layers.moe` with its routed experts computed by the dense oracle."""
     def use():
-        monkeypatch.setattr(layers, "routed_experts", lambda *a, shared=None, **kw: dense_oracle(*a, shared=shared))
+        monkeypatch.setattr(layers, "routed_experts", lambda *a, **kw: dense_oracle(*a))
     return use
 
 
@@ -259,32 +188,16 @@ def many():
     return cfg, random_params(cfg, seed=21)
 
 
-def stacked_shared(cfg):
-    """``cfg`` with its shared expert as wide as a routed one, as in the published Qwen3-Next and
-    Qwen3.5 configs, so the gather form reads it as one more pair (`reference.stacks_onto`)."""
-    return cfg.replace(shared_expert_intermediate_size=cfg.moe_intermediate_size)
-
-
-@pytest.fixture(scope="module")
-def many_stacked(many):
-    cfg = stacked_shared(many[0])
-    return cfg, random_params(cfg, seed=28)
-
-
-@pytest.mark.parametrize("model", ["many", "many_stacked"])
 @pytest.mark.parametrize("lead", [(3, 1), (3, 5), (2, 40)])  # decode, verify (K = 5), a prefill chunk
-def test_the_layer_equals_the_dense_oracle_at_every_row_shape(request, oracle_moe, lead, model):
-    cfg, params = request.getfixturevalue(model)
+def test_the_layer_equals_the_dense_oracle_at_every_row_shape(many, oracle_moe, lead):
+    cfg, params = many
     p = params["model"]["layers"]["0"]["mlp"]
     x = jax.random.normal(jax.random.key(sum(lead)), (*lead, cfg.hidden_size), F32)
-    layer = jax.jit(layers.moe, static_argnums=(2, 3, 4))
-    got = layer(p, x, cfg)
-    apart = layer(p, x, cfg, None, ExecutionConfig(fuse_shared_expert=False))  # the shared expert an mlp of its own
+    got = jax.jit(layers.moe, static_argnums=2)(p, x, cfg)
     oracle_moe()
-    want = layer(p, x, cfg)
+    want = jax.jit(layers.moe, static_argnums=2)(p, x, cfg)
     assert got.shape == x.shape
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
-    np.testing.assert_allclose(np.asarray(apart), np.asarray(want), rtol=2e-5, atol=2e-6)
 
 
 def test_ragged_prefill_and_decode_equal_the_dense_oracles_forward(many, oracle_moe):
@@ -337,9 +250,8 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def agreeing_many():
-    """The many-expert model with an untied head whose MTP head agrees with it often, not always;
-    its shared expert stacks onto the routed ones, as in the published configs."""
-    cfg = stacked_shared(tiny_config("tiny_moe_many")).replace(tie_word_embeddings=False)
+    """The many-expert model with an untied head whose MTP head agrees with it often, not always."""
+    cfg = tiny_config("tiny_moe_many").replace(tie_word_embeddings=False)
     params = agreeing_params(cfg, seed=23, mixing=0.01)
     rng = np.random.default_rng(24)
     prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (6, 15, 9)]
@@ -402,7 +314,7 @@ def test_a_decode_steps_cost_does_not_follow_the_expert_count(monkeypatch):
     few, lots = _expert_cost(8), _expert_cost(256)
     for key in ("flops", "bytes"):
         assert 0 < lots[key] <= 1.5 * few[key], (key, few, lots)
-    monkeypatch.setattr(layers, "routed_experts", lambda *a, shared=None, **kw: dense_oracle(*a, shared=shared))
+    monkeypatch.setattr(layers, "routed_experts", lambda *a, **kw: dense_oracle(*a))
     dense_few, dense_lots = _expert_cost(8), _expert_cost(256)
     jax.clear_caches()
     assert dense_lots["flops"] > 4 * dense_few["flops"], (dense_few, dense_lots)

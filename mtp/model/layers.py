@@ -22,7 +22,7 @@ from mtp.execution import ExecutionConfig
 from mtp.ops import fp8, lowering, quantized
 from mtp.ops.attn_prologue.reference import key_values, qkv_of, rope
 from mtp.ops.lowering import tensor_parallel_mesh
-from mtp.ops.moe import SharedExpert, routed_experts
+from mtp.ops.moe import routed_experts
 
 DEFAULT = ExecutionConfig()
 
@@ -383,31 +383,20 @@ def moe(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None,
     the tokens and the rest zeros. Only the tokens are routed: a zero row's router logits tie, so
     it would select (and read) k experts of its own, doubling the experts a batch-1 decode step
     streams; the padding rows' routed output is zero, as an expert of zeros gives.
-
-    The shared expert goes to the same op (``execution.fuse_shared_expert``, on by default), whose
-    gather form reads it as each token's last pair: a decode step then streams it in the routed
-    experts' fusions instead of three one-row GEMMs of its own. Off, it is an `mlp` of its own.
     """
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0] if real_rows is None else real_rows
     expert_ids, expert_weights = route(p, x2, cfg, execution)  # the router GEMM on the stream's rows as they are
-    fused = "shared_expert" in p and execution.fuse_shared_expert is not False
-    shared = None
-    if fused:
-        logit = dense(x2[:rows], p["shared_expert_gate"]["weight"], execution=execution)
-        shared = SharedExpert(*(p["shared_expert"][n]["weight"] for n in ("gate_proj", "up_proj", "down_proj")),
-                              weight=jax.nn.sigmoid(logit.astype(jnp.float32))[:, 0])
     experts = p["experts"]
     out = routed_experts(x2[:rows], expert_ids[:rows], expert_weights[:rows], experts["gate_proj"]["weight"],
-                         experts["up_proj"]["weight"], experts["down_proj"]["weight"], shared=shared,
-                         impl=execution.impl_for("moe"))
+                         experts["up_proj"]["weight"], experts["down_proj"]["weight"], impl=execution.impl_for("moe"))
     if rows < x2.shape[0]:
         out = jnp.concatenate([out, jnp.zeros((x2.shape[0] - rows, out.shape[1]), out.dtype)])
     out = out.reshape(x.shape)
-    if "shared_expert" in p and not fused:
-        shared_out = mlp(p["shared_expert"], x, execution).astype(jnp.float32)
+    if "shared_expert" in p:
+        shared = mlp(p["shared_expert"], x, execution).astype(jnp.float32)
         gate = dense(x, p["shared_expert_gate"]["weight"], execution=execution).astype(jnp.float32)
-        out = out + jax.nn.sigmoid(gate) * shared_out
+        out = out + jax.nn.sigmoid(gate) * shared
     return out.astype(x.dtype)
 
 

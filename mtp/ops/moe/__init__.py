@@ -2,6 +2,5 @@
 reference (`reference`)."""
 
 from mtp.ops.moe.api import routed_experts
-from mtp.ops.moe.reference import SharedExpert
 
-__all__ = ["SharedExpert", "routed_experts"]
+__all__ = ["routed_experts"]

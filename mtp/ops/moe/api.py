@@ -1,9 +1,8 @@
 """``routed_experts``: the routed-expert FFN of a MoE layer, through the project's kernel switch.
 
 The model's MoE layer (`mtp.model.layers.moe`) routes (softmax, top-k, normalisation, the
-weights' rounding); this op computes the rest, what the selected experts cost and no more, and
-the shared expert when the layer hands it one (`reference` for the definition, the two sparse
-forms and the shared expert as each token's last pair of the gather form). ``impl``
+weights' rounding) and adds the shared expert; this op computes the rest, what the selected
+experts cost and no more (`reference` for the definition and the two sparse forms). ``impl``
 is resolved by `mtp.ops.dispatch.choose` under the op name ``"moe"`` (the model hands it
 ``ExecutionConfig.impl_for("moe")``, so ``MTP_KERNELS=moe=reference`` and the global value
 apply): on a GPU ``"auto"`` runs the
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 
 from mtp.ops import dispatch
 from mtp.ops.moe import mosaic, reference
-from mtp.ops.moe.reference import SharedExpert, check_inputs
+from mtp.ops.moe.reference import check_inputs
 
 
 # Under ``"auto"`` a call of at most this many (token, expert) pairs runs the reference's gather
@@ -43,26 +42,21 @@ def pays(expert_ids) -> bool:
     return expert_ids.size >= KERNEL_MIN_PAIRS
 
 
-def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, shared: SharedExpert | None = None,
-                   impl: str = "auto") -> jax.Array:
-    """f32 ``[N, H]``: ``sum_j expert_weights[n, j] * expert_{expert_ids[n, j]}(x[n])`` (`reference`),
-    plus ``shared.weight[n] * shared_expert(x[n])`` when ``shared`` is given.
+def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, impl: str = "auto") -> jax.Array:
+    """f32 ``[N, H]``: ``sum_j expert_weights[n, j] * expert_{expert_ids[n, j]}(x[n])`` (`reference`).
 
     ``x [N, H]`` in the activation dtype, ``expert_ids`` int ``[N, k]`` (each in ``[0, E)``),
-    ``expert_weights`` f32 ``[N, k]``, ``gate``/``up`` ``[E, I, H]``, ``down`` ``[E, H, I]``. The
-    kernels compute the routed experts only; the shared expert then runs beside them as the
-    reference's one group of ``N`` rows.
+    ``expert_weights`` f32 ``[N, k]``, ``gate``/``up`` ``[E, I, H]``, ``down`` ``[E, H, I]``.
     """
-    check_inputs(x, expert_ids, expert_weights, gate, up, down, shared)
+    check_inputs(x, expert_ids, expert_weights, gate, up, down)
     ids = expert_ids.astype(jnp.int32)
     mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or mosaic.unsupported(
         x, ids, expert_weights, gate, up, down), mesh_kernel=True)
     if mode != "reference":
         if impl != "auto" or pays(ids):  # a named path runs the kernels at any size
-            out = mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
-            return reference.plus_shared(out, x, shared)
-        return reference.routed_experts_gather(x, ids, expert_weights, gate, up, down, shared)
-    return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
+            return mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
+        return reference.routed_experts_gather(x, ids, expert_weights, gate, up, down)
+    return reference.routed_experts(x, ids, expert_weights, gate, up, down)
 
 
 def _mesh_unsupported() -> str | None:

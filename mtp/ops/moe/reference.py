@@ -24,15 +24,6 @@ Two forms, both of which read only the selected experts' weights:
   under ``2 P`` and the expert weights read under ``2 G`` whatever the routing.
 
 `routed_experts` picks the form by the static pair count (``GATHER_MAX_PAIRS``, capped at ``E``).
-
-**The shared expert.** Qwen3-Next and Qwen3.5 add to every token a shared expert weighted by
-the sigmoid of its own gate, ``shared.weight[n] * shared_expert(x[n])`` (`SharedExpert`), with the
-same roundings. Every function here takes it as ``shared``. Where its weights stack onto the
-routed experts' (`stacks_onto`: the same kind of weight, the same per-expert shapes; the
-published Qwen3-Next and Qwen3.5 configs have ``shared_expert_intermediate_size ==
-moe_intermediate_size``), the gather form takes it as each token's ``(k + 1)``-th pair, so the
-decode step reads it in the routed experts' own two fusions instead of three one-row GEMMs of
-its own; elsewhere it runs as one group of ``N`` rows beside them (`shared_expert_out`).
 ``jax.lax.ragged_dot`` is not used: XLA's CPU lowering (jax 0.11.2) evaluates every group over
 all rows, a cost that follows the expert count (measured 2026-12-02 for 512 rows, K = 256,
 N = 128, four groups holding rows: 25, 80 and 235 ms with 8, 64 and 256 groups).
@@ -47,7 +38,6 @@ the (plain) weights.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,20 +61,7 @@ def _shape(weight) -> tuple[int, ...]:
     return tuple(weight.shape)
 
 
-class SharedExpert(NamedTuple):
-    """The expert every token takes: ``gate``/``up`` ``[I', H]``, ``down`` ``[H, I']`` (plain or quantized,
-    as the routed experts' weights may be, without the expert axis) and each token's f32 ``weight [N]``."""
-
-    gate: Any
-    up: Any
-    down: Any
-    weight: jax.Array
-
-    def weights(self) -> tuple:
-        return self.gate, self.up, self.down
-
-
-def check_inputs(x, expert_ids, expert_weights, gate, up, down, shared: SharedExpert | None = None) -> None:
+def check_inputs(x, expert_ids, expert_weights, gate, up, down) -> None:
     """Raise a ValueError that names the argument and its shape or dtype when the inputs do not fit."""
     if x.ndim != 2:
         raise ValueError(f"routed_experts: x must be [N, H], got shape {tuple(x.shape)}")
@@ -101,15 +78,6 @@ def check_inputs(x, expert_ids, expert_weights, gate, up, down, shared: SharedEx
     e, i, _ = g
     if d != (e, h, i):
         raise ValueError(f"routed_experts: down must be [E={e}, H={h}, I={i}], got {d}")
-    if shared is None:
-        return
-    sg, su, sd = (_shape(w) for w in shared.weights())
-    if len(sg) != 2 or sg[1] != h or su != sg or sd != (h, sg[0]):
-        raise ValueError(f"routed_experts: the shared expert's gate and up must be [I', H={h}] and its down "
-                         f"[H={h}, I'], got gate {sg}, up {su}, down {sd}")
-    if shared.weight.shape != (n,) or shared.weight.dtype != jnp.float32:
-        raise ValueError(f"routed_experts: the shared expert's weight must be float32 [N={n}], got "
-                         f"{shared.weight.dtype} {tuple(shared.weight.shape)}")
 
 
 def num_experts(weight) -> int:
@@ -140,54 +108,18 @@ def expert_ffn(rows: jax.Array, gate, up, down) -> jax.Array:
                       preferred_element_type=f32).astype(dt)
 
 
-def stacks_onto(shared: SharedExpert, gate, up, down) -> bool:
-    """Whether the shared expert's weights can join the routed experts' as one more expert: each of
-    its weights has the routed one's pytree structure, leaf dtypes and per-expert leaf shapes."""
-    def same(one, stacked) -> bool:
-        a, b = jax.tree.leaves(one), jax.tree.leaves(stacked)
-        return (jax.tree.structure(one) == jax.tree.structure(stacked)
-                and all(x.dtype == y.dtype and tuple(x.shape) == tuple(y.shape[1:]) for x, y in zip(a, b)))
-    return all(same(s, w) for s, w in zip(shared.weights(), (gate, up, down)))
-
-
-def shared_expert_out(x: jax.Array, shared: SharedExpert) -> jax.Array:
-    """f32 ``[N, H]``: ``shared.weight[n] * shared_expert(x[n])``, the ``N`` rows as one group of `expert_ffn`."""
-    one = [jax.tree.map(lambda leaf: leaf[None], w) for w in shared.weights()]
-    return shared.weight[:, None] * expert_ffn(x[None], *one)[0].astype(jnp.float32)
-
-
-def plus_shared(out: jax.Array, x: jax.Array, shared: SharedExpert | None) -> jax.Array:
-    """The routed experts' f32 ``out`` with the ``shared`` expert's, where one is given, added."""
-    return out if shared is None else out + shared_expert_out(x, shared)
-
-
 def combine(pair_out: jax.Array, expert_weights: jax.Array) -> jax.Array:
     """f32 ``[N, H]``: each token's ``k`` expert outputs ``pair_out [N, k, H]``, weighted and summed."""
     return jnp.einsum("nk,nkh->nh", expert_weights.astype(jnp.float32), pair_out.astype(jnp.float32))
 
 
-def routed_experts_gather(x, expert_ids, expert_weights, gate, up, down,
-                          shared: SharedExpert | None = None) -> jax.Array:
-    """The gather form (module docstring): each pair reads its own expert's weights.
-
-    A ``shared`` expert that `stacks_onto` the routed ones is each token's last pair: its weights
-    are broadcast beside the gathered ones, so XLA reads them in the same fusions.
-    """
+def routed_experts_gather(x, expert_ids, expert_weights, gate, up, down) -> jax.Array:
+    """The gather form (module docstring): each pair reads its own expert's weights."""
     n, k = expert_ids.shape
     ids = expert_ids.reshape(n * k)
-    ws = [take_experts(w, ids) for w in (gate, up, down)]
-    fused = shared is not None and stacks_onto(shared, gate, up, down)
-    if fused:  # pair (n, k) is token n's shared expert
-        def append(gathered, one):
-            return jax.tree.map(lambda g, s: jnp.concatenate(
-                [g.reshape(n, k, *g.shape[1:]), jnp.broadcast_to(s, (n, 1, *s.shape))], axis=1
-            ).reshape(n * (k + 1), *g.shape[1:]), gathered, one)
-        ws = [append(g, s) for g, s in zip(ws, shared.weights())]
-        expert_weights = jnp.concatenate([expert_weights, shared.weight[:, None]], axis=1)
-        k += 1
     rows = jnp.repeat(x, k, axis=0)[:, None, :]  # pair p = (n, j) is row n * k + j
-    out = combine(expert_ffn(rows, *ws).reshape(n, k, -1), expert_weights)
-    return out if fused else plus_shared(out, x, shared)
+    out = expert_ffn(rows, take_experts(gate, ids), take_experts(up, ids), take_experts(down, ids))
+    return combine(out.reshape(n, k, -1), expert_weights)
 
 
 def segment_rows(pairs: int, experts: int) -> int:
@@ -196,9 +128,8 @@ def segment_rows(pairs: int, experts: int) -> int:
 
 
 def routed_experts_segments(x, expert_ids, expert_weights, gate, up, down,
-                            shared: SharedExpert | None = None, rows_per_tile: int | None = None) -> jax.Array:
-    """The segments form (module docstring): pairs sorted by expert, a grouped GEMM over tiles;
-    a ``shared`` expert as one group of all rows beside them.
+                            rows_per_tile: int | None = None) -> jax.Array:
+    """The segments form (module docstring): pairs sorted by expert, a grouped GEMM over tiles.
 
     ``rows_per_tile`` defaults to `segment_rows`; any value gives the same result.
     """
@@ -224,11 +155,11 @@ def routed_experts_segments(x, expert_ids, expert_weights, gate, up, down,
                      take_experts(up, tile_expert), take_experts(down, tile_expert))
     sorted_out = out.reshape(tiles * t, h)[slot]
     pair_out = jnp.zeros_like(sorted_out).at[order].set(sorted_out, unique_indices=True)
-    return plus_shared(combine(pair_out.reshape(n, k, h), expert_weights), x, shared)
+    return combine(pair_out.reshape(n, k, h), expert_weights)
 
 
-def routed_experts(x, expert_ids, expert_weights, gate, up, down, shared: SharedExpert | None = None) -> jax.Array:
-    """The routed-expert FFN (module docstring), plus ``shared``, in the form that suits the static pair count."""
+def routed_experts(x, expert_ids, expert_weights, gate, up, down) -> jax.Array:
+    """The routed-expert FFN (module docstring), in the form that suits the static pair count."""
     if expert_ids.size <= min(GATHER_MAX_PAIRS, num_experts(gate)):
-        return routed_experts_gather(x, expert_ids, expert_weights, gate, up, down, shared)
-    return routed_experts_segments(x, expert_ids, expert_weights, gate, up, down, shared)
+        return routed_experts_gather(x, expert_ids, expert_weights, gate, up, down)
+    return routed_experts_segments(x, expert_ids, expert_weights, gate, up, down)
