@@ -19,7 +19,7 @@ prefill chunk (512) and the smaller buckets a carry's tail append takes (64, 128
 ``--only gdn`` checks and times the fused Gated DeltaNet decode step against XLA running
 the model's own functions. Besides the kernels, ``--only gemv`` times XLA's own small-row GEMMs on the decode
 model's projection shapes, as is and with the rows zero-padded: the measurement
-behind ``mtp.model.layers.dense``'s one-row padding. ``--only merged`` times one input against
+behind ``mtp.model.gemm_layout.dense``'s one-row padding. ``--only merged`` times one input against
 the projections the step merges (separate dots, concatenated in the trace, one weight), and
 ``--only ffn_chain`` the step's FFN alone (`experiments.gemm_probe`), per kernel: what the
 decode step's GEMMs cost outside the step (results/kernels/kernels_h200.md, 2026-11-29);
@@ -53,7 +53,7 @@ import numpy as np
 
 from mtp.config import ModelConfig
 from mtp.execution import ExecutionConfig
-from mtp.model import layers
+from mtp.model import gemm_layout
 from mtp.model.params import init_params
 from mtp.mtp_head import APPEND_BUCKETS, PREFILL_CHUNK, DrafterCache, append_rows, quantize_head
 from mtp.ops.fc_gemm import fc_gemm_reference, fold_fc_weight, normed_embed_rows, row_mean_squares
@@ -80,7 +80,7 @@ flags.DEFINE_enum("only", "all", ["all", "fc", "prefill", "pa", "gemv", "merged"
                                    "gdn", "chain"],
                   "Which kernels to check and time (gemv, merged, ffn_chain: XLA's few-row GEMMs; see above).")
 flags.DEFINE_list("gemv_rows", ["1"], "Small-row GEMMs: the row counts M to time.")
-flags.DEFINE_integer("pad_rows", layers.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.", lower_bound=1)
+flags.DEFINE_integer("pad_rows", gemm_layout.PAD_ROWS, "Small-row GEMMs: pad M up to this many rows.", lower_bound=1)
 flags.DEFINE_integer("gemv_rotate_mb", None, "Small-row GEMMs: rotate the weights through copies of this "
                      "many MB in all, at most 256 copies (default: 4x L2, at most 16); a decode step of the 1.38B "
                      "model streams ~2800 MB between two reads of one weight.", lower_bound=1)
@@ -332,8 +332,8 @@ def bench_gemv(m, n, k, reps):
     sets = [(jax.random.normal(ks[2 * i], (m, k), jnp.bfloat16),
              (jax.random.normal(ks[2 * i + 1], (n, k)) / math.sqrt(k)).astype(jnp.bfloat16))
             for i in range(n_sets)]
-    as_is = jax.jit(layers.linear)
-    padded = jax.jit(functools.partial(layers.padded_linear, rows_to=max(m, FLAGS.pad_rows)))
+    as_is = jax.jit(gemm_layout.linear)
+    padded = jax.jit(functools.partial(gemm_layout.padded_linear, rows_to=max(m, FLAGS.pad_rows)))
     res = {"M": m, "N": n, "K": k, "w_bytes": w_bytes, "padded_to": max(m, FLAGS.pad_rows), "copies": n_sets,
            "rel_err": _rel_err(padded(*sets[0]), as_is(*sets[0]))}
     reps = max(reps, n_sets)  # every copy is read in turn
@@ -351,7 +351,7 @@ MERGED_FAMILIES = {"gate + up": [(5632, 2048), (5632, 2048)],
 
 def bench_merged(m, family, reps):
     """One input times several weights, three ways, all XLA: separate dots (XLA's dot merger
-    may join them), the weights concatenated inside the trace (``layers.dense_columns``), and
+    may join them), the weights concatenated inside the trace (``gemm_layout.dense_columns``), and
     one weight concatenated beforehand (a load-time layout). TB/s = weight bytes / time.
     """
     shapes = MERGED_FAMILIES[family]
@@ -364,10 +364,10 @@ def bench_merged(m, family, reps):
         ws = [(jax.random.normal(kk, s) / math.sqrt(k)).astype(jnp.bfloat16) for kk, s in zip(ks[1:], shapes)]
         sets.append((jax.random.normal(ks[0], (m, k), jnp.bfloat16), ws, jnp.concatenate(ws, axis=0)))
     variants = {
-        "separate dots": (jax.jit(lambda x, ws: [layers.linear(x, w) for w in ws]), lambda s: (s[0], s[1])),
-        "concatenated in the trace": (jax.jit(lambda x, ws: layers.linear(x, jnp.concatenate(ws, axis=0))),
+        "separate dots": (jax.jit(lambda x, ws: [gemm_layout.linear(x, w) for w in ws]), lambda s: (s[0], s[1])),
+        "concatenated in the trace": (jax.jit(lambda x, ws: gemm_layout.linear(x, jnp.concatenate(ws, axis=0))),
                                       lambda s: (s[0], s[1])),
-        "one weight": (jax.jit(layers.linear), lambda s: (s[0], s[2])),
+        "one weight": (jax.jit(gemm_layout.linear), lambda s: (s[0], s[2])),
     }
     res = {"M": m, "family": family, "w_bytes": w_bytes}
     for name, (fn, args) in variants.items():

@@ -263,7 +263,7 @@ def distinct_experts(routing, rows: int | None = None) -> list[int]:
     """Per MoE layer, how many experts the step's first ``rows`` routed rows select (each counted once).
 
     A one-row step carries its stream padded with zero rows after the real one
-    (`mtp.model.layers.stream_rows`), and the MoE layer routes those too; ``rows`` = the step's
+    (`mtp.model.gemm_layout.stream_rows`), and the MoE layer routes those too; ``rows`` = the step's
     tokens counts the real rows alone (None: every routed row).
     """
     return [int(np.unique(np.asarray(r).reshape(-1, np.shape(r)[-1])[:rows]).size) for r in routing]

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import cupti
-from mtp.model import layers
+from mtp.model import gemm_layout
 from mtp.ops.norms import rms_norm
 
 
@@ -45,8 +45,8 @@ def ffn_program(num_layers=16, m=2, hidden=2048, inter=5632):
 
     def chain(x, ws):
         for norm_w, w_gate_up, w_down in ws:
-            gate_up = layers.linear(rms_norm(x, norm_w, 1e-6), w_gate_up)
-            x = x + layers.linear(_silu_product(gate_up), w_down)
+            gate_up = gemm_layout.linear(rms_norm(x, norm_w, 1e-6), w_gate_up)
+            x = x + gemm_layout.linear(_silu_product(gate_up), w_down)
         return x
 
     return chain, bf(ks[-1], (m, hidden), 1.0), ws
@@ -76,18 +76,18 @@ def gate_up_contexts(num_layers=16, m=2, hidden=2048, inter=5632):
     reps = -(-inter // hidden)
     down_input = lambda x: jnp.concatenate([x] * reps, axis=-1)[:, :inter]  # an [m, inter] not from gate + up
     programs = {
-        "alone": lambda x, w, _: layers.linear(x, w[1]),
-        "after its norm": lambda x, w, _: layers.linear(rms_norm(x, w[0], 1e-6), w[1]),
-        "before its SiLU product": lambda x, w, _: _silu_product(layers.linear(x, w[1])),
-        "beside an independent down GEMM": lambda x, w, _: (_silu_product(layers.linear(x, w[1])),
-                                                            layers.linear(down_input(x), w[2])),
+        "alone": lambda x, w, _: gemm_layout.linear(x, w[1]),
+        "after its norm": lambda x, w, _: gemm_layout.linear(rms_norm(x, w[0], 1e-6), w[1]),
+        "before its SiLU product": lambda x, w, _: _silu_product(gemm_layout.linear(x, w[1])),
+        "beside an independent down GEMM": lambda x, w, _: (_silu_product(gemm_layout.linear(x, w[1])),
+                                                            gemm_layout.linear(down_input(x), w[2])),
         "beside a reduction over the down weight": lambda x, w, _: (
-            layers.linear(x, w[1]), jnp.sum(w[2].astype(jnp.float32), axis=0)),
+            gemm_layout.linear(x, w[1]), jnp.sum(w[2].astype(jnp.float32), axis=0)),
         "twice, two layers' weights": lambda x, w, w_next: (  # other rows: XLA would merge two dots of one input
-            layers.linear(x, w[1]), layers.linear(x[::-1], w_next[1])),
-        "before SiLU product + down": lambda x, w, _: layers.linear(_silu_product(layers.linear(x, w[1])), w[2]),
-        "norm, SiLU product, down (no add)": lambda x, w, _: layers.linear(
-            _silu_product(layers.linear(rms_norm(x, w[0], 1e-6), w[1])), w[2]),
+            gemm_layout.linear(x, w[1]), gemm_layout.linear(x[::-1], w_next[1])),
+        "before SiLU product + down": lambda x, w, _: gemm_layout.linear(_silu_product(gemm_layout.linear(x, w[1])), w[2]),
+        "norm, SiLU product, down (no add)": lambda x, w, _: gemm_layout.linear(
+            _silu_product(gemm_layout.linear(rms_norm(x, w[0], 1e-6), w[1])), w[2]),
         "in the FFN layer": lambda x, w, _: chain(x, [w]),
     }
     arg_sets = [(x, w, ws[(i + 1) % len(ws)]) for i, w in enumerate(ws)]

@@ -22,7 +22,8 @@ from mtp import quant
 from mtp.cache.state import PagedKV
 from mtp.config import ModelConfig
 from mtp.execution import ExecutionConfig
-from mtp.model.layers import DEFAULT, attention_kv, attention_out, attention_qkv, causal_attention, dense
+from mtp.model.gemm_layout import DEFAULT, dense
+from mtp.model.layers import attention_kv, attention_out, attention_qkv, causal_attention
 from mtp.model.params import Params
 from mtp.model.target import decoder_layer, definition_of, embed, lm_head, paged_attention_mixer
 from mtp.ops.dispatch import resolve_impl

@@ -29,7 +29,7 @@ from mtp.cache.state import TargetCache
 from mtp.carry import mtp_rows_to_trim
 from mtp.config import ModelConfig
 from mtp.execution import ExecutionConfig
-from mtp.model import layers, target
+from mtp.model import gemm_layout, target
 from mtp.model.params import Params
 from mtp.mtp_head import DrafterCache, append_rows, draft_step
 from mtp.ops.gdn_step import MAX_STEPS
@@ -214,7 +214,7 @@ def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_toke
     rng = jax.random.key(0) if rng is None else rng
     state = _initial_state(cfg, cache, None, first_token, jnp.zeros((b, cfg.hidden_size), jnp.float32),
                            budget, spec, rng, b)
-    params = layers.with_merged_weights(params, spec.execution)  # once per call, not per step
+    params = gemm_layout.with_merged_weights(params, spec.execution)  # once per call, not per step
 
     def body(s: LoopState) -> LoopState:
         rng, key = jax.random.split(s.rng)
@@ -407,7 +407,7 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
     rng = jax.random.key(0) if rng is None else rng
     dcache_rows, dcache_last_key, first_output_key = dcache.rows, dcache.last_pair_key, cache.lengths - 1
     state = _initial_state(cfg, cache, dcache, first_token, first_hidden, budget, spec, rng, b)
-    params = layers.with_merged_weights(params, spec.execution)  # once per call, not per step
+    params = gemm_layout.with_merged_weights(params, spec.execution)  # once per call, not per step
 
     def body(s: LoopState) -> LoopState:
         rng, kp, ka = jax.random.split(s.rng, 3)

@@ -120,7 +120,7 @@ def test_the_report_renders_a_peer_row_and_unmeasured_goals():
 
 
 def test_a_padded_one_row_step_counts_its_real_row_only():
-    """A GPU pads a one-row step's stream (`layers.stream_rows`). The router runs on every row, but
+    """A GPU pads a one-row step's stream (`gemm_layout.stream_rows`). The router runs on every row, but
     the experts of the real row alone are read (`layers.moe`), so the floor counts those."""
     from experiments.bench_decode import chained_verify_step, random_cache
 

@@ -14,7 +14,7 @@ from mtp.config import ConfigError, ModelConfig
 from mtp.execution import ExecutionConfig
 from mtp.model import target
 from mtp.model import gated_deltanet as gdn
-from mtp.model import layers
+from mtp.model import gemm_layout
 from mtp.ops.add_rms_norm import add_rows
 from mtp.ops.conv_step.reference import grouped_conv_weight
 from mtp.ops.gdn_step.reference import recurrent_delta_rule
@@ -53,7 +53,7 @@ def test_grouped_conv_equals_the_checkpoint_order_conv(value_dim_factor):
     x = jax.random.normal(jax.random.key(0), (bsz, t, cfg.hidden_size))
     state_hf = jax.random.normal(jax.random.key(1), (bsz, kern - 1, c))
     # Hugging Face's order, written out: q of all heads, then k, then v.
-    qkvz = layers.dense(x, p["in_proj_qkvz"]["weight"]).reshape(bsz, t, nk, -1)
+    qkvz = gemm_layout.dense(x, p["in_proj_qkvz"]["weight"]).reshape(bsz, t, nk, -1)
     mixed_hf = jnp.concatenate([qkvz[..., :dk].reshape(bsz, t, -1), qkvz[..., dk:2 * dk].reshape(bsz, t, -1),
                                 qkvz[..., 2 * dk:2 * dk + r * dv].reshape(bsz, t, -1)], -1)
     full = jnp.concatenate([state_hf, mixed_hf], 1)
@@ -77,9 +77,9 @@ def test_dense_pads_one_row_products_of_large_weights():
     x = jax.random.normal(jax.random.key(0), (1, 1, 32))
     w = jax.random.normal(jax.random.key(1), (48, 32))
     padding = ExecutionConfig(pad_small_gemms=True, pad_min_weight=32 * 48 - 1)
-    has_pad = lambda x, e=padding: "pad" in str(jax.make_jaxpr(lambda a: layers.dense(a, w, execution=e))(x))
+    has_pad = lambda x, e=padding: "pad" in str(jax.make_jaxpr(lambda a: gemm_layout.dense(a, w, execution=e))(x))
     assert has_pad(x) and not has_pad(jnp.ones((2, 32)))
-    out = layers.dense(x, w, execution=padding)
+    out = gemm_layout.dense(x, w, execution=padding)
     assert out.shape == (1, 1, 48)
     np.testing.assert_allclose(out, jnp.einsum("...i,oi->...o", x, w), rtol=1e-5, atol=1e-5)
     assert not has_pad(x, dataclasses.replace(padding, pad_min_weight=32 * 48))  # a weight at the bound keeps its shape
@@ -92,16 +92,16 @@ def test_linear_writes_few_row_products_of_small_weights_as_reductions():
     w = jax.random.normal(jax.random.key(1), (48, 32)).astype(jnp.bfloat16)
     reducing = ExecutionConfig(small_gemms_as_reduce=True, reduce_max_weight=48 * 32)
     is_dot = lambda x, w=w, e=reducing: "dot_general" in str(
-        jax.make_jaxpr(lambda a: layers.linear(a, w, execution=e))(x))
-    for rows in (2, 3, layers.REDUCE_MAX_ROWS):
+        jax.make_jaxpr(lambda a: gemm_layout.linear(a, w, execution=e))(x))
+    for rows in (2, 3, gemm_layout.REDUCE_MAX_ROWS):
         x = jax.random.normal(jax.random.key(rows), (rows, 1, 32)).astype(jnp.bfloat16)
         assert not is_dot(x)
-        out = layers.linear(x, w, execution=reducing)
+        out = gemm_layout.linear(x, w, execution=reducing)
         assert out.shape == (rows, 1, 48) and out.dtype == jnp.bfloat16
         want = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=1e-2, atol=2e-2)
     assert is_dot(jnp.ones((1, 32), jnp.bfloat16))  # one row: XLA's own GEMV already reduces
-    assert is_dot(jnp.ones((layers.REDUCE_MAX_ROWS + 1, 32), jnp.bfloat16))
+    assert is_dot(jnp.ones((gemm_layout.REDUCE_MAX_ROWS + 1, 32), jnp.bfloat16))
     assert is_dot(jnp.ones((2, 64), jnp.bfloat16), jnp.ones((48, 64), jnp.bfloat16))  # weight too large
     assert is_dot(jnp.ones((2, 32), jnp.bfloat16), e=dataclasses.replace(reducing, small_gemms_as_reduce=False))
     with pytest.raises(ValueError, match="MTP_SMALL_GEMMS_AS_REDUCE='on'"):
@@ -113,15 +113,15 @@ def test_padded_stream_rows():
     their own, small ones only the real rows, and the mixers' outputs add back per row."""
     padding = ExecutionConfig(pad_small_gemms=True, pad_min_weight=32 * 48 - 1)
     x = jax.random.normal(jax.random.key(0), (1, 1, 32))
-    rows = layers.stream_rows(x, pad=True, execution=padding)
-    assert rows.shape == (layers.PAD_ROWS, 32) and not rows[1:].any()
-    assert layers.stream_rows(x, pad=False).shape == (1, 32)
-    assert layers.stream_rows(jnp.ones((3, 1, 32)), pad=True).shape == (3, 32)  # enough rows
+    rows = gemm_layout.stream_rows(x, pad=True, execution=padding)
+    assert rows.shape == (gemm_layout.PAD_ROWS, 32) and not rows[1:].any()
+    assert gemm_layout.stream_rows(x, pad=False).shape == (1, 32)
+    assert gemm_layout.stream_rows(jnp.ones((3, 1, 32)), pad=True).shape == (3, 32)  # enough rows
     big, small = (jax.random.normal(jax.random.key(i), (n, 32)) for i, n in ((1, 48), (2, 16)))
     for w in (big, small):
-        np.testing.assert_allclose(layers.dense(rows, w, (1, 1), padding), layers.dense(x, w, execution=padding),
+        np.testing.assert_allclose(gemm_layout.dense(rows, w, (1, 1), padding), gemm_layout.dense(x, w, execution=padding),
                                    rtol=1e-6)
-    jaxpr = lambda w: str(jax.make_jaxpr(lambda r: layers.dense_rows(r, w, (1, 1), padding))(rows))
+    jaxpr = lambda w: str(jax.make_jaxpr(lambda r: gemm_layout.dense_rows(r, w, (1, 1), padding))(rows))
     assert "pad" not in jaxpr(big) and "slice" not in jaxpr(big)  # both rows, as they are
     assert "slice" in jaxpr(small)  # a small weight multiplies the real row only
     y = jax.random.normal(jax.random.key(3), (1, 1, 32))
@@ -135,13 +135,13 @@ def test_dense_columns_merges_projections_of_one_input():
     ws = [jax.random.normal(jax.random.key(i), (n, 32)) for i, n in ((1, 48), (2, 8), (3, 16))]
     merging = ExecutionConfig(merge_projections=True)
     dots = lambda x, e=merging: str(jax.make_jaxpr(
-        lambda a: [c.rows for c in layers.dense_columns(a, ws, execution=e)])(x)).count("dot_general")
+        lambda a: [c.rows for c in gemm_layout.dense_columns(a, ws, execution=e)])(x)).count("dot_general")
     x = jax.random.normal(jax.random.key(0), (2, 3, 32))
-    cols = layers.dense_columns(x, ws, execution=merging)
+    cols = gemm_layout.dense_columns(x, ws, execution=merging)
     assert dots(x) == 1 and [c.start for c in cols] == [0, 48, 56] and cols[0].rows is cols[2].rows
     for c, w in zip(cols, ws):
-        np.testing.assert_allclose(c.view((2, 3)), layers.dense(x, w), rtol=1e-5, atol=1e-5)
-    assert dots(jnp.ones((layers.MERGE_MAX_ROWS + 1, 32))) == 3
+        np.testing.assert_allclose(c.view((2, 3)), gemm_layout.dense(x, w), rtol=1e-5, atol=1e-5)
+    assert dots(jnp.ones((gemm_layout.MERGE_MAX_ROWS + 1, 32))) == 3
     assert dots(x, ExecutionConfig(merge_projections=False)) == 3
     with pytest.raises(ValueError, match="MTP_MERGE_PROJECTIONS='on'"):
         ExecutionConfig.from_environ({"MTP_MERGE_PROJECTIONS": "on"})
@@ -151,30 +151,30 @@ def test_merged_weights_are_made_once_and_used():
     """`with_merged_weights` adds each small group's concatenated weight beside its parts (not a
     large group's, nor with merging off), and `module_columns` multiplies by it: with the parts
     zeroed, the columns still equal the true products, and the trace has no concatenation."""
-    names = layers.MERGED_GROUPS["linear_attn"]
+    names = gemm_layout.MERGED_GROUPS["linear_attn"]
     ws = [jax.random.normal(jax.random.key(i), (n, 32)) for i, n in ((1, 48), (2, 8))]
-    big = jnp.zeros((layers.PREMERGE_MAX_WEIGHT // 32 + 1, 32))
+    big = jnp.zeros((gemm_layout.PREMERGE_MAX_WEIGHT // 32 + 1, 32))
     from mtp import quant
 
-    qkv = layers.MERGED_GROUPS["self_attn"]
+    qkv = gemm_layout.MERGED_GROUPS["self_attn"]
     params = {"layers": {"0": {"linear_attn": {n: {"weight": w} for n, w in zip(names, ws)}},
                          "1": {"linear_attn": {names[0]: {"weight": big}, names[1]: {"weight": ws[1]}}}},
               "mtp": {"self_attn": {n: {"weight": quant.quantize(ws[1], "fp8")} for n in qkv}}}
     x = jax.random.normal(jax.random.key(0), (2, 32))
     merging = ExecutionConfig(merge_projections=True)
-    assert layers.with_merged_weights(params, ExecutionConfig(merge_projections=False)) is params
-    merged = layers.with_merged_weights(params, merging)
-    key = layers.merged_key(names)
+    assert gemm_layout.with_merged_weights(params, ExecutionConfig(merge_projections=False)) is params
+    merged = gemm_layout.with_merged_weights(params, merging)
+    key = gemm_layout.merged_key(names)
     assert key not in merged["layers"]["1"]["linear_attn"]  # too large: its concatenation stays fused
     assert merged["mtp"]["self_attn"].keys() == set(qkv)  # quantized weights: `dense_columns` never merges them
     module = merged["layers"]["0"]["linear_attn"]
     np.testing.assert_array_equal(module[key]["weight"], jnp.concatenate(ws))
     assert key not in params["layers"]["0"]["linear_attn"]  # the caller's params are left as they were
     zeroed = {**module, **{n: {"weight": jnp.zeros_like(w)} for n, w in zip(names, ws)}}
-    for c, w in zip(layers.module_columns(zeroed, x, names, execution=merging), ws):
-        np.testing.assert_allclose(c.view((2,)), layers.dense(x, w), rtol=1e-5, atol=1e-5)
+    for c, w in zip(gemm_layout.module_columns(zeroed, x, names, execution=merging), ws):
+        np.testing.assert_allclose(c.view((2,)), gemm_layout.dense(x, w), rtol=1e-5, atol=1e-5)
     assert "concatenate" not in str(jax.make_jaxpr(
-        lambda a: [c.rows for c in layers.module_columns(module, a, names, execution=merging)])(x))
+        lambda a: [c.rows for c in gemm_layout.module_columns(module, a, names, execution=merging)])(x))
 
 
 def test_a_one_row_step_pads_its_stream_once(tiny, monkeypatch):

@@ -15,7 +15,7 @@ from mtp.serving import Engine, EngineConfig, run_sessions
 from mtp.ops import quantized
 from mtp.generation import generate
 from mtp.model import layers, target
-from mtp.ops.moe import api, reference, routed_experts
+from mtp.ops.moe import reference, routed_experts
 from mtp.speculative import SpecConfig
 from tests.conftest import IdPrompts, agreeing_params, id_sessions, paged_cache, random_params, tiny_config
 
@@ -321,7 +321,7 @@ def test_a_decode_steps_cost_does_not_follow_the_expert_count(monkeypatch):
 
 
 def test_the_padded_stream_routes_only_its_real_rows(monkeypatch):
-    """A batch-1 GPU step carries its residual stream padded with zero rows (`layers.stream_rows`); a
+    """A batch-1 GPU step carries its residual stream padded with zero rows (`gemm_layout.stream_rows`); a
     zero row's router logits tie, so routing it would read k experts of its own. The layer hands the
     op the real rows alone, and the padding rows' output is zero."""
     cfg = tiny_config("tiny_moe")

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp.model import layers
+from mtp.model import gemm_layout
 from mtp.ops.add_rms_norm import add_rms_norm, add_rms_norm_reference
 from mtp.ops.add_rms_norm.triton import kernel_unsupported, row_pieces
 
@@ -53,7 +53,7 @@ def test_row_pieces_cover_the_row():
 
 
 def test_padding_rows_stay_zero_in_the_padded_stream():
-    x = layers.stream_rows(jax.random.normal(jax.random.key(0), (1, 1, 64)), pad=True)
+    x = gemm_layout.stream_rows(jax.random.normal(jax.random.key(0), (1, 1, 64)), pad=True)
     y = jax.random.normal(jax.random.key(1), (1, 1, 64))
     s, h = add_rms_norm(x, y, jnp.zeros((64,)), eps=1e-6, impl=IMPL)
     assert not s[1:].any() and not h[1:].any() and s[0].any()
@@ -95,7 +95,7 @@ def test_auto_takes_the_kernel_for_one_row_only(monkeypatch):
     monkeypatch.setattr(lowering, "on_gpu", lambda: True)
     run = lambda x_rows, y_rows, impl="auto": add_rms_norm(*_case(0, (x_rows, 64), (y_rows, 1, 64), jnp.float32),
                                                            eps=1e-6, impl=impl)
-    assert run(layers.PAD_ROWS, 1)[0] == "s" and calls == [(1, 1, 64)]
+    assert run(gemm_layout.PAD_ROWS, 1)[0] == "s" and calls == [(1, 1, 64)]
     assert isinstance(run(2, 2)[0], jax.Array) and len(calls) == 1
     named = ExecutionConfig.from_environ({"MTP_KERNELS": "add_rms_norm=pallas"}).impl_for("add_rms_norm")
     assert run(2, 2, named)[0] == "s" and len(calls) == 2

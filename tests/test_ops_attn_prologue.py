@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp.model.layers import Columns
+from mtp.model.gemm_layout import Columns
 from mtp.ops.attn_prologue import AttentionShape, attn_prologue, attn_prologue_reference
 from mtp.ops.attn_prologue import triton as ap
 from mtp.ops.paged_kv import NULL_PAGE

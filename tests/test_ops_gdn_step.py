@@ -46,7 +46,7 @@ def test_kernel_matches_reference(bsz, nk, nv, d, dtype, y_tol):
 
 
 def test_qkvz_rows_past_the_batch_are_ignored():
-    """The model passes a padded GEMM's whole output (``layers.dense_rows``): extra rows."""
+    """The model passes a padded GEMM's whole output (``gemm_layout.dense_rows``): extra rows."""
     args = _case(5, 2, 2, 4, 16, jnp.float32)
     junk = 1e3 * jax.random.normal(jax.random.key(9), (3, args[1].shape[1]))
     padded = (args[0], jnp.concatenate([args[1], junk]), *args[2:])
@@ -111,7 +111,7 @@ def test_auto_takes_the_kernel_on_a_gpu_unless_the_reference_is_named(monkeypatc
 
 
 def test_merged_projection_buffer_is_read_in_place():
-    """qkvz and ba as one buffer (``layers.dense_columns``): ba at a column offset, padding rows."""
+    """qkvz and ba as one buffer (``gemm_layout.dense_columns``): ba at a column offset, padding rows."""
     args = _case(11, 2, 2, 4, 16, jnp.float32)
     qkvz, ba = args[1], args[2]
     junk = 1e3 * jax.random.normal(jax.random.key(4), (1, qkvz.shape[1] + ba.shape[1]))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from mtp.execution import ExecutionConfig
-from mtp.model import layers
+from mtp.model import gemm_layout
 from mtp.ops import dispatch, lowering
 from mtp.ops.paged_attention import api, mosaic, paged_attention, paged_attention_reference, triton
 from mtp.ops.paged_attention.reference import merge_splits_reference
@@ -189,7 +189,7 @@ def test_auto_follows_the_target_device(monkeypatch):
         jax_default_device = CompileOnlyGpu()
 
     monkeypatch.setattr(lowering.jax, "config", Config())
-    assert lowering.on_gpu() and lowering.num_sms() == 99 and layers.pad_small_gemms(ExecutionConfig())
+    assert lowering.on_gpu() and lowering.num_sms() == 99 and gemm_layout.pad_small_gemms(ExecutionConfig())
     assert dispatch.resolve_impl("auto", op="paged_attention") == "pallas"
 
 

@@ -352,7 +352,7 @@ def test_reduced_draft_vocabulary_is_lossless_and_maps_back(greedy_reference):
 def test_gpu_gemm_layout_keeps_speculative_equal_to_plain(greedy_reference, gemm_layout):
     """``dense``'s row padding, merged projections and few-row products as reductions (each
     on by default on a GPU), forced on; the loops' weights merged once per call
-    (`layers.with_merged_weights`) compile once."""
+    (`gemm_layout.with_merged_weights`) compile once."""
     from mtp import speculative
 
     cfg, params, prompts, base = greedy_reference["tiny_dense"]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from mtp.config import ModelConfig
 from mtp.execution import ExecutionConfig
-from mtp.model.layers import DEFAULT, MERGED_GROUPS, dense, module_columns
+from mtp.model.gemm_layout import DEFAULT, MERGED_GROUPS, dense, module_columns
 from mtp.ops.conv_step import conv_steps
 from mtp.ops.conv_step.reference import conv_state_after, conv_windows
 from mtp.ops.gdn_step import HeadShape, gdn_steps
@@ -43,10 +43,10 @@ def project(p, x: jax.Array, cfg: ModelConfig, lead: tuple[int, ...], execution:
     ``in_proj_qkvz`` is laid out per key-head group as ``[q, k, v.., z..]``, so the
     conv input is the first ``2 Dk + r Dv`` channels of every group; ``gates`` takes
     ``z, b, a`` out of ``qkvz`` and ``ba`` where they are used. ``qkvz`` and ``ba`` are
-    `layers.Columns` of the GEMM output (one GEMM where `layers.dense_columns` merges
-    them, ``qkvz`` first), padding rows kept (``layers.dense_rows``): the fused step
+    `gemm_layout.Columns` of the GEMM output (one GEMM where `gemm_layout.dense_columns` merges
+    them, ``qkvz`` first), padding rows kept (``gemm_layout.dense_rows``): the fused step
     kernel reads z, b and a in place, so that XLA never copies a slice of them.
-    ``x`` is ``[*lead, H]`` or the padded stream's rows (`layers.stream_rows`).
+    ``x`` is ``[*lead, H]`` or the padded stream's rows (`gemm_layout.stream_rows`).
     """
     qkvz, ba = module_columns(p, x, MERGED_GROUPS["linear_attn"], lead, execution)
     groups, qkv_width = qkvz_groups(qkvz.view(lead), cfg)
@@ -109,7 +109,7 @@ def output(p, core: jax.Array, z: jax.Array, x_dtype, cfg: ModelConfig, executio
 
 def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bool,
               execution: ExecutionConfig = DEFAULT):
-    """One Gated DeltaNet layer over ``x [B, T, H]`` (or the padded stream's rows, `layers.stream_rows`).
+    """One Gated DeltaNet layer over ``x [B, T, H]`` (or the padded stream's rows, `gemm_layout.stream_rows`).
 
     ``valid [B, T]`` marks the real tokens, which are a prefix of each row. With
     ``per_step`` (decode and verify) the state after every position is returned as well,

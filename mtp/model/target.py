@@ -22,8 +22,9 @@ from mtp.cache.state import LinearState, TargetCache
 from mtp.config import ModelConfig
 from mtp.execution import ExecutionConfig
 from mtp.model import gated_deltanet as gdn
-from mtp.model import layers
-from mtp.model.layers import attention_out, attention_qkv, causal_attention, ffn, first_rows, stream_rows
+from mtp.model import gemm_layout, layers
+from mtp.model.gemm_layout import first_rows, stream_rows
+from mtp.model.layers import attention_out, attention_qkv, causal_attention, ffn
 from mtp.model.params import Params
 from mtp.ops import fp8
 from mtp.ops.add_rms_norm import add_rms_norm
@@ -80,7 +81,7 @@ def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer, execution: Execution
 
     Returns ``(x, new_state)``, the mixer's state (its written KV pages, its recurrent state)
     passed through as gemma's attention returns its cache. ``x`` is ``[*lead, H]`` or the
-    padded stream's rows (`layers.stream_rows`): the norms and the FFN are row-wise, and the
+    padded stream's rows (`gemm_layout.stream_rows`): the norms and the FFN are row-wise, and the
     mixer's ``y`` is ``[*lead, H]``. The mixer's residual add and the FFN's norm are one op
     (`mtp.ops.add_rms_norm`, a kernel where ``execution`` picks it).
     """
@@ -126,19 +127,19 @@ def _final(cfg, params, x, lead, last_only: jax.Array | None) -> StepOutput:
 
 
 def _pads_stream(params: Params, execution: ExecutionConfig) -> bool:
-    """Whether a one-row step carries its residual stream padded (`layers.stream_rows`).
+    """Whether a one-row step carries its residual stream padded (`gemm_layout.stream_rows`).
 
     Where `dense` would pad some of the layers' GEMMs (a GPU, and a plain weight above
-    `layers.PAD_MIN_WEIGHT`: `layers.pads_weight`), so that the stream is padded once per step,
+    `gemm_layout.PAD_MIN_WEIGHT`: `gemm_layout.pads_weight`), so that the stream is padded once per step,
     not per GEMM. A model whose large weights are all FP8 keeps one row.
     """
     weights = jax.tree.leaves(params["model"]["layers"], is_leaf=lambda w: isinstance(w, fp8.BlockFp8Weight))
-    return layers.pad_small_gemms(execution) and any(layers.pads_weight(w, execution) for w in weights)
+    return gemm_layout.pad_small_gemms(execution) and any(gemm_layout.pads_weight(w, execution) for w in weights)
 
 
 # ------------------------------------------------------------------ reference path
 def forward_with_hiddens(cfg: ModelConfig, params: Params, tokens: jax.Array,
-                         gdn_mode: str = "chunked", execution: ExecutionConfig = layers.DEFAULT) -> StepOutput:
+                         gdn_mode: str = "chunked", execution: ExecutionConfig = gemm_layout.DEFAULT) -> StepOutput:
     """The whole sequence from an empty state, no cache: the reference path (and training).
 
     ``execution``: its GEMM layout and GEMM paths (`definition_of`)."""
@@ -163,7 +164,7 @@ def forward_with_hiddens(cfg: ModelConfig, params: Params, tokens: jax.Array,
 
 
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array,
-            execution: ExecutionConfig = layers.DEFAULT) -> jax.Array:
+            execution: ExecutionConfig = gemm_layout.DEFAULT) -> jax.Array:
     """Logits ``[B, T, vocab]`` of the whole sequence with no cache (``execution`` as `forward_with_hiddens`)."""
     return forward_with_hiddens(cfg, params, tokens, execution=execution).logits
 
@@ -207,7 +208,7 @@ def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, at
 @functools.partial(jax.jit, static_argnames=("cfg", "execution", "all_logits"), donate_argnames=("cache",))
 def prefill(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array,
             start: jax.Array, num_new: jax.Array, write_from: jax.Array | None = None, *,
-            execution: ExecutionConfig = layers.DEFAULT, all_logits: bool = True) -> tuple[TargetCache, StepOutput]:
+            execution: ExecutionConfig = gemm_layout.DEFAULT, all_logits: bool = True) -> tuple[TargetCache, StepOutput]:
     """Prefill ``num_new[b]`` tokens of ``tokens[b]`` at positions ``start[b]...`` of each slot.
 
     A slot with ``start > 0`` continues from the cache's Gated DeltaNet state (a
@@ -240,7 +241,7 @@ def prefill(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Ar
 @functools.partial(jax.jit, static_argnames=("cfg", "execution"), donate_argnames=("cache",))
 def verify(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array,
            active: jax.Array | None = None, *,
-           execution: ExecutionConfig = layers.DEFAULT) -> tuple[TargetCache, VerifyOutput]:
+           execution: ExecutionConfig = gemm_layout.DEFAULT) -> tuple[TargetCache, VerifyOutput]:
     """Run ``Q`` new tokens per slot after its ``lengths[b]`` cached positions.
 
     Writes their K/V but does not advance ``lengths`` or the Gated DeltaNet
@@ -285,7 +286,7 @@ def commit(cache: TargetCache, out: VerifyOutput, num_keep: jax.Array, masked_ve
 
 @functools.partial(jax.jit, static_argnames=("cfg", "execution"), donate_argnames=("cache",))
 def decode(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array, *,
-           execution: ExecutionConfig = layers.DEFAULT) -> tuple[TargetCache, VerifyOutput]:
+           execution: ExecutionConfig = gemm_layout.DEFAULT) -> tuple[TargetCache, VerifyOutput]:
     """One or more new tokens per slot, all kept: verify followed by a full commit."""
     cache, out = verify(cfg, params, cache, tokens, execution=execution)
     return commit(cache, out, jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)), out

@@ -21,7 +21,7 @@ def target_device():
     A deviceless compile (``experiments/count_kernels.py``) sets ``jax_default_device``
     to a compile-only GPU of a topology while the process itself runs on the CPU; the
     kernel switch, the tile plans (``num_sms``) and the model's GPU-default GEMM switches
-    (`mtp.model.layers.pad_small_gemms`) then decide as they would on that GPU.
+    (`mtp.model.gemm_layout.pad_small_gemms`) then decide as they would on that GPU.
     """
     dev = jax.config.jax_default_device
     if isinstance(dev, str):  # a platform name ("cpu")

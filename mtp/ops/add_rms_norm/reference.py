@@ -11,7 +11,7 @@ from mtp.ops.norms import rms_norm
 def add_rows(x: jax.Array, y: jax.Array) -> jax.Array:
     """``x + y`` where ``x`` may be the padded stream's rows and ``y`` is ``[*lead, H]``.
 
-    The padded stream (`mtp.model.layers.stream_rows`) carries zero rows past the tokens;
+    The padded stream (`mtp.model.gemm_layout.stream_rows`) carries zero rows past the tokens;
     they get zeros added.
     """
     y2 = y.reshape(x.shape) if y.size == x.size else y.reshape(-1, y.shape[-1])
@@ -33,7 +33,7 @@ def add_rms_norm_reference(x, y, w, *, eps):
     """``(s, rms_norm(s, w))`` with ``s = x + y``, ``x`` and ``s`` as ``x`` is.
 
     x: the residual stream, ``[*lead, H]`` or the padded stream's rows ``[R, H]``
-    (`mtp.model.layers.stream_rows`); y: ``[*lead, H]``, the real rows (``add_rows``: padding
+    (`mtp.model.gemm_layout.stream_rows`); y: ``[*lead, H]``, the real rows (``add_rows``: padding
     rows of ``x`` get zeros); w: ``[H]``, the ``(1 + w)`` norm's weight.
     """
     check_inputs(x, y, w)

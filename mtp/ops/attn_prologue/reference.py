@@ -60,7 +60,7 @@ def query_and_gate(q_columns, lead: tuple[int, ...], cfg):
     """``q_proj``'s output split per head into the query and the output gate, each ``[*lead, Hq, D]``.
 
     ``q_columns``: its columns in a GEMM's output rows, with ``view(lead)`` the ``[*lead, Hq 2 D]``
-    array (`mtp.model.layers.Columns`).
+    array (`mtp.model.gemm_layout.Columns`).
     """
     d = cfg.head_dim
     qg = q_columns.view(lead).reshape(*lead, cfg.num_attention_heads, 2 * d)

@@ -108,7 +108,7 @@ def conv_steps_reference(mixed, qkvz, valid, conv_state, conv_w, *, heads: HeadS
     mixed: ``[B, T, C]``, the conv input (the layer's projection, zero at masked tokens);
     qkvz: ``[R >= B T, >= nk (2 Dk + 2 r Dv)]``, the ``in_proj_qkvz`` output it was sliced from,
     in its first columns (the GEMM's whole output, padding rows and a merged ``in_proj_ba``
-    included: `mtp.model.layers.dense_rows`, ``dense_columns``; token t of sequence b in row
+    included: `mtp.model.gemm_layout.dense_rows`, ``dense_columns``; token t of sequence b in row
     b T + t), which the kernel reads in place instead; valid: ``[B, T]``, a prefix of each row;
     conv_state: ``[B, K - 1, C]`` in the grouped channel order; conv_w: the checkpoint's
     ``conv1d`` weight ``[C, 1, K]``. A masked token leaves the state as it was, as it leaves the

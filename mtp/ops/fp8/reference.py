@@ -152,7 +152,7 @@ def w8a16(x: jax.Array, w: BlockFp8Weight) -> jax.Array:
     """``x @ dequantize(w).T``, f32 out: the weight dequantized to ``x``'s dtype right before the dot.
 
     Exactly what a plain ``[out, in]`` weight equal to ``dequantize(w)`` computes at ``x``'s dtype
-    (`mtp.model.layers.linear`'s cast of the weight to the activations), so a model with FP8
+    (`mtp.model.gemm_layout.linear`'s cast of the weight to the activations), so a model with FP8
     weights and its dequantized twin agree bit for bit on the CPU.
     """
     _check_2d(x, w)

@@ -142,7 +142,7 @@ def gdn_steps_reference(mixed, qkvz, ba, valid, state, a_log, dt_bias, norm_w, *
     sequence b in row b T + t), and ba: [R' >= B T, >= ba_col + 2 nv] with the
     ``in_proj_ba`` output at columns ``ba_col...``: where ``z`` and ``b, a`` come from. Rows
     past B T and other columns are ignored: the model passes whole GEMM outputs, padding
-    rows and merged projections included (`mtp.model.layers.dense_rows`, ``dense_columns``;
+    rows and merged projections included (`mtp.model.gemm_layout.dense_rows`, ``dense_columns``;
     qkvz and ba are then one buffer), so that XLA need not copy a slice of them; valid: [B, T]
     bool (a masked token leaves the state as it was); state: [B, nv, Dk, Dv] f32; a_log,
     dt_bias: [nv]; norm_w: [Dv]. Returns ``(y [B, T, nv, Dv] in mixed's dtype, states [B,
