@@ -21,6 +21,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.prefill_chunk = 512  # tokens of the timed prefill chunk (batch 1)
     c.spec_k = 4  # the speculative loop's verify width
     c.alphas = (0.6, 0.8, 0.9)  # synthetic per-draft acceptance probabilities of the speculative loop
+    # The speculative loop again with the drafter's vocabulary reduced to this many ids (0: not run),
+    # each draft's LM head then reading that many rows.
+    c.draft_vocab = 32768
     c.loop_tokens = 32  # the timed loops run this many and twice as many tokens (a token's time is the slope)
     c.steps_per_call = 8  # step measurements run this many and 4x as many steps per call (the slope)
     c.reps = 5  # timed repetitions per measurement (medians)

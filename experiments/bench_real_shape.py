@@ -43,7 +43,12 @@ What is measured, each against a floor measured in the same run:
 * the speculative loop (K = ``--config.spec_k``, batch 1) with a forced acceptance: each draft is
   accepted with probability alpha (``--config.alphas``) whatever it is
   (`speculative_loop(synthetic_acceptance=alpha)`). The acceptance is synthetic, the costs of
-  propose, verify, accept, commit and trim are real: tokens/s against the plain loop;
+  propose, verify, accept, commit and trim are real: tokens/s against the plain loop. With
+  ``--config.draft_vocab`` the loop runs again with the drafter's vocabulary reduced to that many
+  ids (`mtp.mtp_head.draft_vocabulary`; here the first ids, which random weights make as good as
+  any), so that each draft's LM head reads that many rows: its cost at the same forced acceptance
+  (a real reduced vocabulary also lowers the acceptance, by the share of the target's tokens it
+  cannot name);
 * a peer on the same weights: transformers' ``Qwen3NextForCausalLM`` (with flash-linear-attention's
   kernels where installed) at ``--config.peer_layers`` layers of ``--config.peer_model``, ms a
   decoded token beside our plain loop's at the same shape.
@@ -423,6 +428,12 @@ class ModelBench:
 
     # ------------------------------------------------------------------ declarations
     @property
+    def draft_vocab(self) -> int:
+        """The reduced draft vocabulary's size for this model (``--config.draft_vocab``), 0 where it
+        is not run: none asked for, or not fewer ids than the model's vocabulary."""
+        return self.conf.draft_vocab if self.conf.draft_vocab < self.cfg.vocab_size else 0
+
+    @property
     def plain_spec(self):
         """Both loops' static config: the plain loop reads only its budget, the speculative one K too."""
         return SpecConfig(verify_width=self.conf.spec_k, max_new_tokens=2 * self.conf.loop_tokens,
@@ -453,6 +464,10 @@ class ModelBench:
                     self.plain_spec, jax.eval_shape(lambda: jax.random.key(0)), None,
                     jax.ShapeDtypeStruct((), jnp.float32))
             self.programs.submit(f"{self.name}/spec_loop", speculative_loop, *args)
+            if self.draft_vocab:
+                vocab = jax.ShapeDtypeStruct((self.draft_vocab,), jnp.int32)
+                self.programs.submit(f"{self.name}/spec_loop_draft_vocab", speculative_loop,
+                                     *args[:-2], vocab, args[-1])
         for what, make_state in steps.items():
             self._declare_step(what, chained_verify_step(c, self.execution), self.params_abs, make_state)
         if self.suite == "full":
@@ -638,14 +653,22 @@ class ModelBench:
         return plain_ms
 
     def _measure_spec_loop(self, params, plain_ms):
+        """The speculative loop at each alpha: with the full draft vocabulary, then the reduced one."""
+        head = quantize_head(params, "bf16", execution=self.execution)
+        state = {"cache": self._loop_cache(1), "dcache": self._loop_drafter(1)}
+        self._measure_spec_loop_at(head, state, plain_ms, "spec_loop", None, "")
+        if self.draft_vocab:
+            vocab = jnp.arange(self.draft_vocab, dtype=jnp.int32)
+            self._measure_spec_loop_at(head, state, plain_ms, "spec_loop_draft_vocab", vocab,
+                                       f", draft vocab {self.draft_vocab}")
+
+    def _measure_spec_loop_at(self, head, state, plain_ms, program, draft_vocab, suffix):
         conf, c, b = self.conf, self.cfg, 1
         budgets = (conf.loop_tokens, 2 * conf.loop_tokens)
         first = jnp.ones((b,), jnp.int32)
         rng = jax.random.key(conf.seed)
-        compiled, spec_compile_s = self.programs.get(f"{self.name}/spec_loop", self.deadline)
-        head = quantize_head(params, "bf16", execution=self.execution)
+        compiled, spec_compile_s = self.programs.get(f"{self.name}/{program}", self.deadline)
         hidden = jax.random.normal(jax.random.key(9), (b, c.hidden_size), DTYPE)
-        state = {"cache": self._loop_cache(b), "dcache": self._loop_drafter(b)}
         for alpha in conf.alphas:
             def spec(n, alpha=alpha):
                 cache = state["cache"].replace(lengths=jnp.full((b,), conf.context, jnp.int32))
@@ -653,7 +676,7 @@ class ModelBench:
                                                  last_pair_key=jnp.full((b,), conf.context, jnp.int32))
                 t = time.perf_counter()
                 cache, dcache, out, num, metrics = jax.block_until_ready(
-                    compiled(head, cache, dcache, first, hidden, jnp.full((b,), n, jnp.int32), rng, None,
+                    compiled(head, cache, dcache, first, hidden, jnp.full((b,), n, jnp.int32), rng, draft_vocab,
                              jnp.float32(alpha)))
                 state.update(cache=cache, dcache=dcache)
                 if int(num[0]) != n:
@@ -665,7 +688,8 @@ class ModelBench:
             m = extras[budgets[1]]
             d = conf.spec_k - 1
             expected = 1 + sum(alpha ** i for i in range(1, d + 1))
-            self.add(f"speculative loop K={conf.spec_k} alpha={alpha}", batch=b, K=conf.spec_k, alpha=alpha,
+            self.add(f"speculative loop K={conf.spec_k} alpha={alpha}{suffix}", batch=b, K=conf.spec_k, alpha=alpha,
+                     draft_vocab=c.vocab_size if draft_vocab is None else len(draft_vocab),
                      synthetic_acceptance=True, ms_per_token=spec_ms, ms_per_token_whole_call=spec_call,
                      tokens_per_s=1e3 / spec_ms, speedup_vs_plain=plain_ms / spec_ms,
                      mean_acceptance_length=1 + m["accepted"] / m["steps"], expected_acceptance_length=expected,
@@ -790,6 +814,10 @@ def verdicts(data, first: str, conf) -> list[dict]:
     s = rows.get(f"speculative loop K={conf.spec_k} alpha=0.8")
     goal(f"{first}: speculative loop at alpha = 0.8, K = {conf.spec_k} >= 2x plain at batch 1",
          s and s["speedup_vs_plain"] >= 2.0, s and f"{s['speedup_vs_plain']:.2f}x (synthetic acceptance)")
+    if conf.draft_vocab:
+        s = rows.get(f"speculative loop K={conf.spec_k} alpha=0.8, draft vocab {conf.draft_vocab}")
+        goal(f"{first}: the same with a {conf.draft_vocab}-id draft vocabulary", s and s["speedup_vs_plain"] >= 2.0,
+             s and f"{s['speedup_vs_plain']:.2f}x (synthetic acceptance)")
     for v in out:  # None-valued conditions came from rows that were not measured
         if v["measured"] is None:
             v["verdict"], v["measured"] = "n/a (not measured)", "-"
@@ -824,6 +852,8 @@ def run(conf, execution: ExecutionConfig = ExecutionConfig()) -> dict:
         raise SystemExit(f"--config.verify_widths / --config.spec_k: K={bad[0]} outside 2..8")
     if any(not 0 <= a <= 1 for a in conf.alphas):
         raise SystemExit(f"--config.alphas={conf.alphas}: each must be a probability in [0, 1]")
+    if conf.draft_vocab < 0:
+        raise SystemExit(f"--config.draft_vocab={conf.draft_vocab}: a count of ids (0: the full vocabulary only)")
     chosen = MODEL_SETS[conf.model]
     if conf.models:
         names = conf.models.split(",")

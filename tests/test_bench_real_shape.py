@@ -20,7 +20,8 @@ def _tiny_conf(tmp_path, **changes):
     conf = get_config()
     conf.update(dict(model="tiny", models="tiny_qwen35_moe,tiny_qwen35", peer_model="", batches=(1,),
                      verify_widths=(2,), spec_k=2, alphas=(0.0, 0.8, 1.0), loop_tokens=128, context=32, prefill_chunk=32,
-                     reps=5, steps_per_call=256, compile_workers=2, deadline_s=3600.0, out_dir=str(tmp_path)))
+                     reps=5, steps_per_call=256, compile_workers=2, deadline_s=3600.0, out_dir=str(tmp_path),
+                     draft_vocab=40))
     conf.update(changes)
     return conf
 
@@ -49,7 +50,11 @@ def test_tiny_run_measures_every_row_against_its_floor(tmp_path):
     # The forced acceptance at its ends: nothing accepted, or every draft (K = 2: one a step).
     assert rows[(moe, "speculative loop K=2 alpha=0.0")]["mean_acceptance_length"] == 1.0
     assert rows[(moe, "speculative loop K=2 alpha=1.0")]["mean_acceptance_length"] == 2.0
-    assert [v["verdict"] in ("met", "missed") for v in data["verdicts"]] == [True] * 4
+    # Again with a 40-id draft vocabulary: its own rows, the forced acceptance as exact.
+    reduced = rows[(moe, "speculative loop K=2 alpha=1.0, draft vocab 40")]
+    assert reduced["mean_acceptance_length"] == 2.0 and reduced["draft_vocab"] == 40
+    assert rows[(moe, "speculative loop K=2 alpha=0.8")]["draft_vocab"] == cfg.vocab_size
+    assert [v["verdict"] in ("met", "missed") for v in data["verdicts"]] == [True] * 5
     md = (tmp_path / "results.md").read_text()
     assert "## Goals" in md and "verify K=2" in md and "speculative loop K=2 alpha=1.0" in md
 
@@ -98,7 +103,8 @@ def test_the_80b_runs_at_the_depth_that_fits():
 @pytest.mark.parametrize("changes, message", [(dict(alphas=(0.8, 1.5)), "alphas"),
                                               (dict(model="huge"), "config.model"),
                                               (dict(verify_widths=(2, 9)), "verify_widths"),
-                                              (dict(models="tiny_qwen35_moe,nope"), "config.models")])
+                                              (dict(models="tiny_qwen35_moe,nope"), "config.models"),
+                                              (dict(draft_vocab=-1), "config.draft_vocab")])
 def test_bad_config_stops_before_anything_runs(tmp_path, changes, message):
     with pytest.raises(SystemExit, match=message):
         brs.run(_tiny_conf(tmp_path, **changes))
@@ -113,7 +119,7 @@ def test_the_report_renders_a_peer_row_and_unmeasured_goals():
                      ours_ms_per_token=1.5, transformers="5.17.0", flash_linear_attention="0.5.2",
                      gated_delta_rule={"chunk_gated_delta_rule": "fla.ops.gated_delta_rule.chunk_gated_delta_rule"})]}
     data["verdicts"] = brs.verdicts(data, "qwen3_5_35b_a3b", conf)
-    assert [v["verdict"] for v in data["verdicts"]] == ["n/a (not measured)"] * 4
+    assert [v["verdict"] for v in data["verdicts"]] == ["n/a (not measured)"] * 5  # four goals and the reduced-vocabulary loop
     md = brs.markdown(data)
     assert "30.00 ms/token" in md and "20.0x" in md and "fla.ops.gated_delta_rule" in md
     assert "Skipped (deadline): x prefill" in md

@@ -1,5 +1,6 @@
 """Speculative decoding is lossless, and its acceptance bookkeeping is right."""
 
+import re
 import time
 
 import jax
@@ -346,6 +347,36 @@ def test_reduced_draft_vocabulary_is_lossless_and_maps_back(greedy_reference):
     assert res.stats.draft_acceptance_rate >= full.stats.draft_acceptance_rate > 0
     with pytest.raises(ValueError, match="mtp_vocab_size=200 must be in 1..97"):
         draft_vocabulary(counts, 200)
+
+
+def test_the_draft_vocabularys_head_rows_are_gathered_once_per_call(greedy_reference):
+    """A reduced draft vocabulary costs each draft ``V'`` rows of the LM head: XLA hoists the rows'
+    gather out of the decode loop (and merges the drafts' gathers), so the compiled loop gathers
+    them once, in its entry computation, for three drafts a step."""
+    cfg, params, prompts, _ = greedy_reference["tiny_dense"]
+    vocab = jnp.arange(0, 80, 2, dtype=jnp.int32)
+    call = prepare_decode(cfg, params, prompts, SpecConfig(verify_width=4, max_new_tokens=8), draft_vocab=vocab)
+    hlo = speculative_mod.speculative_loop.lower(*call.args).compile().as_text()
+    computation, owners = None, []
+    for line in hlo.splitlines():
+        if line.strip() and not line.startswith(" "):
+            computation = line.split("(")[0].split()[-1]
+        if "gather(" in line and f"[40,1,{cfg.hidden_size}]" in line:
+            owners.append(computation)
+    assert len(owners) == 1, owners
+    fusion = owners[0].lstrip("%")
+    callers = [c for c, line in _computations_calling(hlo, fusion)]
+    assert callers and all(c.startswith("ENTRY") for c in callers), callers
+
+
+def _computations_calling(hlo: str, callee: str):
+    """``(computation header, line)`` of each instruction of ``hlo`` that calls ``callee``."""
+    header = None
+    for line in hlo.splitlines():
+        if line.strip() and not line.startswith(" "):
+            header = line
+        elif re.search(r"calls=%" + re.escape(callee) + r"\b", line):
+            yield header, line
 
 
 @pytest.mark.parametrize("gemm_layout", ["padded_merged", "merged_reduced"], indirect=True)
