@@ -43,7 +43,9 @@ What is measured, each against a floor measured in the same run:
 * the speculative loop (K = ``--config.spec_k``, batch 1) with a forced acceptance: each draft is
   accepted with probability alpha (``--config.alphas``) whatever it is
   (`speculative_loop(synthetic_acceptance=alpha)`). The acceptance is synthetic, the costs of
-  propose, verify, accept, commit and trim are real: tokens/s against the plain loop. With
+  propose, verify, accept, commit and trim are real: tokens/s against the plain loop, as timed and
+  at the expected acceptance length (ms a verify step, which costs the same whatever it accepts,
+  over ``1 + alpha + ... + alpha^(K-1)``; the timed tokens are a few tens of seeded draws). With
   ``--config.draft_vocab`` the loop runs again with the drafter's vocabulary reduced to that many
   ids (`mtp.mtp_head.draft_vocabulary`; here the first ids, which random weights make as good as
   any), so that each draft's LM head reads that many rows: its cost at the same forced acceptance
@@ -688,11 +690,19 @@ class ModelBench:
             m = extras[budgets[1]]
             d = conf.spec_k - 1
             expected = 1 + sum(alpha ** i for i in range(1, d + 1))
+            # The slope's tokens (those between the two budgets) took this many verify steps: a
+            # sample of tens of draws of the forced acceptance, which the seed fixes. A step costs
+            # the same whatever it accepts, so ms a step over the expected acceptance length is
+            # the loop's ms a token at alpha without that sampling error.
+            window_steps = extras[budgets[1]]["steps"] - extras[budgets[0]]["steps"]
+            ms_per_step = spec_ms * (budgets[1] - budgets[0]) / window_steps
             self.add(f"speculative loop K={conf.spec_k} alpha={alpha}{suffix}", batch=b, K=conf.spec_k, alpha=alpha,
                      draft_vocab=c.vocab_size if draft_vocab is None else len(draft_vocab),
                      synthetic_acceptance=True, ms_per_token=spec_ms, ms_per_token_whole_call=spec_call,
                      tokens_per_s=1e3 / spec_ms, speedup_vs_plain=plain_ms / spec_ms,
                      mean_acceptance_length=1 + m["accepted"] / m["steps"], expected_acceptance_length=expected,
+                     window_acceptance_length=(budgets[1] - budgets[0]) / window_steps, ms_per_step=ms_per_step,
+                     speedup_at_expected_acceptance=plain_ms * expected / ms_per_step,
                      verify_steps=m["steps"], compile_s=spec_compile_s)
 
 
@@ -759,8 +769,9 @@ def markdown(data) -> str:
         if "ms_per_token" in r:
             time_s = f"{r['ms_per_token']:.3f} ms/token ({r['tokens_per_s']:.1f} tok/s)"
             if "speedup_vs_plain" in r:
-                ratio = (f"{r['speedup_vs_plain']:.2f}x plain; acceptance length {r['mean_acceptance_length']:.2f} "
-                         f"(expected {r['expected_acceptance_length']:.2f}, synthetic)")
+                ratio = (f"{r['speedup_vs_plain']:.2f}x plain at the timed tokens' acceptance length "
+                         f"{r['window_acceptance_length']:.2f}; **{r['speedup_at_expected_acceptance']:.2f}x** at the "
+                         f"expected {r['expected_acceptance_length']:.2f} ({r['ms_per_step']:.2f} ms a step; synthetic)")
             else:
                 step = r.get("ratio_to_decode_step")
                 ratio = "" if step is None else f"{step:.2f}x the decode step"
@@ -811,13 +822,17 @@ def verdicts(data, first: str, conf) -> list[dict]:
     v = rows.get(f"verify K={conf.spec_k}")
     goal(f"{first}: verify K = {conf.spec_k} <= 2x decode", v and v.get("ratio_to_decode", 9) <= 2.0,
          v and f"{v.get('ratio_to_decode', float('nan')):.2f}x")
-    s = rows.get(f"speculative loop K={conf.spec_k} alpha=0.8")
-    goal(f"{first}: speculative loop at alpha = 0.8, K = {conf.spec_k} >= 2x plain at batch 1",
-         s and s["speedup_vs_plain"] >= 2.0, s and f"{s['speedup_vs_plain']:.2f}x (synthetic acceptance)")
+    def spec_goal(what, s):
+        goal(what, s and s["speedup_at_expected_acceptance"] >= 2.0,
+             s and (f"{s['speedup_at_expected_acceptance']:.2f}x at the expected acceptance length; "
+                    f"{s['speedup_vs_plain']:.2f}x at the timed tokens' {s['window_acceptance_length']:.2f} "
+                    f"(synthetic acceptance)"))
+
+    spec_goal(f"{first}: speculative loop at alpha = 0.8, K = {conf.spec_k} >= 2x plain at batch 1",
+              rows.get(f"speculative loop K={conf.spec_k} alpha=0.8"))
     if conf.draft_vocab:
-        s = rows.get(f"speculative loop K={conf.spec_k} alpha=0.8, draft vocab {conf.draft_vocab}")
-        goal(f"{first}: the same with a {conf.draft_vocab}-id draft vocabulary", s and s["speedup_vs_plain"] >= 2.0,
-             s and f"{s['speedup_vs_plain']:.2f}x (synthetic acceptance)")
+        spec_goal(f"{first}: the same with a {conf.draft_vocab}-id draft vocabulary",
+                  rows.get(f"speculative loop K={conf.spec_k} alpha=0.8, draft vocab {conf.draft_vocab}"))
     for v in out:  # None-valued conditions came from rows that were not measured
         if v["measured"] is None:
             v["verdict"], v["measured"] = "n/a (not measured)", "-"

@@ -49,7 +49,10 @@ def test_tiny_run_measures_every_row_against_its_floor(tmp_path):
     assert plain["ms_per_token"] > 0 and plain["compile_s"] > 0
     # The forced acceptance at its ends: nothing accepted, or every draft (K = 2: one a step).
     assert rows[(moe, "speculative loop K=2 alpha=0.0")]["mean_acceptance_length"] == 1.0
-    assert rows[(moe, "speculative loop K=2 alpha=1.0")]["mean_acceptance_length"] == 2.0
+    every = rows[(moe, "speculative loop K=2 alpha=1.0")]
+    assert every["mean_acceptance_length"] == every["window_acceptance_length"] == 2.0
+    assert math.isclose(every["speedup_at_expected_acceptance"], every["speedup_vs_plain"])  # no sampling at 1.0
+    assert math.isclose(every["ms_per_step"], 2 * every["ms_per_token"])
     # Again with a 40-id draft vocabulary: its own rows, the forced acceptance as exact.
     reduced = rows[(moe, "speculative loop K=2 alpha=1.0, draft vocab 40")]
     assert reduced["mean_acceptance_length"] == 2.0 and reduced["draft_vocab"] == 40
