@@ -40,4 +40,5 @@ def get_config() -> ml_collections.ConfigDict:
     c.peer_layers = 4
     c.peer_prompt = 512  # prompt tokens before the peer's (and our) timed decode
     c.out_dir = "runs/bench_real_shape"
+    c.tree_commit = ""  # the git commit a copied tree (no .git) was made from, for the results' provenance
     return c

@@ -84,7 +84,7 @@ from ml_collections import config_flags
 from experiments.bench_decode import (chained_propose_step, chained_verify_step,
                                       random_cache, random_drafter_cache)
 from experiments.ceilings import copy_bandwidth, gemm_flops_per_s
-from experiments.results_io import write_atomic, write_json
+from experiments.results_io import provenance, write_atomic, write_json
 from experiments.timing import per_step_slope
 from mtp.checkpoint import may_be_fp8
 from mtp.config import ModelConfig
@@ -728,7 +728,7 @@ class Report:
         self.data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
                      "config": conf.to_dict(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                     "rows": [], "skipped": [], "errors": []}
+                     "provenance": provenance(conf), "rows": [], "skipped": [], "errors": []}
         out.mkdir(parents=True, exist_ok=True)
         self.copy_bw = self.gemm_flops = float("nan")
 
@@ -750,8 +750,10 @@ def _fmt(v, spec=".3f"):
 
 def markdown(data) -> str:
     rows = data["rows"]
-    lines = [f"# Real-shape benchmark\n\n{data['device']} ({data['backend']}), {data['date']}; random weights "
-             "(bf16, or block-scaled FP8 where a model is named `:fp8`); every ratio is of this run.\n"]
+    commit = data.get("config", {}).get("tree_commit") or (data.get("provenance", {}).get("git") or {}).get("commit")
+    lines = [f"# Real-shape benchmark\n\n{data['device']} ({data['backend']}), {data['date']}; tree "
+             f"{commit or 'unknown'}; random weights (bf16, or block-scaled FP8 where a model is named `:fp8`); "
+             "every ratio is of this run.\n"]
     for r in rows:
         if r["what"] == "ceilings":
             lines.append(f"Copy bandwidth {r['copy_bandwidth_TBps']:.2f} TB/s (read + written); bf16 GEMM "

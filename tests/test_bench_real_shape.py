@@ -58,6 +58,8 @@ def test_tiny_run_measures_every_row_against_its_floor(tmp_path):
     assert reduced["mean_acceptance_length"] == 2.0 and reduced["draft_vocab"] == 40
     assert rows[(moe, "speculative loop K=2 alpha=0.8")]["draft_vocab"] == cfg.vocab_size
     assert [v["verdict"] in ("met", "missed") for v in data["verdicts"]] == [True] * 5
+    prov = data["provenance"]
+    assert prov["config"]["draft_vocab"] == 40 and prov["packages"]["jax"] == jax.__version__ and prov["command"]
     md = (tmp_path / "results.md").read_text()
     assert "## Goals" in md and "verify K=2" in md and "speculative loop K=2 alpha=1.0" in md
 
