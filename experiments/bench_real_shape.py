@@ -297,9 +297,12 @@ def routing_of(fn: Callable, k: int) -> Callable:
     ``fn`` is traced to a jaxpr and evaluated equation by equation, nested ``jit`` calls inlined,
     keeping the indices output of each ``top_k`` with that ``k`` (`mtp.model.layers.moe`'s routing).
     Traced under the caller's ``jit``, the program is the step itself plus a few small outputs, so a
-    timed step reports the routing its own tokens took.
+    timed step reports the routing its own tokens took. Each equation is bound under its own source
+    information, as ``jax.core.eval_jaxpr`` binds it, so the compiled program's ops keep the model's
+    source lines and name stack (a profile groups kernels by them: `experiments.profile_step`).
     """
     from jax.extend import core as jcore
+    from jax.extend import source_info_util
 
     def evaluate(jaxpr, consts, args, found):
         env = {}
@@ -315,7 +318,8 @@ def routing_of(fn: Callable, k: int) -> Callable:
             if sub is not None:  # a ClosedJaxpr, or a Jaxpr with no consts
                 outs = evaluate(getattr(sub, "jaxpr", sub), getattr(sub, "consts", ()), invals, found)
             else:  # as jax's own eval_jaxpr binds an equation
-                with eqn.ctx.manager:
+                info = eqn.source_info
+                with source_info_util.user_context(info.traceback, name_stack=info.name_stack), eqn.ctx.manager:
                     outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
                 outs = outs if eqn.primitive.multiple_results else [outs]
             if eqn.primitive.name == "top_k" and eqn.params.get("k") == k:
