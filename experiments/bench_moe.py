@@ -2,16 +2,22 @@
 kernels (``mtp.ops.moe.mosaic``) and tokamax, each against its floors.
 
 Shapes: Qwen3-Next-80B-A3B (E = 512, top-10, H = 2048, I = 512) and Qwen3.5-35B-A3B
-(E = 256, top-8), bf16, at ``--tokens`` tokens; routing drawn from ``--seed``, uniform
-over the experts or skewed (Zipf popularity, exponent ``--skew``), k distinct experts a
-token, softmax weights.
+(E = 256, top-8), bf16 or Qwen's block-scaled FP8 (``--dtype``), at ``--tokens`` tokens; routing
+drawn from ``--seed``, uniform over the experts or skewed (Zipf popularity, exponent ``--skew``),
+k distinct experts a token, softmax weights. ``--shared`` adds each shape's shared expert (width
+512, its gate value drawn per token) to every variant, so that a variant is the layer's whole FFN.
 
 Variants: ``dense`` (every expert on every token, weighted), the reference's two sparse forms
 (``mtp.ops.moe.reference``: ``gather``, the selected experts' weights gathered per pair;
 ``segments``, the pairs sorted into tiles of one expert, a batched GEMM over the tiles),
 ``mosaic`` (the kernels, ``default_config``) and ``mosaic:<field>=<value>/...`` for each
 ``--configs`` entry (those fields of ``GroupedGemmConfig`` changed), ``tokamax``
-(``mtp.ops.moe.tokamax``, if it imports; its weight layout made beforehand, untimed).
+(``mtp.ops.moe.tokamax``, if it imports; its weight layout made beforehand, untimed), ``stream``
+(the weight-streaming kernels of ``mtp.ops.moe.triton``, the shared expert among their pairs) and
+``stream:<field>=<value>/...`` for each ``--stream_configs`` entry (fields of ``StreamConfig``), and
+``before`` (the gather form with the shared expert through `mtp.model.layers.mlp`'s GEMM layout: the
+MoE layer as it ran before the shared expert joined the op). The forms without a shared expert of
+their own (``gather``, ``segments``, ``mosaic``) add the op reference's (`reference.shared_expert`).
 Every variant is first compared with the reference (``reference.routed_experts``, in the form
 it picks) on the same inputs (relative error; a variant over ``--max_err`` is not timed).
 
@@ -45,13 +51,17 @@ import numpy as np
 from experiments import cupti
 from experiments.ceilings import copy_bandwidth
 from experiments.results_io import write_atomic, write_json
+from mtp.execution import ExecutionConfig
+from mtp.model import layers
+from mtp.ops import fp8
 from mtp.ops.moe import mosaic, reference
 from mtp.ops.moe import tokamax as tokamax_backend
+from mtp.ops.moe import triton as stream
 
 SHAPES = {
-    "qwen3_next": dict(experts=512, top_k=10, hidden=2048, inter=512),
-    "qwen35": dict(experts=256, top_k=8, hidden=2048, inter=512),
-    "tiny": dict(experts=16, top_k=4, hidden=128, inter=64),  # --small: a CPU check in interpret mode
+    "qwen3_next": dict(experts=512, top_k=10, hidden=2048, inter=512, shared=512),
+    "qwen35": dict(experts=256, top_k=8, hidden=2048, inter=512, shared=512),
+    "tiny": dict(experts=16, top_k=4, hidden=256, inter=128, shared=128),  # --small: a CPU check in interpret mode
 }
 
 FLAGS = flags.FLAGS
@@ -64,6 +74,10 @@ flags.DEFINE_float("skew", 1.2, "Zipf exponent of the skewed routing's expert po
 flags.DEFINE_list("variants", ["dense", "gather", "segments", "mosaic", "tokamax"], "Variants to run.")
 flags.DEFINE_list("configs", [], "Extra mosaic configs, each GroupedGemmConfig fields over default_config's, "
                   "e.g. tile_k=128/stages=3.")
+flags.DEFINE_list("stream_configs", [], "Extra stream configs, each StreamConfig fields over its defaults, "
+                  "e.g. block_i=32/chunk=1024.")
+flags.DEFINE_enum("dtype", "bf16", ["bf16", "fp8"], "The experts' storage: bf16, or block-scaled FP8 (Qwen's).")
+flags.DEFINE_bool("shared", False, "Add the shape's shared expert to every variant (the layer's whole FFN).")
 flags.DEFINE_integer("dense_max_tokens", 256, "Time the dense form only up to this many tokens.")
 flags.DEFINE_integer("gather_max_tokens", 32, "Time the gather form only up to this many tokens.")
 flags.DEFINE_integer("reps", 10, "Timed calls per variant.", lower_bound=1)
@@ -96,6 +110,38 @@ def make_weights(key, e, h, i, dtype=jnp.bfloat16):
     return gate, up, down
 
 
+def weight_set(key, s, quantized: bool):
+    """``(gate, up, down, shared_gate, shared_up, shared_down)``: the routed experts' stacks and a
+    shared expert of the shape's width, bf16 or block-scaled FP8 (quantized one tensor at a time)."""
+    ws = make_weights(key, s["experts"], s["hidden"], s["inter"])
+    shared = tuple(w[0] for w in make_weights(jax.random.fold_in(key, 1), 1, s["hidden"], s["shared"]))
+    q = (lambda w: jax.block_until_ready(fp8.quantize(w))) if quantized else (lambda w: w)
+    return tuple(q(w) for w in ws + shared)
+
+
+def shared_of(ws, shared_weight):
+    """The weight set's shared expert with each token's gate value, or None (``shared_weight`` None)."""
+    return None if shared_weight is None else reference.SharedExpert(*ws[3:6], shared_weight)
+
+
+def with_shared(routed_fn):
+    """A routed-only form plus the op reference's shared expert (when the row has one)."""
+    def run(x, ids, w, ws, shared_weight):
+        out = routed_fn(x, ids, w, *ws[:3])
+        shared = shared_of(ws, shared_weight)
+        return out if shared is None else out + reference.shared_expert(x, shared)
+    return run
+
+
+def before_form(x, ids, w, ws, shared_weight):
+    """The gather form, the shared expert through `layers.mlp` (its GEMM layout) and its gated add."""
+    out = reference.routed_experts_gather(x, ids, w, *ws[:3])
+    if shared_weight is None:
+        return out
+    p = {name: {"weight": wt} for name, wt in zip(("gate_proj", "up_proj", "down_proj"), ws[3:6])}
+    return out + shared_weight[:, None] * layers.mlp(p, x, ExecutionConfig()).astype(jnp.float32)
+
+
 @jax.jit
 def dense_form(x, ids, w, gate, up, down):
     """Every expert on every token (the reference's expert FFN over all E), weighted by the routing."""
@@ -119,31 +165,61 @@ def parse_config(text):
     return out
 
 
+def parse_stream_config(text):
+    """``"block_i=32/chunk=1024"``: a ``StreamConfig`` with those fields over its defaults."""
+    fields = {f.name for f in dataclasses.fields(stream.StreamConfig)}
+    out = {}
+    for item in text.split("/"):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise ValueError(f"--stream_configs entry {text!r}: no StreamConfig field {name!r}; the fields "
+                             f"are {', '.join(sorted(fields))}")
+        out[name] = int(value)
+    return stream.StreamConfig(**out)
+
+
 def _mosaic(overrides, impl):
-    def run(x, ids, w, ws):
-        gate = ws[0]
+    def run(x, ids, w, gate, up, down):
         cfg = mosaic.default_config(x.shape[0], ids.shape[1], gate.shape[0], x.shape[1], gate.shape[1])
         cfg = dataclasses.replace(cfg, **overrides)
-        return mosaic.routed_experts_mosaic(x, ids, w, *ws[:3], impl=impl, config=cfg)
+        return mosaic.routed_experts_mosaic(x, ids, w, gate, up, down, impl=impl, config=cfg)
     return run
 
 
+def _tokamax(x, ids, w, ws, shared_weight):
+    """tokamax on its own weight layout (the set's entries from 6 on), the shared expert added."""
+    out = tokamax_backend.routed_experts_tokamax(x, ids, w, *ws[6:])
+    shared = shared_of(ws, shared_weight)
+    return out if shared is None else out + reference.shared_expert(x, shared)
+
+
+def _stream(config, impl):
+    return lambda x, ids, w, ws, sw: stream.routed_experts_stream(x, ids, w, *ws[:3], shared_of(ws, sw),
+                                                                  impl=impl, config=config)
+
+
 def variants(n, interpret):
-    """``{name: (fn(x, ids, w, weight_set), needs_tokamax_layout)}`` for N tokens."""
+    """``{name: (fn(x, ids, w, weight_set, shared_weight), needs_tokamax_layout)}`` for N tokens."""
     impl = "interpret" if interpret else "pallas"
     out = {}
     if "dense" in FLAGS.variants and n <= FLAGS.dense_max_tokens:
-        out["dense"] = (lambda x, i, w, ws: dense_form(x, i, w, *ws[:3]), False)
+        out["dense"] = (with_shared(dense_form), False)
     if "gather" in FLAGS.variants and n <= FLAGS.gather_max_tokens:
-        out["gather"] = (lambda x, i, w, ws: reference.routed_experts_gather(x, i, w, *ws[:3]), False)
+        out["gather"] = (with_shared(reference.routed_experts_gather), False)
+    if "before" in FLAGS.variants and n <= FLAGS.gather_max_tokens:
+        out["before"] = (before_form, False)
     if "segments" in FLAGS.variants:
-        out["segments"] = (lambda x, i, w, ws: reference.routed_experts_segments(x, i, w, *ws[:3]), False)
+        out["segments"] = (with_shared(reference.routed_experts_segments), False)
     if "mosaic" in FLAGS.variants:
-        out["mosaic"] = (_mosaic({}, impl), False)
+        out["mosaic"] = (with_shared(_mosaic({}, impl)), False)
         for text in FLAGS.configs:
-            out[f"mosaic:{text}"] = (_mosaic(parse_config(text), impl), False)
+            out[f"mosaic:{text}"] = (with_shared(_mosaic(parse_config(text), impl)), False)
+    if "stream" in FLAGS.variants and n <= stream.MAX_TOKENS:
+        out["stream"] = (_stream(None, impl), False)
+        for text in FLAGS.stream_configs:
+            out[f"stream:{text}"] = (_stream(parse_stream_config(text), impl), False)
     if "tokamax" in FLAGS.variants and not interpret and tokamax_backend.available() is None:
-        out["tokamax"] = (lambda x, i, w, ws: tokamax_backend.routed_experts_tokamax(x, i, w, *ws[3:]), True)
+        out["tokamax"] = (_tokamax, True)
     return out
 
 
@@ -182,35 +258,45 @@ def _rel_err(a, b):
 # ------------------------------------------------------------------ the run
 
 
+def weight_bytes(w) -> int:
+    """Bytes a weight (plain or block-scaled FP8) occupies: what streaming it once reads."""
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(w))
+
+
 def bench_row(shape_name, n, kind, weight_sets, ceilings, interpret):
     s = SHAPES[shape_name]
     e, k, h, i = s["experts"], s["top_k"], s["hidden"], s["inter"]
     rng = np.random.default_rng([FLAGS.seed, n, 0 if kind == "uniform" else 1])
     ids, w = routing(rng, n, e, k, kind, FLAGS.skew)
     x = jnp.asarray(rng.standard_normal((n, h)), jnp.bfloat16)
+    sw = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal(n))), jnp.float32) if FLAGS.shared else None
     distinct = int(np.unique(np.asarray(ids)).size)
-    expert_bytes = 3 * i * h * 2
-    row = dict(shape=shape_name, tokens=n, routing=kind, pairs=n * k, distinct_experts=distinct,
-               active_bytes=distinct * expert_bytes, active_flops=6 * n * k * h * i, variants={})
+    ws0 = weight_sets[0]
+    expert_bytes = sum(weight_bytes(wt) for wt in ws0[:3]) // e
+    shared_bytes = sum(weight_bytes(wt) for wt in ws0[3:6]) if FLAGS.shared else 0
+    row = dict(shape=shape_name, tokens=n, routing=kind, dtype=FLAGS.dtype, shared=FLAGS.shared, pairs=n * k,
+               distinct_experts=distinct, active_bytes=distinct * expert_bytes + shared_bytes,
+               active_flops=6 * n * (k + FLAGS.shared) * h * i, variants={})
     if ceilings:
         row["floor_bytes_s"] = row["active_bytes"] / ceilings["copy_bytes_per_s"]
         row["floor_flops_s"] = row["active_flops"] / ceilings["gemm_flops_per_s"]
         row["floor_s"] = max(row["floor_bytes_s"], row["floor_flops_s"])
-    ref = jax.jit(reference.routed_experts)(x, ids, w, *weight_sets[0][:3])
+    ref = jax.jit(reference.routed_experts)(x, ids, w, *ws0[:3], shared_of(ws0, sw))
     for name, (fn, _) in variants(n, interpret).items():
         v = row["variants"][name] = {}
         try:
             jfn = fn if interpret else jax.jit(fn)  # interpret mode is switched on eagerly, per call
             t0 = time.perf_counter()
-            out = jax.block_until_ready(jfn(x, ids, w, weight_sets[0]))
+            out = jax.block_until_ready(jfn(x, ids, w, ws0, sw))
             v["first_call_s"] = time.perf_counter() - t0  # compile included
             v["rel_err"] = _rel_err(out, ref)
             v["finite"] = bool(np.isfinite(np.asarray(out)).all())
             if not v["finite"] or v["rel_err"] > FLAGS.max_err or interpret:
                 continue
-            sets = [(x, ids, w, ws) for ws in weight_sets]
+            sets = [(x, ids, w, ws, sw) for ws in weight_sets]
             t, kernels = cupti.median_seconds(jfn, sets, FLAGS.reps)
             v["device_s"] = t
+            v["kernels"] = len(kernels)
             v["kernels_ms"] = [[name_, ms] for name_, ms in kernels]
             v["wall_s"], _ = _wall(jfn, sets, FLAGS.reps)
             if ceilings:
@@ -231,7 +317,7 @@ def render(results):
     for r in results["rows"]:
         names += [v for v in r["variants"] if v not in names]
     lines.append("| shape | routing | N | experts | floor us (bytes / flops) | "
-                 + " | ".join(f"{v} us (x floor)" for v in names) + " |")
+                 + " | ".join(f"{v} us (x floor, kernels)" for v in names) + " |")
     lines.append("|" + "---|" * (5 + len(names)))
     for r in results["rows"]:
         floor = (f"{r['floor_bytes_s'] * 1e6:.1f} / {r['floor_flops_s'] * 1e6:.1f}"
@@ -242,13 +328,14 @@ def render(results):
             if d is None:
                 cells.append("")
             elif "device_s" in d:
-                ratio = f" ({d['over_floor']:.2f}x)" if "over_floor" in d else ""
-                cells.append(f"{d['device_s'] * 1e6:.1f}{ratio}")
+                ratio = f" ({d['over_floor']:.2f}x" if "over_floor" in d else " ("
+                cells.append(f"{d['device_s'] * 1e6:.1f}{ratio}, {d['kernels']} kernels)")
             elif "error" in d:
                 cells.append("error")
             else:
                 cells.append(f"err {d.get('rel_err', float('nan')):.1e}")
-        lines.append(f"| {r['shape']} | {r['routing']} | {r['tokens']} | {r['distinct_experts']} | {floor} | "
+        shape = f"{r['shape']} {r.get('dtype', 'bf16')}" + (" + shared" if r.get("shared") else "")
+        lines.append(f"| {shape} | {r['routing']} | {r['tokens']} | {r['distinct_experts']} | {floor} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -269,9 +356,9 @@ def main(_):
         keys = jax.random.split(jax.random.key(FLAGS.seed), FLAGS.weight_sets)
         weight_sets = []
         for key in keys[:1 if interpret else FLAGS.weight_sets]:
-            ws = make_weights(key, s["experts"], s["hidden"], s["inter"])
+            ws = weight_set(key, s, FLAGS.dtype == "fp8")
             if "tokamax" in FLAGS.variants and not interpret and tokamax_backend.available() is None:
-                ws = ws + tokamax_backend.tokamax_layout(*ws)
+                ws = ws + tokamax_backend.tokamax_layout(*ws[:3])
             weight_sets.append(jax.block_until_ready(ws))
         for kind in FLAGS.routings:
             tokens = FLAGS.tokens if kind == "uniform" else [t for t in FLAGS.tokens if t in FLAGS.skewed_tokens]

@@ -22,9 +22,10 @@ from tests.conftest import IdPrompts, agreeing_params, id_sessions, paged_cache,
 F32 = jnp.float32
 
 
-def dense_oracle(x, expert_ids, expert_weights, gate, up, down):
-    """Every expert on every row, weighted by a routing matrix that is zero off the selected experts:
-    the MoE as it was computed before the op, kept only as this test's oracle."""
+def dense_oracle(x, expert_ids, expert_weights, gate, up, down, shared=None):
+    """Every expert on every row, weighted by a routing matrix that is zero off the selected experts,
+    plus the shared expert's gated output (`reference.SharedExpert`): the MoE as it was computed
+    before the op, kept only as this test's oracle."""
     dt = x.dtype
     w = lambda a: (a.dequantize() if hasattr(a, "dequantize") else a).astype(dt)
     g = jnp.einsum("nh,eih->nei", x, w(gate), preferred_element_type=F32).astype(dt)
@@ -32,7 +33,13 @@ def dense_oracle(x, expert_ids, expert_weights, gate, up, down):
     y = jnp.einsum("nei,ehi->neh", jax.nn.silu(g) * u, w(down), preferred_element_type=F32).astype(dt)
     experts = reference.num_experts(gate)
     routing = jnp.sum(jax.nn.one_hot(expert_ids, experts, dtype=F32) * expert_weights[..., None], axis=1)
-    return jnp.einsum("ne,neh->nh", routing, y.astype(F32))
+    out = jnp.einsum("ne,neh->nh", routing, y.astype(F32))
+    if shared is None:
+        return out
+    sg = jnp.dot(x, w(shared.gate).T, preferred_element_type=F32).astype(dt)
+    su = jnp.dot(x, w(shared.up).T, preferred_element_type=F32).astype(dt)
+    sy = jnp.dot(jax.nn.silu(sg) * su, w(shared.down).T, preferred_element_type=F32).astype(dt)
+    return out + shared.weight[:, None] * sy.astype(F32)
 
 
 def _experts(seed, experts, hidden, inner, dtype=F32):
@@ -177,7 +184,7 @@ def test_bad_inputs_are_named():
 def oracle_moe(monkeypatch):
     """`layers.moe` with its routed experts computed by the dense oracle."""
     def use():
-        monkeypatch.setattr(layers, "routed_experts", lambda *a, **kw: dense_oracle(*a))
+        monkeypatch.setattr(layers, "routed_experts", lambda *a, **kw: dense_oracle(*a, shared=kw.get("shared")))
     return use
 
 
@@ -314,7 +321,7 @@ def test_a_decode_steps_cost_does_not_follow_the_expert_count(monkeypatch):
     few, lots = _expert_cost(8), _expert_cost(256)
     for key in ("flops", "bytes"):
         assert 0 < lots[key] <= 1.5 * few[key], (key, few, lots)
-    monkeypatch.setattr(layers, "routed_experts", lambda *a, **kw: dense_oracle(*a))
+    monkeypatch.setattr(layers, "routed_experts", lambda *a, **kw: dense_oracle(*a, shared=kw.get("shared")))
     dense_few, dense_lots = _expert_cost(8), _expert_cost(256)
     jax.clear_caches()
     assert dense_lots["flops"] > 4 * dense_few["flops"], (dense_few, dense_lots)

@@ -6,7 +6,7 @@ import pytest
 
 import jax.numpy as jnp
 
-from mtp.ops.moe import api, mosaic, reference
+from mtp.ops.moe import api, mosaic, reference, triton
 from mtp.ops.moe.mosaic import GroupedGemmConfig, plan_rows, plan_slots, routed_experts_mosaic, unsupported
 
 
@@ -84,19 +84,23 @@ def test_float16():
 
 
 def test_api_dispatches_to_the_kernels(monkeypatch):
-    """``routed_experts(impl="interpret")`` runs the kernels; inputs they cannot take (f32) and
+    """``routed_experts(impl="interpret")`` runs the grouped-GEMM kernels above `triton.MAX_TOKENS`
+    rows and the weight-streaming kernels up to it; inputs they cannot take (f32) and
     ``impl="reference"`` run the reference."""
     calls = []
-    run = mosaic.routed_experts_mosaic
-    monkeypatch.setattr(mosaic, "routed_experts_mosaic", lambda *a, **k: calls.append(k["impl"]) or run(*a, **k))
-    args = _inputs(21, 6, 3, e=12, h=128, i=64)
-    out = api.routed_experts(*args, impl="interpret")
-    assert calls == ["interpret"]
-    assert _rel_err(out, reference.routed_experts(*args)) < 1e-2
-    np.testing.assert_array_equal(api.routed_experts(*args, impl="reference"), reference.routed_experts(*args))
-    f32 = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
-    np.testing.assert_array_equal(api.routed_experts(*f32, impl="interpret"), reference.routed_experts(*f32))
-    assert calls == ["interpret"]
+    for module, name in ((mosaic, "routed_experts_mosaic"), (triton, "routed_experts_stream")):
+        run = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _run=run, _name=name, **k: calls.append(_name) or _run(*a, **k))
+    for n, kernel in ((triton.MAX_TOKENS + 1, "routed_experts_mosaic"), (6, "routed_experts_stream")):
+        calls.clear()
+        args = _inputs(21, n, 3, e=12, h=128, i=64)
+        out = api.routed_experts(*args, impl="interpret")
+        assert calls == [kernel]
+        assert _rel_err(out, reference.routed_experts(*args)) < 1e-2
+        np.testing.assert_array_equal(api.routed_experts(*args, impl="reference"), reference.routed_experts(*args))
+        f32 = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+        np.testing.assert_array_equal(api.routed_experts(*f32, impl="interpret"), reference.routed_experts(*f32))
+        assert calls == [kernel]
 
 
 def test_plan_rows_layout():

@@ -18,7 +18,7 @@ from mtp.config import ModelConfig
 from mtp.execution import ExecutionConfig
 from mtp.model.gemm_layout import DEFAULT, MERGED_GROUPS, Columns, dense, module_columns
 from mtp.ops.attn_prologue.reference import key_values, qkv_of, rope
-from mtp.ops.moe import routed_experts
+from mtp.ops.moe import SharedExpert, routed_experts
 
 
 # ------------------------------------------------------------------ gated attention
@@ -99,28 +99,32 @@ def moe(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None,
         execution: ExecutionConfig = DEFAULT) -> jax.Array:
     """Top-k routed experts (`route`) plus the sigmoid-gated shared expert.
 
-    The selected experts run as one sparse op (`mtp.ops.moe.routed_experts`, which reads
-    only their weights, so the layer costs what its active experts cost) on the stacked
-    ``[E, ...]`` expert weights, plain or quantized (an MTP head's, `mtp.ops.quantized`).
-    ``real_rows``: where ``x`` is the padded residual stream (`stream_rows`), its first rows are
-    the tokens and the rest zeros. Only the tokens are routed: a zero row's router logits tie, so
-    it would select (and read) k experts of its own, doubling the experts a batch-1 decode step
-    streams; the padding rows' routed output is zero, as an expert of zeros gives.
+    The experts run as one sparse op (`mtp.ops.moe.routed_experts`, which reads only the selected
+    experts' weights, so the layer costs what its active experts cost) on the stacked ``[E, ...]``
+    expert weights, plain or quantized (an MTP head's, `mtp.ops.quantized`); the shared expert goes
+    to the same op with its gate's value, so that a decode step's kernel streams it beside the
+    routed experts. ``real_rows``: where ``x`` is the padded residual stream (`stream_rows`), its
+    first rows are the tokens and the rest zeros. Only the tokens go to the op: a zero row's router
+    logits tie, so it would select (and read) k experts of its own, doubling the experts a batch-1
+    decode step streams; the padding rows' output is zero, as an FFN of a zero row gives.
     """
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0] if real_rows is None else real_rows
     expert_ids, expert_weights = route(p, x2, cfg, execution)  # the router GEMM on the stream's rows as they are
+    tokens = x2[:rows]
+    shared = None
+    if "shared_expert" in p:
+        s = p["shared_expert"]
+        gate = dense(tokens, p["shared_expert_gate"]["weight"], execution=execution).astype(jnp.float32)
+        shared = SharedExpert(s["gate_proj"]["weight"], s["up_proj"]["weight"], s["down_proj"]["weight"],
+                              jax.nn.sigmoid(gate[:, 0]))
     experts = p["experts"]
-    out = routed_experts(x2[:rows], expert_ids[:rows], expert_weights[:rows], experts["gate_proj"]["weight"],
-                         experts["up_proj"]["weight"], experts["down_proj"]["weight"], impl=execution.impl_for("moe"))
+    out = routed_experts(tokens, expert_ids[:rows], expert_weights[:rows], experts["gate_proj"]["weight"],
+                         experts["up_proj"]["weight"], experts["down_proj"]["weight"], shared=shared,
+                         impl=execution.impl_for("moe"))
     if rows < x2.shape[0]:
         out = jnp.concatenate([out, jnp.zeros((x2.shape[0] - rows, out.shape[1]), out.dtype)])
-    out = out.reshape(x.shape)
-    if "shared_expert" in p:
-        shared = mlp(p["shared_expert"], x, execution).astype(jnp.float32)
-        gate = dense(x, p["shared_expert_gate"]["weight"], execution=execution).astype(jnp.float32)
-        out = out + jax.nn.sigmoid(gate) * shared
-    return out.astype(x.dtype)
+    return out.reshape(x.shape).astype(x.dtype)
 
 
 def ffn(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None,

@@ -2,5 +2,6 @@
 reference (`reference`)."""
 
 from mtp.ops.moe.api import routed_experts
+from mtp.ops.moe.reference import SharedExpert
 
-__all__ = ["routed_experts"]
+__all__ = ["SharedExpert", "routed_experts"]

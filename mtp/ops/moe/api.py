@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from mtp.ops import dispatch
-from mtp.ops.moe import mosaic, reference
-from mtp.ops.moe.reference import check_inputs
+from mtp.ops.moe import mosaic, reference, triton
+from mtp.ops.moe.reference import SharedExpert, check_inputs
 
 
 # Under ``"auto"`` a call of at most this many (token, expert) pairs runs the reference's gather
@@ -42,21 +42,34 @@ def pays(expert_ids) -> bool:
     return expert_ids.size >= KERNEL_MIN_PAIRS
 
 
-def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, impl: str = "auto") -> jax.Array:
-    """f32 ``[N, H]``: ``sum_j expert_weights[n, j] * expert_{expert_ids[n, j]}(x[n])`` (`reference`).
+def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, shared: SharedExpert | None = None,
+                   impl: str = "auto") -> jax.Array:
+    """f32 ``[N, H]``: ``sum_j expert_weights[n, j] * expert_{expert_ids[n, j]}(x[n])`` (`reference`),
+    plus ``shared``'s gated output when given.
 
     ``x [N, H]`` in the activation dtype, ``expert_ids`` int ``[N, k]`` (each in ``[0, E)``),
     ``expert_weights`` f32 ``[N, k]``, ``gate``/``up`` ``[E, I, H]``, ``down`` ``[E, H, I]``.
+    Up to `triton.MAX_TOKENS` rows (a decode or verify step) the kernel path is the weight-streaming
+    kernels of `triton`, which take the shared expert as one more pair a token; more rows go to the
+    grouped GEMMs of `mosaic` (from ``KERNEL_MIN_PAIRS`` pairs under ``"auto"``), the shared expert
+    beside them.
     """
-    check_inputs(x, expert_ids, expert_weights, gate, up, down)
+    check_inputs(x, expert_ids, expert_weights, gate, up, down, shared)
     ids = expert_ids.astype(jnp.int32)
+    if x.shape[0] <= triton.MAX_TOKENS:
+        mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or triton.unsupported(
+            x, ids, gate, up, down, shared), mesh_kernel=True)
+        if mode != "reference":
+            return triton.routed_experts_stream(x, ids, expert_weights, gate, up, down, shared, impl=mode)
+        return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
     mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or mosaic.unsupported(
         x, ids, expert_weights, gate, up, down), mesh_kernel=True)
+    extra = 0.0 if shared is None else reference.shared_expert(x, shared)
     if mode != "reference":
         if impl != "auto" or pays(ids):  # a named path runs the kernels at any size
-            return mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
-        return reference.routed_experts_gather(x, ids, expert_weights, gate, up, down)
-    return reference.routed_experts(x, ids, expert_weights, gate, up, down)
+            return mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode) + extra
+        return reference.routed_experts_gather(x, ids, expert_weights, gate, up, down) + extra
+    return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
 
 
 def _mesh_unsupported() -> str | None:

@@ -38,6 +38,7 @@ the (plain) weights.
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,20 @@ import jax.numpy as jnp
 GATHER_MAX_PAIRS = 64
 
 
+class SharedExpert(NamedTuple):
+    """A MoE layer's shared expert, which every token runs beside its routed ones.
+
+    ``gate``/``up`` ``[Is, H]`` and ``down`` ``[H, Is]`` (plain or quantized, as the routed
+    experts), ``weight`` f32 ``[N]``: each token's gate value (Qwen3-Next's
+    ``sigmoid(shared_expert_gate(x))``), which scales the expert's output before it joins the sum.
+    """
+
+    gate: Any
+    up: Any
+    down: Any
+    weight: jax.Array
+
+
 def _shape(weight) -> tuple[int, ...]:
     """The logical shape of a stacked expert weight, plain or quantized (``dequantize()``)."""
     if hasattr(weight, "dequantize"):
@@ -61,7 +76,7 @@ def _shape(weight) -> tuple[int, ...]:
     return tuple(weight.shape)
 
 
-def check_inputs(x, expert_ids, expert_weights, gate, up, down) -> None:
+def check_inputs(x, expert_ids, expert_weights, gate, up, down, shared: SharedExpert | None = None) -> None:
     """Raise a ValueError that names the argument and its shape or dtype when the inputs do not fit."""
     if x.ndim != 2:
         raise ValueError(f"routed_experts: x must be [N, H], got shape {tuple(x.shape)}")
@@ -78,6 +93,14 @@ def check_inputs(x, expert_ids, expert_weights, gate, up, down) -> None:
     e, i, _ = g
     if d != (e, h, i):
         raise ValueError(f"routed_experts: down must be [E={e}, H={h}, I={i}], got {d}")
+    if shared is not None:
+        sg, su, sd = _shape(shared.gate), _shape(shared.up), _shape(shared.down)
+        if len(sg) != 2 or sg[1] != h or su != sg or sd != (h, sg[0]):
+            raise ValueError(f"routed_experts: the shared expert must be gate/up [Is, H={h}] and down [H, Is], "
+                             f"got gate {sg}, up {su}, down {sd}")
+        if shared.weight.shape != (n,) or shared.weight.dtype != jnp.float32:
+            raise ValueError(f"routed_experts: the shared expert's weight must be float32 [N={n}], got "
+                             f"{shared.weight.dtype} {tuple(shared.weight.shape)}")
 
 
 def num_experts(weight) -> int:
@@ -158,8 +181,18 @@ def routed_experts_segments(x, expert_ids, expert_weights, gate, up, down,
     return combine(pair_out.reshape(n, k, h), expert_weights)
 
 
-def routed_experts(x, expert_ids, expert_weights, gate, up, down) -> jax.Array:
-    """The routed-expert FFN (module docstring), in the form that suits the static pair count."""
+def shared_expert(x, shared: SharedExpert) -> jax.Array:
+    """f32 ``[N, H]``: the shared expert's output on every row of ``x``, times each row's ``weight``."""
+    lead = lambda w: jax.tree.map(lambda leaf: leaf[None], w)  # a stack of one expert
+    y = expert_ffn(x[None], lead(shared.gate), lead(shared.up), lead(shared.down))[0]
+    return shared.weight.astype(jnp.float32)[:, None] * y.astype(jnp.float32)
+
+
+def routed_experts(x, expert_ids, expert_weights, gate, up, down, shared: SharedExpert | None = None) -> jax.Array:
+    """The routed-expert FFN (module docstring), in the form that suits the static pair count,
+    plus ``shared``'s gated output when given (after the routed sum, in f32)."""
     if expert_ids.size <= min(GATHER_MAX_PAIRS, num_experts(gate)):
-        return routed_experts_gather(x, expert_ids, expert_weights, gate, up, down)
-    return routed_experts_segments(x, expert_ids, expert_weights, gate, up, down)
+        out = routed_experts_gather(x, expert_ids, expert_weights, gate, up, down)
+    else:
+        out = routed_experts_segments(x, expert_ids, expert_weights, gate, up, down)
+    return out if shared is None else out + shared_expert(x, shared)

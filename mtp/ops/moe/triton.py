@@ -1,0 +1,282 @@
+"""The MoE FFN of a decode or verify step: two weight-streaming Triton kernels, the shared expert riding along.
+
+A step of 1-16 tokens routes each to ``k`` experts (``P = N k`` pairs: 8 at one token of
+Qwen3.5-35B-A3B, 10 of Qwen3-Next-80B-A3B), so the layer is a stream of the selected experts'
+weights with a few rows beside them. XLA's gather form (`reference.routed_experts_gather`) runs it
+as some eight kernels a layer with the shared expert (the gathered gate/up product, the SiLU
+product, the down product, the combine, and the shared expert's own four), each a launch and a gap.
+Here a layer's experts are two kernels, the shared expert one more pair of each token:
+
+1. ``gate_up`` (grid: ``P + N`` pairs x ``I / block_i``): a program reads its pair's expert id and
+   token, streams the expert's ``gate`` and ``up`` rows ``[o0, o0 + block_i)`` in place in chunks of
+   ``chunk`` columns, multiplies them by the token's row and sums along the chunk in f32 (a
+   multiply and a reduction: a dot would pad the one row to 16), and writes
+   ``h = r(silu(r(g)) * r(u))`` (``r``: a rounding to bf16, the reference's) as bf16 ``[P + N, I]``.
+2. ``down`` (grid: ``P + N`` pairs x ``H / block_h``): the same stream over ``down``'s rows
+   ``[o0, o0 + block_h)`` against the pair's ``h``, written as the expert's bf16 output ``[P + N, H]``.
+
+XLA then takes the combine: each token's ``k`` outputs weighted by the routing and summed in f32,
+plus the shared expert's output times its gate, in the reference's order. Each output element's
+sum runs over the contraction in the same chunks whatever the token count, so a verify's token
+computes what a decode step's would.
+
+Block-scaled FP8 weights (`mtp.ops.fp8.BlockFp8Weight`, 128 x 128 blocks) stream their E4M3 values:
+a program's rows lie in one row of scale blocks, so the token's chunk is multiplied by the chunk's
+scales (one per 128 columns) first and the product needs no per-element scale; the values convert
+to f32 exactly. bf16 and FP8 weights mix freely. A shared expert of another width than the routed
+ones (``Is != I``) takes its own rows of ``h``; the grid spans the wider.
+
+The grid fills the chip by its rows: at one token of the 35B, ``9 x 512 / 16 = 288`` gate/up
+programs and ``9 x 2048 / 16 = 1152`` down programs. `StreamConfig` holds the tiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from mtp.ops.fp8.reference import BlockFp8Weight
+from mtp.ops.lowering import triton_compiler_params
+from mtp.ops.moe.reference import SharedExpert
+
+MAX_TOKENS = 16  # the rows of a decode or verify step; more go to the grouped GEMMs
+SCALE_BLOCK = 128  # the FP8 scale block (Qwen's checkpoints' only one)
+MIN_CHUNK = 16  # Triton's smallest tile side
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConfig:
+    """The kernels' tiling: static, so one config is one compiled pair of kernels.
+
+    ``block_i`` / ``block_h``: output rows of a gate/up and of a down program (powers of two; with
+    FP8 weights at most 128, one row of scale blocks); ``chunk``: contraction columns per loop step
+    (a power of two; the largest power of two dividing the contraction and at most ``chunk`` is
+    used); ``num_warps`` / ``num_stages``: Triton's, for both kernels.
+    """
+
+    block_i: int = 16
+    block_h: int = 16
+    chunk: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def check(self) -> None:
+        for name in ("block_i", "block_h", "chunk"):
+            b = getattr(self, name)
+            if b < 1 or b & (b - 1):
+                raise ValueError(f"StreamConfig.{name}={b}: a power of two")
+        if self.chunk < MIN_CHUNK:
+            raise ValueError(f"StreamConfig.chunk={self.chunk}: at least {MIN_CHUNK}")
+        if self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"StreamConfig {self}: num_warps and num_stages must be >= 1")
+
+
+def _chunk_of(n: int, cfg: StreamConfig) -> int:
+    """The contraction chunk for a contraction of ``n``: the largest power of two <= ``cfg.chunk`` dividing it."""
+    return math.gcd(n, cfg.chunk)
+
+
+def _is_fp8(w) -> bool:
+    return isinstance(w, BlockFp8Weight)
+
+
+def _plain(w) -> bool:
+    """An array (or its abstract value), not a quantized weight with a ``dequantize``."""
+    return hasattr(w, "dtype") and not hasattr(w, "dequantize")
+
+
+def unsupported(x, expert_ids, gate, up, down, shared: SharedExpert | None = None,
+                config: StreamConfig | None = None) -> str | None:
+    """Why the kernels cannot take these inputs (the reference then runs), or None."""
+    cfg = config or StreamConfig()
+    if x.ndim != 2 or x.dtype != jnp.bfloat16:
+        return f"x is {x.dtype} {tuple(x.shape)}; the kernels take bfloat16 [N, H]"
+    if x.shape[0] > MAX_TOKENS:
+        return f"{x.shape[0]} tokens: the kernels stream the experts for at most {MAX_TOKENS}"
+    ws = [gate, up, down] + ([] if shared is None else [shared.gate, shared.up, shared.down])
+    for w in ws:
+        if _is_fp8(w):
+            if jnp.dtype(w.values.dtype) != jnp.float8_e4m3fn or tuple(w.block) != (SCALE_BLOCK, SCALE_BLOCK):
+                return f"an FP8 weight of {w.values.dtype} in {tuple(w.block)} blocks; the kernels take " \
+                       f"float8_e4m3fn in ({SCALE_BLOCK}, {SCALE_BLOCK}) blocks"
+        elif not _plain(w) or jnp.dtype(w.dtype) != jnp.bfloat16:
+            return f"a weight of type {type(w).__name__}; the kernels take bfloat16 arrays or BlockFp8Weight"
+    e, i, h = gate.shape
+    si = i if shared is None else shared.gate.shape[0]
+    for name, n, block in (("I", i, cfg.block_i), ("the shared expert's I", si, cfg.block_i), ("H", h, cfg.block_h)):
+        if n % block:
+            return f"{name} = {n} is not a multiple of the block of {block} rows"
+    for name, n in (("H", h), ("I", i), ("the shared expert's I", si)):
+        if _chunk_of(n, cfg) < MIN_CHUNK:
+            return f"{name} = {n} has no power-of-two chunk of {MIN_CHUNK} columns or more"
+    if any(_is_fp8(w) for w in ws):
+        if i % SCALE_BLOCK or si % SCALE_BLOCK or h % SCALE_BLOCK:
+            return f"FP8 weights need I = {i}, the shared expert's {si} and H = {h} in whole {SCALE_BLOCK}-blocks"
+        if cfg.block_i > SCALE_BLOCK or cfg.block_h > SCALE_BLOCK:
+            return f"FP8 weights need blocks of at most {SCALE_BLOCK} rows, one row of scale blocks"
+    return None
+
+
+# ------------------------------------------------------------------ the kernels
+
+
+def _weight_refs(w) -> tuple:
+    """The kernel operands of one weight: ``(values,)`` or ``(values, f32 scales)``, each with a leading expert axis."""
+    if _is_fp8(w):
+        return (w.values, w.scale_inv.astype(jnp.float32))
+    return (w,)
+
+
+def _lead(w):
+    """A shared expert's 2-D weight as an expert stack of one."""
+    return jax.tree.map(lambda leaf: leaf[None], w)
+
+
+def _rows_times(refs, e, o0, k0, v, *, rows: int, chunk: int):
+    """``sum_c w[e, o0 + r, k0 + c] * v[c]`` for ``r < rows``: f32 ``[rows]``, the weight read in place.
+
+    ``refs``: ``(values,)`` or ``(values, scales)`` (`_weight_refs`); ``v``: f32 ``[chunk]``. With
+    scales, ``v`` is scaled per 128 columns first: the rows lie in one row of scale blocks.
+    """
+    w = refs[0][e, pl.ds(o0, rows), pl.ds(k0, chunk)].astype(jnp.float32)
+    if len(refs) == 2:
+        blocks = chunk // SCALE_BLOCK if chunk >= SCALE_BLOCK else 1
+        s = refs[1][e, o0 // SCALE_BLOCK, pl.ds(k0 // SCALE_BLOCK, blocks)]
+        if chunk >= SCALE_BLOCK:
+            v = (v.reshape(blocks, SCALE_BLOCK) * s[:, None]).reshape(chunk)
+        else:
+            v = v * s[0]
+    return jnp.sum(w * v[None, :], axis=1)
+
+
+def _bf16(a):
+    return a.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _stream(refs_of, e, row_of, src_ref, o0, *, rows, contraction, chunk, out_ref, epilogue):
+    """One program: rows ``[o0, o0 + rows)`` of each weight in ``refs_of`` times row ``row_of`` of
+    ``src_ref``, then ``epilogue``. (Program ids are read by the caller, outside any `pl.when`:
+    Pallas' interpreter does not take them inside one.)"""
+
+    def body(c, acc):
+        k0 = pl.multiple_of(c * chunk, chunk)
+        v = src_ref[row_of, pl.ds(k0, chunk)].astype(jnp.float32)
+        return tuple(a + _rows_times(r, e, o0, k0, v, rows=rows, chunk=chunk) for a, r in zip(acc, refs_of))
+
+    zeros = tuple(jnp.zeros((rows,), jnp.float32) for _ in refs_of)
+    acc = jax.lax.fori_loop(0, contraction // chunk, body, zeros)
+    out_ref[...] = epilogue(*acc).astype(out_ref.dtype)[None, :]
+
+
+def _split(refs, counts):
+    out, at = [], 0
+    for n in counts:
+        out.append(tuple(refs[at:at + n]))
+        at += n
+    return out
+
+
+def _silu_product(g, u):
+    g, u = _bf16(g), _bf16(u)
+    return _bf16(g * jax.nn.sigmoid(g)) * u
+
+
+def _gate_up_kernel(e_ref, x_ref, *refs, counts, routed_pairs, k, rows, hidden, chunk, inter, shared_inter):
+    """Pair ``program_id(0)``'s ``h`` rows ``[o0, o0 + rows)``. Pair ``p < routed_pairs`` is token
+    ``p // k``'s expert ``e_ref``; pair ``routed_pairs + n`` is token ``n``'s shared expert. A
+    program past its expert's ``inter`` (or ``shared_inter``) rows writes nothing: those columns
+    of ``h`` are never read."""
+    *weights, h_ref = refs
+    gate, up, *shared = _split(weights, counts)
+    p, o0 = pl.program_id(0), pl.program_id(1) * rows
+    e, t = e_ref[0, 0], jnp.where(p < routed_pairs, p // k, p - routed_pairs)
+    run = functools.partial(_stream, rows=rows, contraction=hidden, chunk=chunk, out_ref=h_ref,
+                            epilogue=_silu_product)
+    routed = p < routed_pairs if shared else True
+    pl.when(jnp.logical_and(routed, o0 < inter))(lambda: run((gate, up), e, t, x_ref, o0))
+    if shared:
+        pl.when(jnp.logical_and(p >= routed_pairs, o0 < shared_inter))(
+            lambda: run((shared[0], shared[1]), 0, t, x_ref, o0))
+
+
+def _down_kernel(e_ref, h_ref, *refs, counts, routed_pairs, rows, inter, shared_inter, chunks):
+    """Pair ``program_id(0)``'s output rows ``[o0, o0 + rows)`` (bf16, the expert's rounding); the
+    contraction runs over ``inter`` (``shared_inter`` for a shared pair) in ``chunks``' steps."""
+    *weights, y_ref = refs
+    down, *shared = _split(weights, counts)
+    e, p, o0 = e_ref[0, 0], pl.program_id(0), pl.program_id(1) * rows
+    run = functools.partial(_stream, rows=rows, out_ref=y_ref, epilogue=lambda y: y)
+    if not shared:
+        run((down,), e, p, h_ref, o0, contraction=inter, chunk=chunks[0])
+        return
+    is_shared = p >= routed_pairs
+    pl.when(jnp.logical_not(is_shared))(lambda: run((down,), e, p, h_ref, o0, contraction=inter, chunk=chunks[0]))
+    pl.when(is_shared)(lambda: run((shared[0],), 0, p, h_ref, o0, contraction=shared_inter, chunk=chunks[1]))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _experts(x, expert_ids, expert_weights, gate, up, down, shared, *, config, interpret):
+    n, k = expert_ids.shape
+    e, i, h = gate.shape
+    si = i if shared is None else shared.gate.shape[0]
+    routed = n * k
+    pairs = routed + (0 if shared is None else n)
+    ids = expert_ids.reshape(1, routed).astype(jnp.int32)
+    # Pair p's expert id; a shared pair reads the last routed pair's, unused.
+    id_spec = pl.BlockSpec((1, 1), lambda p, j: (0, jnp.minimum(p, routed - 1)))
+    whole = pl.no_block_spec
+    params = triton_compiler_params(interpret, num_warps=config.num_warps, num_stages=config.num_stages)
+
+    up_ops = [_weight_refs(gate), _weight_refs(up)]
+    down_ops = [_weight_refs(down)]
+    if shared is not None:
+        up_ops += [_weight_refs(_lead(shared.gate)), _weight_refs(_lead(shared.up))]
+        down_ops += [_weight_refs(_lead(shared.down))]
+    up_args, down_args = [a for o in up_ops for a in o], [a for o in down_ops for a in o]
+    name = "fp8" if _is_fp8(gate) else "bf16"
+    widest = max(i, si)
+    h_act = pl.pallas_call(
+        functools.partial(_gate_up_kernel, counts=[len(o) for o in up_ops], routed_pairs=routed, k=k,
+                          rows=config.block_i, hidden=h, chunk=_chunk_of(h, config), inter=i, shared_inter=si),
+        grid=(pairs, widest // config.block_i),
+        in_specs=[id_spec, whole] + [whole] * len(up_args),
+        out_specs=pl.BlockSpec((1, config.block_i), lambda p, j: (p, j)),
+        out_shape=jax.ShapeDtypeStruct((pairs, widest), jnp.bfloat16),
+        interpret=interpret, name=f"moe_stream_gate_up_{name}_{i}x{h}", **params,
+    )(ids, x, *up_args)
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, counts=[len(o) for o in down_ops], routed_pairs=routed,
+                          rows=config.block_h, inter=i, shared_inter=si,
+                          chunks=(_chunk_of(i, config), _chunk_of(si, config))),
+        grid=(pairs, h // config.block_h),
+        in_specs=[id_spec, whole] + [whole] * len(down_args),
+        out_specs=pl.BlockSpec((1, config.block_h), lambda p, j: (p, j)),
+        out_shape=jax.ShapeDtypeStruct((pairs, h), jnp.bfloat16),
+        interpret=interpret, name=f"moe_stream_down_{name}_{h}x{i}", **params,
+    )(ids, h_act, *down_args)
+    y = y.astype(jnp.float32)
+    out = jnp.einsum("nk,nkh->nh", expert_weights.astype(jnp.float32), y[:routed].reshape(n, k, h))
+    if shared is not None:
+        out = out + shared.weight.astype(jnp.float32)[:, None] * y[routed:]
+    return out
+
+
+def routed_experts_stream(x, expert_ids, expert_weights, gate, up, down, shared: SharedExpert | None = None, *,
+                          impl: str = "pallas", config: StreamConfig | None = None) -> jax.Array:
+    """f32 ``[N, H]``: the routed experts' weighted sum (`reference`), plus ``shared``'s gated output.
+
+    ``impl``: ``"pallas"`` (compiled for a GPU) or ``"interpret"`` (Pallas' interpreter, any
+    backend). Inputs must pass `unsupported`.
+    """
+    cfg = config or StreamConfig()
+    cfg.check()
+    why = unsupported(x, expert_ids, gate, up, down, shared, cfg)
+    if why:
+        raise ValueError(f"moe stream kernels: {why}")
+    return _experts(x, expert_ids, expert_weights, gate, up, down, shared, config=cfg,
+                    interpret=impl == "interpret")
