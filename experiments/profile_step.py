@@ -50,7 +50,8 @@ import numpy as np
 from absl import app, flags
 
 from experiments import cupti
-from experiments.bench_decode import abstract, chained_verify_step, kernel_sources, random_cache, source_of
+from experiments.bench_decode import (abstract, chained_verify_step, greedy_loop_ms, kernel_sources, random_cache,
+                                      source_of)
 from experiments.bench_real_shape import (DTYPE, PAGE, ModelSpec, at_depth, cache_bytes, device_params,
                                           distinct_experts, expert_bytes, grow_memory_pool_on_demand, is_fp8,
                                           lm_head_bytes, load_model_config, steps_program, tensor_bytes,
@@ -71,6 +72,9 @@ flags.DEFINE_list("widths", ["1", "4"], "Step widths K at batch 1: 1 is the plai
 flags.DEFINE_list("variants", ["base:"], "name:VAR=value;VAR=value ... each built with the ExecutionConfig those MTP_* variables "
                   "set (the first is the baseline the others are compared with).")
 flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
+flags.DEFINE_bool("loop", False, "Also time each variant's plain greedy loop at batch 1 (ms a token after a "
+                  "--context prompt, --loop_tokens and twice as many; `bench_decode.greedy_loop_ms`) and its "
+                  "kernels per token: the decode step as users run it, CUDA graph and all.")
 flags.DEFINE_string("tree_commit", "", "The git commit the copied tree was made from (a copy has no .git).")
 
 GROUPS = ("routed experts", "shared expert", "routing", "attention", "GDN step", "conv", "norms",
@@ -300,6 +304,8 @@ def main(argv):
                                                           "kernels_per_step", "kernel_ms_per_step", "gaps_us_per_step",
                                                           "profile_error")}, flush=True)
         del progs, boxes
+    if FLAGS.loop:
+        loop_rows(cfg, params, spec, variants, data, out)
     md = markdown(data)
     write_atomic(out / "results.md", md)
     print(md, flush=True)
@@ -307,12 +313,49 @@ def main(argv):
     os._exit(1 if data["errors"] else 0)
 
 
+def loop_rows(cfg, params, spec, variants, data, out):
+    """Each variant's plain greedy loop (batch 1): ms a token, and its CUPTI kernels per token."""
+    for name, env in variants:
+        try:
+            ms, ms_call, prof = greedy_loop_ms(cfg, params, 1, FLAGS.context, FLAGS.loop_tokens, FLAGS.reps,
+                                               profile=True, execution=variant_execution(env))
+        except Exception as e:  # noqa: BLE001 - a variant that fails is reported, the rest run
+            data["errors"].append(f"{name} greedy loop: {type(e).__name__}: {e}"[:3000])
+            continue
+        row = dict(what="greedy loop", variant=name, env=dict(variants)[name], model=spec.label,
+                   layers=cfg.num_hidden_layers, ms_per_token=ms, ms_whole_call=ms_call, **prof)
+        if "kernel_sum_ms" in prof:
+            row["gaps_us_per_token"] = 1e3 * (ms - prof["kernel_sum_ms"])
+        data["rows"].append(row)
+        write_json(out / "results.json", data)
+        print({k: v for k, v in row.items() if k != "top_kernels"}, flush=True)
+
+
+def loop_markdown(rows) -> list[str]:
+    """The greedy-loop rows as one table, each against the first."""
+    if not rows:
+        return []
+    base = rows[0]["ms_per_token"]
+    lines = ["## The plain greedy loop, batch 1\n", "| variant | ms a token | x the first | kernels a token | "
+             "kernel µs a token | µs between kernels |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        kernels = f"{r['kernels']:.0f}" if "kernels" in r else r.get("profile_error", "")[:60]
+        kernel_us = f"{1e3 * r['kernel_sum_ms']:.0f}" if "kernel_sum_ms" in r else ""
+        gaps = f"{r['gaps_us_per_token']:.0f}" if "gaps_us_per_token" in r else ""
+        lines.append(f"| `{r['variant']}` {r['env'] or ''} | {r['ms_per_token']:.3f} | "
+                     f"{base / r['ms_per_token']:.3f}x | {kernels} | {kernel_us} | {gaps} |")
+    return lines + [""]
+
+
 def markdown(data) -> str:
     prov = data["provenance"]
     lines = [f"# Decode step per kernel group\n\n{data['device']}, {prov['date_utc']}; copy bandwidth "
              f"{data['copy_bandwidth_TBps']:.2f} TB/s (read + written); tree {prov['config']['tree_commit']}\n"]
     base = {}
+    lines += loop_markdown([r for r in data["rows"] if r["what"] == "greedy loop"])
     for r in data["rows"]:
+        if r["what"] == "greedy loop":
+            continue
         base.setdefault(r["width"], r)
         b = base[r["width"]]
         lines.append(f"## {r['model']}, {r['layers']} layers, {r['what']}, batch 1, variant `{r['variant']}` "

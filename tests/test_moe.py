@@ -42,6 +42,12 @@ def dense_oracle(x, expert_ids, expert_weights, gate, up, down, shared=None):
     return out + shared.weight[:, None] * sy.astype(F32)
 
 
+def oracle_ffn(x, router, gate, up, down, shared=None, impl=None):
+    """`mtp.ops.moe.moe_ffn` with its experts computed by the dense oracle (the routing is the op's)."""
+    ids, weights = reference.route(router, x.shape[0], x.dtype)
+    return dense_oracle(x, ids, weights, gate, up, down, shared=shared)
+
+
 def _experts(seed, experts, hidden, inner, dtype=F32):
     k = jax.random.split(jax.random.key(seed), 3)
     gate = jax.random.normal(k[0], (experts, inner, hidden), F32) / np.sqrt(hidden)
@@ -184,7 +190,7 @@ def test_bad_inputs_are_named():
 def oracle_moe(monkeypatch):
     """`layers.moe` with its routed experts computed by the dense oracle."""
     def use():
-        monkeypatch.setattr(layers, "routed_experts", lambda *a, **kw: dense_oracle(*a, shared=kw.get("shared")))
+        monkeypatch.setattr(layers, "moe_ffn", oracle_ffn)
     return use
 
 
@@ -296,11 +302,14 @@ def test_every_drafter_policy_on_many_experts_is_token_identical(agreeing_many, 
 
 # ---------------------------------------------------------------- cost follows the active experts
 def _router_cost(cfg) -> dict:
-    """The cost of one MoE layer's routing (`layers.route`) for one row: its [E, H] logits,
-    softmax and top-k follow the expert count by nature."""
+    """The cost of one MoE layer's routing (`layers.router`, `reference.route`) for one row: its [E, H]
+    logits, softmax and top-k follow the expert count by nature."""
     p = {"gate": {"weight": jax.ShapeDtypeStruct((cfg.num_experts, cfg.hidden_size), F32)}}
-    x = jax.ShapeDtypeStruct((1, 1, cfg.hidden_size), F32)
-    return jax.jit(layers.route, static_argnums=2).lower(p, x, cfg).compile().cost_analysis()
+    x = jax.ShapeDtypeStruct((1, cfg.hidden_size), F32)
+
+    def route(p, x, cfg):
+        return reference.route(layers.router(p, x, cfg)[0], x.shape[0], x.dtype)
+    return jax.jit(route, static_argnums=2).lower(p, x, cfg).compile().cost_analysis()
 
 
 def _expert_cost(experts: int) -> dict:
@@ -321,7 +330,7 @@ def test_a_decode_steps_cost_does_not_follow_the_expert_count(monkeypatch):
     few, lots = _expert_cost(8), _expert_cost(256)
     for key in ("flops", "bytes"):
         assert 0 < lots[key] <= 1.5 * few[key], (key, few, lots)
-    monkeypatch.setattr(layers, "routed_experts", lambda *a, **kw: dense_oracle(*a, shared=kw.get("shared")))
+    monkeypatch.setattr(layers, "moe_ffn", oracle_ffn)
     dense_few, dense_lots = _expert_cost(8), _expert_cost(256)
     jax.clear_caches()
     assert dense_lots["flops"] > 4 * dense_few["flops"], (dense_few, dense_lots)
@@ -336,8 +345,8 @@ def test_the_padded_stream_routes_only_its_real_rows(monkeypatch):
     x = jax.random.normal(jax.random.key(4), (1, cfg.hidden_size), jnp.float32)
     padded = jnp.concatenate([x, jnp.zeros((3, cfg.hidden_size), x.dtype)])
     rows_seen = []
-    real_op = layers.routed_experts
-    monkeypatch.setattr(layers, "routed_experts", lambda x, *a, **k: rows_seen.append(x.shape[0]) or real_op(x, *a, **k))
+    real_op = layers.moe_ffn
+    monkeypatch.setattr(layers, "moe_ffn", lambda x, *a, **k: rows_seen.append(x.shape[0]) or real_op(x, *a, **k))
     out = layers.moe(p, padded, cfg, real_rows=1)
     assert rows_seen == [1]
     np.testing.assert_allclose(out[:1], layers.moe(p, x, cfg), rtol=1e-6, atol=1e-6)

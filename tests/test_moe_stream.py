@@ -9,8 +9,8 @@ import pytest
 from mtp.execution import ExecutionConfig
 from mtp.ops import fp8
 from mtp.ops.moe import api, reference, triton
-from mtp.ops.moe.reference import SharedExpert
-from mtp.ops.moe.triton import StreamConfig, routed_experts_stream, unsupported
+from mtp.ops.moe.reference import RouterLogits, SharedExpert
+from mtp.ops.moe.triton import StreamConfig, moe_stream, routed_experts_stream, unsupported
 
 BF16 = jnp.bfloat16
 
@@ -113,19 +113,61 @@ def test_a_token_gets_the_same_bits_alone_and_in_a_verify():
 
 def test_unsupported_names_why():
     x, ids, w, gate, up, down, shared = _inputs(0, 2, 2, 8, 256, 128, 128)
-    assert unsupported(x, ids, gate, up, down, shared) is None
-    assert "float32" in unsupported(x.astype(jnp.float32), ids, gate, up, down)
+    assert unsupported(x, gate, up, down, shared) is None
+    assert "float32" in unsupported(x.astype(jnp.float32), gate, up, down)
     many = jnp.zeros((triton.MAX_TOKENS + 1, 256), BF16)
-    assert f"{triton.MAX_TOKENS + 1} tokens" in unsupported(many, ids, gate, up, down)
-    assert "multiple of the block" in unsupported(x, ids, gate[:, :120], up[:, :120], down[:, :, :120])
-    assert "shared expert's I" in unsupported(x, ids, gate, up, down,
+    assert f"{triton.MAX_TOKENS + 1} tokens" in unsupported(many, gate, up, down)
+    assert "multiple of the block" in unsupported(x, gate[:, :120], up[:, :120], down[:, :, :120])
+    assert "shared expert's I" in unsupported(x, gate, up, down,
                                               SharedExpert(shared.gate[:8], shared.up[:8], shared.down[:, :8],
                                                            shared.weight))
-    assert "at most 128" in unsupported(x, ids, fp8.quantize(gate.astype(jnp.float32)), up, down,
+    assert "at most 128" in unsupported(x, fp8.quantize(gate.astype(jnp.float32)), up, down,
                                         config=StreamConfig(block_i=128, block_h=256))
-    assert "BlockFp8Weight" in unsupported(x, ids, gate.astype(jnp.float32), up, down)
+    assert "BlockFp8Weight" in unsupported(x, gate.astype(jnp.float32), up, down)
     with pytest.raises(ValueError, match="power of two"):
         routed_experts_stream(x, ids, w, gate, up, down, config=StreamConfig(block_i=24))
+
+
+def _router(seed, n, e, k, normalize, padding=1, extra=1):
+    """Router rows as a merged GEMM writes them: ``n`` tokens then ``padding`` zero rows, the ``e``
+    logits then ``extra`` columns of another projection; bf16, as the model's GEMMs write."""
+    rng = np.random.default_rng(seed)
+    rows = np.zeros((n + padding, e + extra), np.float32)
+    rows[:n] = rng.standard_normal((n, e + extra)) * 2
+    return RouterLogits(jnp.asarray(rows, BF16), e, k, normalize)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("n,k,e,quant", [(1, 4, 16, ()), (5, 3, 8, ()), (2, 2, 16, ("gate", "up", "down", "shared"))])
+def test_the_gate_up_kernel_routes_as_the_reference(n, k, e, quant, normalize):
+    """`moe_stream` finds each pair's expert and weight from the router rows (their padding rows and
+    trailing columns left alone) as `reference.route` does: the same experts, the same bf16 weights."""
+    x, _, _, gate, up, down, shared = _inputs(n + e, n, k, e, 256, 128, 128, quant)
+    router = _router(n * 3 + e, n, e, k, normalize)
+    ids, weights = reference.route(router, n, BF16)
+    got = moe_stream(x, router, gate, up, down, shared, impl="interpret")
+    want = routed_experts_stream(x, ids, weights, gate, up, down, shared, impl="interpret")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert _rel_err(got, oracle(x, ids, weights, gate, up, down, shared)) < 2e-3
+    other = reference.route(_router(n * 3 + e + 1, n, e, k, normalize), n, BF16)  # the routing matters
+    assert _rel_err(got, oracle(x, *other, gate, up, down, shared)) > 1e-2
+
+
+def test_moe_ffn_routes_in_the_kernel_or_by_the_reference(monkeypatch):
+    calls = []
+    run = triton.moe_stream
+    monkeypatch.setattr(triton, "moe_stream", lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k))
+    x, _, _, gate, up, down, shared = _inputs(9, 3, 4, 16, 256, 128, 128)
+    router = _router(4, 3, 16, 4, True)
+    got = api.moe_ffn(x, router, gate, up, down, shared=shared, impl="interpret")
+    assert calls == [3]
+    ids, weights = reference.route(router, 3, BF16)
+    ref = api.moe_ffn(x, router, gate, up, down, shared=shared, impl="reference")
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(reference.routed_experts(x, ids, weights, gate, up,
+                                                                                       down, shared)))
+    assert _rel_err(got, ref) < 1e-2
+    odd = RouterLogits(router.rows, 12, 4, True)  # not a power of two: the reference routes
+    assert "power-of-two" in unsupported(x, gate, up, down, shared, odd)
 
 
 def test_the_op_streams_few_tokens_and_adds_the_shared_expert_elsewhere(monkeypatch):
@@ -173,8 +215,8 @@ def test_greedy_speculative_decoding_through_the_kernels_is_token_identical(monk
     spec = SpecConfig(max_new_tokens=8, verify_width=3, plain_width=3,
                       execution=ExecutionConfig().with_kernels(moe="interpret"))
     calls = []
-    run = triton.routed_experts_stream
-    monkeypatch.setattr(triton, "routed_experts_stream", lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k))
+    run = triton.moe_stream
+    monkeypatch.setattr(triton, "moe_stream", lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k))
     prompts = [[5, 9, 2, 7, 3], [11, 4, 8]]
     plain = generate(cfg, params, prompts, spec, speculative=False).tokens
     res = generate(cfg, params, prompts, spec)

@@ -225,7 +225,8 @@ def _mergeable(ws, execution: ExecutionConfig) -> bool:
 
 
 # The projections `dense_columns` merges, by the module holding them (`module_columns` serves every caller).
-MERGED_GROUPS = {"linear_attn": ("in_proj_qkvz", "in_proj_ba"), "self_attn": ("q_proj", "k_proj", "v_proj")}
+MERGED_GROUPS = {"linear_attn": ("in_proj_qkvz", "in_proj_ba"), "self_attn": ("q_proj", "k_proj", "v_proj"),
+                 "mlp": ("gate", "shared_expert_gate")}  # a MoE layer's router and its shared expert's gate
 PREMERGE_MAX_WEIGHT = 2048 * 4096  # elements: the default model's groups (<= 0.6M) merge once, the 1.38B's (25M) do not
 
 

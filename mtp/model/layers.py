@@ -18,7 +18,7 @@ from mtp.config import ModelConfig
 from mtp.execution import ExecutionConfig
 from mtp.model.gemm_layout import DEFAULT, MERGED_GROUPS, Columns, dense, module_columns
 from mtp.ops.attn_prologue.reference import key_values, qkv_of, rope
-from mtp.ops.moe import SharedExpert, routed_experts
+from mtp.ops.moe import RouterLogits, SharedExpert, moe_ffn
 
 
 # ------------------------------------------------------------------ gated attention
@@ -79,49 +79,48 @@ def mlp(p, x: jax.Array, execution: ExecutionConfig = DEFAULT) -> jax.Array:
                  execution=execution)
 
 
-def route(p, x: jax.Array, cfg: ModelConfig, execution: ExecutionConfig = DEFAULT) -> tuple[jax.Array, jax.Array]:
-    """Each row's experts and their weights: int32 ``[N, k]`` and f32 ``[N, k]``, ``N`` = x's rows.
-
-    As Hugging Face's Qwen3-Next routes: an f32 softmax over the router logits, the top
-    ``k``, renormalised when ``norm_topk_prob``, rounded to the activation dtype.
+def router(p, x: jax.Array, cfg: ModelConfig,
+           execution: ExecutionConfig = DEFAULT) -> tuple[RouterLogits, jax.Array | None]:
+    """The router's logits for every row of ``x`` (`mtp.ops.moe.RouterLogits`, which the op routes
+    by as Hugging Face's Qwen3-Next does) and the shared expert's gate ``sigmoid(shared_expert_gate(x))``,
+    f32 ``[N]`` (None without a shared expert). The router and the shared expert's gate are one
+    GEMM where the layout merges them (`gemm_layout.MERGED_GROUPS`): a launch less a layer.
     """
-    logits = dense(x, p["gate"]["weight"], execution=execution).astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    top_w, top_i = jax.lax.top_k(probs, cfg.num_experts_per_tok)
-    if cfg.norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    top_w = top_w.astype(x.dtype).astype(jnp.float32)  # HF casts the weights to the activation dtype
-    k = cfg.num_experts_per_tok
-    return top_i.reshape(-1, k).astype(jnp.int32), top_w.reshape(-1, k)
+    names = MERGED_GROUPS["mlp"] if "shared_expert_gate" in p else ("gate",)
+    lead = x.shape[:-1]
+    columns = module_columns(p, x, names, lead, execution)
+    logits = RouterLogits(columns[0].rows, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    shared_gate = None
+    if len(columns) > 1:
+        shared_gate = jax.nn.sigmoid(columns[1].view(lead).reshape(-1).astype(jnp.float32))
+    return logits, shared_gate
 
 
 def moe(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None,
         execution: ExecutionConfig = DEFAULT) -> jax.Array:
-    """Top-k routed experts (`route`) plus the sigmoid-gated shared expert.
+    """The router (`router`), its top-k routed experts and the sigmoid-gated shared expert.
 
-    The experts run as one sparse op (`mtp.ops.moe.routed_experts`, which reads only the selected
+    Routing and experts run as one sparse op (`mtp.ops.moe.moe_ffn`, which reads only the selected
     experts' weights, so the layer costs what its active experts cost) on the stacked ``[E, ...]``
     expert weights, plain or quantized (an MTP head's, `mtp.ops.quantized`); the shared expert goes
-    to the same op with its gate's value, so that a decode step's kernel streams it beside the
-    routed experts. ``real_rows``: where ``x`` is the padded residual stream (`stream_rows`), its
-    first rows are the tokens and the rest zeros. Only the tokens go to the op: a zero row's router
-    logits tie, so it would select (and read) k experts of its own, doubling the experts a batch-1
-    decode step streams; the padding rows' output is zero, as an FFN of a zero row gives.
+    to the same op with its gate's value, so that a decode step's kernels route and stream it
+    beside the routed experts. ``real_rows``: where ``x`` is the padded residual stream
+    (`stream_rows`), its first rows are the tokens and the rest zeros. Only the tokens go to the op:
+    a zero row's router logits tie, so it would select (and read) k experts of its own, doubling
+    the experts a batch-1 decode step streams; the padding rows' output is zero, as an FFN of a
+    zero row gives.
     """
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0] if real_rows is None else real_rows
-    expert_ids, expert_weights = route(p, x2, cfg, execution)  # the router GEMM on the stream's rows as they are
-    tokens = x2[:rows]
+    logits, shared_gate = router(p, x2, cfg, execution)  # on the stream's rows as they are
     shared = None
-    if "shared_expert" in p:
+    if shared_gate is not None:
         s = p["shared_expert"]
-        gate = dense(tokens, p["shared_expert_gate"]["weight"], execution=execution).astype(jnp.float32)
         shared = SharedExpert(s["gate_proj"]["weight"], s["up_proj"]["weight"], s["down_proj"]["weight"],
-                              jax.nn.sigmoid(gate[:, 0]))
+                              shared_gate[:rows])
     experts = p["experts"]
-    out = routed_experts(tokens, expert_ids[:rows], expert_weights[:rows], experts["gate_proj"]["weight"],
-                         experts["up_proj"]["weight"], experts["down_proj"]["weight"], shared=shared,
-                         impl=execution.impl_for("moe"))
+    out = moe_ffn(x2[:rows], logits, experts["gate_proj"]["weight"], experts["up_proj"]["weight"],
+                  experts["down_proj"]["weight"], shared=shared, impl=execution.impl_for("moe"))
     if rows < x2.shape[0]:
         out = jnp.concatenate([out, jnp.zeros((x2.shape[0] - rows, out.shape[1]), out.dtype)])
     return out.reshape(x.shape).astype(x.dtype)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from mtp.ops import dispatch
 from mtp.ops.moe import mosaic, reference, triton
-from mtp.ops.moe.reference import SharedExpert, check_inputs
+from mtp.ops.moe.reference import RouterLogits, SharedExpert, check_inputs
 
 
 # Under ``"auto"`` a call of at most this many (token, expert) pairs runs the reference's gather
@@ -58,7 +58,7 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, shared: Sha
     ids = expert_ids.astype(jnp.int32)
     if x.shape[0] <= triton.MAX_TOKENS:
         mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or triton.unsupported(
-            x, ids, gate, up, down, shared), mesh_kernel=True)
+            x, gate, up, down, shared), mesh_kernel=True)
         if mode != "reference":
             return triton.routed_experts_stream(x, ids, expert_weights, gate, up, down, shared, impl=mode)
         return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
@@ -70,6 +70,24 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, shared: Sha
             return mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode) + extra
         return reference.routed_experts_gather(x, ids, expert_weights, gate, up, down) + extra
     return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
+
+
+def moe_ffn(x, router: RouterLogits, gate, up, down, *, shared: SharedExpert | None = None,
+            impl: str = "auto") -> jax.Array:
+    """f32 ``[N, H]``: the MoE FFN of ``x [N, H]`` from its router's logits: `reference.route`'s
+    experts and weights, then `routed_experts`.
+
+    Where the weight-streaming kernels take the call (up to `triton.MAX_TOKENS` rows), they also
+    route: each gate/up program finds its pair's expert from the logits itself (`triton.moe_stream`),
+    so that a decode step launches no softmax, top-k or weight kernels of its own.
+    """
+    if x.shape[0] <= triton.MAX_TOKENS:
+        mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or triton.unsupported(
+            x, gate, up, down, shared, router), mesh_kernel=True)
+        if mode != "reference":
+            return triton.moe_stream(x, router, gate, up, down, shared, impl=mode)
+    ids, weights = reference.route(router, x.shape[0], x.dtype)
+    return routed_experts(x, ids, weights, gate, up, down, shared=shared, impl=impl)
 
 
 def _mesh_unsupported() -> str | None:

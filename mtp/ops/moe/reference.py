@@ -37,6 +37,8 @@ the (plain) weights.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -67,6 +69,37 @@ class SharedExpert(NamedTuple):
     up: Any
     down: Any
     weight: jax.Array
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["rows"], meta_fields=["experts", "k", "normalize"])
+@dataclasses.dataclass(frozen=True)
+class RouterLogits:
+    """A MoE layer's router output, from which `route` picks each token's experts.
+
+    ``rows``: the router GEMM's output ``[R, C]`` as it wrote it (`mtp.model.gemm_layout.dense_rows`:
+    the tokens' rows first, perhaps padding rows after, and perhaps other projections' columns after
+    the ``experts`` logits, such as a merged shared-expert gate), so that a kernel can read the
+    logits in place; ``k`` experts a token, renormalised over the ``k`` when ``normalize``.
+    """
+
+    rows: jax.Array
+    experts: int
+    k: int
+    normalize: bool
+
+
+def route(router: RouterLogits, tokens: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """The first ``tokens`` rows' experts and weights: int32 ``[N, k]``, f32 ``[N, k]``.
+
+    As Hugging Face's Qwen3-Next routes: an f32 softmax over the logits, the top ``k`` (the
+    lower id first on a tie), renormalised over the ``k`` when ``normalize``, rounded to the
+    activation ``dtype``.
+    """
+    logits = router.rows[:tokens, :router.experts].astype(jnp.float32)
+    top_w, top_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), router.k)
+    if router.normalize:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    return top_i.astype(jnp.int32), top_w.astype(dtype).astype(jnp.float32)
 
 
 def _shape(weight) -> tuple[int, ...]:

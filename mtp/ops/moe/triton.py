@@ -26,7 +26,7 @@ scales (one per 128 columns) first and the product needs no per-element scale; t
 to f32 exactly. bf16 and FP8 weights mix freely. A shared expert of another width than the routed
 ones (``Is != I``) takes its own rows of ``h``; the grid spans the wider.
 
-The grid fills the chip by its rows: at one token of the 35B, ``9 x 512 / 16 = 288`` gate/up
+The grid fills the chip by its rows: at one token of the 35B, ``9 x 512 / 8 = 576`` gate/up
 programs and ``9 x 2048 / 16 = 1152`` down programs. `StreamConfig` holds the tiling.
 """
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,7 @@ from jax.experimental import pallas as pl
 
 from mtp.ops.fp8.reference import BlockFp8Weight
 from mtp.ops.lowering import triton_compiler_params
-from mtp.ops.moe.reference import SharedExpert
+from mtp.ops.moe.reference import RouterLogits, SharedExpert
 
 MAX_TOKENS = 16  # the rows of a decode or verify step; more go to the grouped GEMMs
 SCALE_BLOCK = 128  # the FP8 scale block (Qwen's checkpoints' only one)
@@ -59,7 +60,7 @@ class StreamConfig:
     used); ``num_warps`` / ``num_stages``: Triton's, for both kernels.
     """
 
-    block_i: int = 16
+    block_i: int = 8
     block_h: int = 16
     chunk: int = 512
     num_warps: int = 4
@@ -76,6 +77,14 @@ class StreamConfig:
             raise ValueError(f"StreamConfig {self}: num_warps and num_stages must be >= 1")
 
 
+class RouterSpec(NamedTuple):
+    """What the gate/up kernel needs to route by itself: `RouterLogits`' static fields."""
+
+    experts: int
+    k: int
+    normalize: bool
+
+
 def _chunk_of(n: int, cfg: StreamConfig) -> int:
     """The contraction chunk for a contraction of ``n``: the largest power of two <= ``cfg.chunk`` dividing it."""
     return math.gcd(n, cfg.chunk)
@@ -90,10 +99,17 @@ def _plain(w) -> bool:
     return hasattr(w, "dtype") and not hasattr(w, "dequantize")
 
 
-def unsupported(x, expert_ids, gate, up, down, shared: SharedExpert | None = None,
+def unsupported(x, gate, up, down, shared: SharedExpert | None = None, router: RouterLogits | None = None,
                 config: StreamConfig | None = None) -> str | None:
-    """Why the kernels cannot take these inputs (the reference then runs), or None."""
+    """Why the kernels cannot take these inputs (the reference then runs), or None; ``router``: the
+    logits the gate/up kernel would route by (`moe_stream`)."""
     cfg = config or StreamConfig()
+    if router is not None:
+        e = router.experts
+        if e & (e - 1) or not 1 <= router.k <= e:
+            return f"{e} experts, top-{router.k}: the kernel routes over a power-of-two count of experts"
+        if router.rows.ndim != 2 or router.rows.shape[0] < x.shape[0] or router.rows.shape[1] < e:
+            return f"router rows {tuple(router.rows.shape)} do not hold {e} logits for each of {x.shape[0]} tokens"
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         return f"x is {x.dtype} {tuple(x.shape)}; the kernels take bfloat16 [N, H]"
     if x.shape[0] > MAX_TOKENS:
@@ -186,19 +202,55 @@ def _silu_product(g, u):
     return _bf16(g * jax.nn.sigmoid(g)) * u
 
 
-def _gate_up_kernel(e_ref, x_ref, *refs, counts, routed_pairs, k, rows, hidden, chunk, inter, shared_inter):
+def _routed_pair(l_ref, t, slot, *, router: RouterSpec):
+    """Token ``t``'s ``slot``-th expert by its router logits (row ``t`` of ``l_ref``), and its weight.
+
+    `reference.route`'s routing, in one program: the top ``k`` by ``k`` arg-maxes (the lower id
+    first on a tie, as ``lax.top_k``), their softmax weights renormalised over the ``k`` (or over
+    every expert), rounded to bf16.
+    """
+    ids = jax.lax.broadcasted_iota(jnp.int32, (router.experts,), 0)
+    logits = l_ref[t, pl.ds(0, router.experts)].astype(jnp.float32)
+    exps = jnp.exp(logits - jnp.max(logits))
+    left, total = logits, jnp.float32(0)
+    expert, weight = jnp.int32(0), jnp.float32(0)
+    for j in range(router.k):
+        top = jnp.argmax(left).astype(jnp.int32)
+        mass = jnp.sum(jnp.where(ids == top, exps, 0.0))
+        total += mass
+        expert, weight = jnp.where(slot == j, top, expert), jnp.where(slot == j, mass, weight)
+        left = jnp.where(ids == top, -jnp.inf, left)
+    return expert, _bf16(weight / (total if router.normalize else jnp.sum(exps)))
+
+
+def _gate_up_kernel(route_ref, x_ref, *refs, counts, routed_pairs, k, rows, hidden, chunk, inter, shared_inter,
+                    router):
     """Pair ``program_id(0)``'s ``h`` rows ``[o0, o0 + rows)``. Pair ``p < routed_pairs`` is token
-    ``p // k``'s expert ``e_ref``; pair ``routed_pairs + n`` is token ``n``'s shared expert. A
-    program past its expert's ``inter`` (or ``shared_inter``) rows writes nothing: those columns
-    of ``h`` are never read."""
-    *weights, h_ref = refs
+    ``p // k``'s ``p % k``-th expert: its id in ``route_ref`` (a ``[1, 1]`` block), or with ``router``
+    found from the router logits ``route_ref`` and written, with its weight, by the pair's first
+    program. Pair ``routed_pairs + n`` is token ``n``'s shared expert. A program past its expert's
+    ``inter`` (or ``shared_inter``) rows writes nothing: those columns of ``h`` are never read."""
+    if router is None:
+        *weights, h_ref = refs
+    else:
+        *weights, h_ref, id_ref, w_ref = refs
     gate, up, *shared = _split(weights, counts)
-    p, o0 = pl.program_id(0), pl.program_id(1) * rows
-    e, t = e_ref[0, 0], jnp.where(p < routed_pairs, p // k, p - routed_pairs)
+    p, j = pl.program_id(0), pl.program_id(1)
+    o0, is_routed = j * rows, p < routed_pairs
+    t = jnp.where(is_routed, p // k, p - routed_pairs)
+    if router is None:
+        e = route_ref[0, 0]
+    else:
+        e, weight = _routed_pair(route_ref, t, p % k, router=router)
+
+        @pl.when(jnp.logical_and(is_routed, j == 0))
+        def _():
+            id_ref[...] = jnp.full((1, 1), e, jnp.int32)
+            w_ref[...] = jnp.full((1, 1), weight, jnp.float32)
+
     run = functools.partial(_stream, rows=rows, contraction=hidden, chunk=chunk, out_ref=h_ref,
                             epilogue=_silu_product)
-    routed = p < routed_pairs if shared else True
-    pl.when(jnp.logical_and(routed, o0 < inter))(lambda: run((gate, up), e, t, x_ref, o0))
+    pl.when(jnp.logical_and(is_routed, o0 < inter))(lambda: run((gate, up), e, t, x_ref, o0))
     if shared:
         pl.when(jnp.logical_and(p >= routed_pairs, o0 < shared_inter))(
             lambda: run((shared[0], shared[1]), 0, t, x_ref, o0))
@@ -220,15 +272,17 @@ def _down_kernel(e_ref, h_ref, *refs, counts, routed_pairs, rows, inter, shared_
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _experts(x, expert_ids, expert_weights, gate, up, down, shared, *, config, interpret):
-    n, k = expert_ids.shape
-    e, i, h = gate.shape
+def _experts(x, routing, gate, up, down, shared, *, config, interpret):
+    """``routing``: ``(ids [N, k], weights [N, k])``, or a `RouterLogits` the gate/up kernel routes by."""
+    n, h = x.shape
+    e, i, _ = gate.shape
+    fused = isinstance(routing, RouterLogits)
+    k = routing.k if fused else routing[0].shape[1]
     si = i if shared is None else shared.gate.shape[0]
     routed = n * k
     pairs = routed + (0 if shared is None else n)
-    ids = expert_ids.reshape(1, routed).astype(jnp.int32)
-    # Pair p's expert id; a shared pair reads the last routed pair's, unused.
-    id_spec = pl.BlockSpec((1, 1), lambda p, j: (0, jnp.minimum(p, routed - 1)))
+    # Pair p's [1, 1] block of the routed pairs' ids (and weights); a shared pair sees the last routed pair's.
+    pair_spec = pl.BlockSpec((1, 1), lambda p, j: (0, jnp.minimum(p, routed - 1)))
     whole = pl.no_block_spec
     params = triton_compiler_params(interpret, num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -240,30 +294,51 @@ def _experts(x, expert_ids, expert_weights, gate, up, down, shared, *, config, i
     up_args, down_args = [a for o in up_ops for a in o], [a for o in down_ops for a in o]
     name = "fp8" if _is_fp8(gate) else "bf16"
     widest = max(i, si)
-    h_act = pl.pallas_call(
+    h_shape = jax.ShapeDtypeStruct((pairs, widest), jnp.bfloat16)
+    h_spec = pl.BlockSpec((1, config.block_i), lambda p, j: (p, j))
+    if fused:
+        route_in, route_spec = routing.rows, whole
+        out_shape = (h_shape, jax.ShapeDtypeStruct((1, routed), jnp.int32),
+                     jax.ShapeDtypeStruct((1, routed), jnp.float32))
+        out_specs = (h_spec, pair_spec, pair_spec)
+    else:
+        route_in, route_spec = routing[0].reshape(1, routed).astype(jnp.int32), pair_spec
+        out_shape, out_specs = h_shape, h_spec
+    outs = pl.pallas_call(
         functools.partial(_gate_up_kernel, counts=[len(o) for o in up_ops], routed_pairs=routed, k=k,
-                          rows=config.block_i, hidden=h, chunk=_chunk_of(h, config), inter=i, shared_inter=si),
+                          rows=config.block_i, hidden=h, chunk=_chunk_of(h, config), inter=i, shared_inter=si,
+                          router=RouterSpec(e, k, routing.normalize) if fused else None),
         grid=(pairs, widest // config.block_i),
-        in_specs=[id_spec, whole] + [whole] * len(up_args),
-        out_specs=pl.BlockSpec((1, config.block_i), lambda p, j: (p, j)),
-        out_shape=jax.ShapeDtypeStruct((pairs, widest), jnp.bfloat16),
+        in_specs=[route_spec, whole] + [whole] * len(up_args),
+        out_specs=out_specs, out_shape=out_shape,
         interpret=interpret, name=f"moe_stream_gate_up_{name}_{i}x{h}", **params,
-    )(ids, x, *up_args)
+    )(route_in, x, *up_args)
+    h_act, ids, weights = outs if fused else (outs, route_in, routing[1])
     y = pl.pallas_call(
         functools.partial(_down_kernel, counts=[len(o) for o in down_ops], routed_pairs=routed,
                           rows=config.block_h, inter=i, shared_inter=si,
                           chunks=(_chunk_of(i, config), _chunk_of(si, config))),
         grid=(pairs, h // config.block_h),
-        in_specs=[id_spec, whole] + [whole] * len(down_args),
+        in_specs=[pair_spec, whole] + [whole] * len(down_args),
         out_specs=pl.BlockSpec((1, config.block_h), lambda p, j: (p, j)),
         out_shape=jax.ShapeDtypeStruct((pairs, h), jnp.bfloat16),
         interpret=interpret, name=f"moe_stream_down_{name}_{h}x{i}", **params,
     )(ids, h_act, *down_args)
     y = y.astype(jnp.float32)
-    out = jnp.einsum("nk,nkh->nh", expert_weights.astype(jnp.float32), y[:routed].reshape(n, k, h))
+    out = jnp.einsum("nk,nkh->nh", weights.reshape(n, k).astype(jnp.float32), y[:routed].reshape(n, k, h))
     if shared is not None:
         out = out + shared.weight.astype(jnp.float32)[:, None] * y[routed:]
     return out
+
+
+def _checked(config: StreamConfig | None, x, gate, up, down, shared, router=None) -> StreamConfig:
+    """The config to run (the default where None), checked, for inputs that pass `unsupported`."""
+    cfg = config or StreamConfig()
+    cfg.check()
+    why = unsupported(x, gate, up, down, shared, router, cfg)
+    if why:
+        raise ValueError(f"moe stream kernels: {why}")
+    return cfg
 
 
 def routed_experts_stream(x, expert_ids, expert_weights, gate, up, down, shared: SharedExpert | None = None, *,
@@ -273,10 +348,15 @@ def routed_experts_stream(x, expert_ids, expert_weights, gate, up, down, shared:
     ``impl``: ``"pallas"`` (compiled for a GPU) or ``"interpret"`` (Pallas' interpreter, any
     backend). Inputs must pass `unsupported`.
     """
-    cfg = config or StreamConfig()
-    cfg.check()
-    why = unsupported(x, expert_ids, gate, up, down, shared, cfg)
-    if why:
-        raise ValueError(f"moe stream kernels: {why}")
-    return _experts(x, expert_ids, expert_weights, gate, up, down, shared, config=cfg,
+    cfg = _checked(config, x, gate, up, down, shared)
+    return _experts(x, (expert_ids, expert_weights), gate, up, down, shared, config=cfg,
                     interpret=impl == "interpret")
+
+
+def moe_stream(x, router: RouterLogits, gate, up, down, shared: SharedExpert | None = None, *,
+               impl: str = "pallas", config: StreamConfig | None = None) -> jax.Array:
+    """`routed_experts_stream` with the routing in the gate/up kernel: each program finds its pair's
+    expert and weight from the router logits (`reference.route`'s rule), so that a decode step's
+    softmax, top-k and weight kernels are not launched."""
+    cfg = _checked(config, x, gate, up, down, shared, router)
+    return _experts(x, router, gate, up, down, shared, config=cfg, interpret=impl == "interpret")
