@@ -93,6 +93,7 @@ from mtp.model import params as P
 from mtp.model import target
 from mtp.mtp_head import quantize_head
 from mtp.ops import fp8
+from mtp.ops.moe import triton as moe_triton
 from mtp.speculative import SpecConfig, greedy_loop, speculative_loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -295,7 +296,9 @@ def routing_of(fn: Callable, k: int) -> Callable:
     """``fn`` that also returns the expert indices of its every top-``k`` routing: ``(out, routing)``.
 
     ``fn`` is traced to a jaxpr and evaluated equation by equation, nested ``jit`` calls inlined,
-    keeping the indices output of each ``top_k`` with that ``k`` (`mtp.model.layers.moe`'s routing).
+    keeping the indices output of each ``top_k`` with that ``k`` (`mtp.ops.moe.reference.route`), or
+    of each weight-streaming gate/up kernel that routes by itself (`mtp.ops.moe.triton.moe_stream`:
+    its pairs' expert ids, ``[1, N k]``).
     Traced under the caller's ``jit``, the program is the step itself plus a few small outputs, so a
     timed step reports the routing its own tokens took. Each equation is bound under its own source
     information, as ``jax.core.eval_jaxpr`` binds it, so the compiled program's ops keep the model's
@@ -323,6 +326,9 @@ def routing_of(fn: Callable, k: int) -> Callable:
                     outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
                 outs = outs if eqn.primitive.multiple_results else [outs]
             if eqn.primitive.name == "top_k" and eqn.params.get("k") == k:
+                found.append(outs[1])
+            elif (eqn.primitive.name == "pallas_call" and len(outs) == 3
+                  and eqn.params.get("name", "").startswith(moe_triton.GATE_UP_KERNEL)):
                 found.append(outs[1])
             env.update(zip(eqn.outvars, outs))
         return [read(v) for v in jaxpr.outvars]

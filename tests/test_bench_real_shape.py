@@ -194,3 +194,21 @@ def test_the_memory_pool_grows_on_demand_unless_the_caller_chose():
     environ = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
     brs.grow_memory_pool_on_demand(environ)
     assert environ == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+
+
+def test_routing_of_reads_the_ids_of_a_kernel_that_routes():
+    """On the weight-streaming kernels (interpreted here) the gate/up kernel routes by itself: its
+    pairs' expert ids are the routing, the reference's top-k experts."""
+    from mtp.execution import ExecutionConfig
+    from mtp.ops.moe import reference
+
+    cfg = brs.load_model_config("tiny_qwen35_moe")
+    k = cfg.num_experts_per_tok
+    p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), brs.device_params(cfg, 1, jnp.float32)["model"]["layers"]["0"]["mlp"])
+    x = jax.random.normal(jax.random.key(2), (3, cfg.hidden_size)).astype(jnp.bfloat16)
+    kernels = ExecutionConfig().with_kernels(moe="interpret")
+    out, routing = brs.routing_of(lambda h: layers.moe(p, h, cfg, execution=kernels), k)(x)
+    ids, _ = reference.route(layers.router(p, x, cfg)[0], 3, jnp.bfloat16)
+    assert len(routing) == 1 and routing[0].shape == (1, 3 * k)
+    np.testing.assert_array_equal(np.asarray(routing[0]).reshape(3, k), np.asarray(ids))
+    assert brs.distinct_experts(routing) == [len(np.unique(np.asarray(ids)))]

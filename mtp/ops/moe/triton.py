@@ -48,6 +48,7 @@ from mtp.ops.moe.reference import RouterLogits, SharedExpert
 MAX_TOKENS = 16  # the rows of a decode or verify step; more go to the grouped GEMMs
 SCALE_BLOCK = 128  # the FP8 scale block (Qwen's checkpoints' only one)
 MIN_CHUNK = 16  # Triton's smallest tile side
+GATE_UP_KERNEL = "moe_stream_gate_up"  # the gate/up kernel's name (a profile's); routing in it, its ids are output 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +312,7 @@ def _experts(x, routing, gate, up, down, shared, *, config, interpret):
         grid=(pairs, widest // config.block_i),
         in_specs=[route_spec, whole] + [whole] * len(up_args),
         out_specs=out_specs, out_shape=out_shape,
-        interpret=interpret, name=f"moe_stream_gate_up_{name}_{i}x{h}", **params,
+        interpret=interpret, name=f"{GATE_UP_KERNEL}_{name}_{i}x{h}", **params,
     )(route_in, x, *up_args)
     h_act, ids, weights = outs if fused else (outs, route_in, routing[1])
     y = pl.pallas_call(
