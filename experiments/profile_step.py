@@ -72,7 +72,7 @@ flags.DEFINE_list("widths", ["1", "4"], "Step widths K at batch 1: 1 is the plai
 flags.DEFINE_list("variants", ["base:"], "name:VAR=value;VAR=value ... each built with the ExecutionConfig those MTP_* variables "
                   "set (the first is the baseline the others are compared with).")
 flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
-flags.DEFINE_bool("loop", False, "Also time each variant's plain greedy loop at batch 1 (ms a token after a "
+flags.DEFINE_bool("greedy_loop", False, "Also time each variant's plain greedy loop at batch 1 (ms a token after a "
                   "--context prompt, --loop_tokens and twice as many; `bench_decode.greedy_loop_ms`) and its "
                   "kernels per token: the decode step as users run it, CUDA graph and all.")
 flags.DEFINE_string("tree_commit", "", "The git commit the copied tree was made from (a copy has no .git).")
@@ -304,7 +304,7 @@ def main(argv):
                                                           "kernels_per_step", "kernel_ms_per_step", "gaps_us_per_step",
                                                           "profile_error")}, flush=True)
         del progs, boxes
-    if FLAGS.loop:
+    if FLAGS.greedy_loop:
         loop_rows(cfg, params, spec, variants, data, out)
     md = markdown(data)
     write_atomic(out / "results.md", md)

@@ -117,7 +117,7 @@ def test_unsupported_names_why():
     assert "float32" in unsupported(x.astype(jnp.float32), gate, up, down)
     many = jnp.zeros((triton.MAX_TOKENS + 1, 256), BF16)
     assert f"{triton.MAX_TOKENS + 1} tokens" in unsupported(many, gate, up, down)
-    assert "multiple of the block" in unsupported(x, gate[:, :120], up[:, :120], down[:, :, :120])
+    assert "multiple of the block" in unsupported(x, gate[:, :100], up[:, :100], down[:, :, :100])
     assert "shared expert's I" in unsupported(x, gate, up, down,
                                               SharedExpert(shared.gate[:8], shared.up[:8], shared.down[:, :8],
                                                            shared.weight))

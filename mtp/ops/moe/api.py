@@ -1,20 +1,26 @@
-"""``routed_experts``: the routed-expert FFN of a MoE layer, through the project's kernel switch.
+"""The MoE FFN through the project's kernel switch: ``moe_ffn`` (from the router's logits) and
+``routed_experts`` (from chosen experts), each adding a shared expert when given one.
 
-The model's MoE layer (`mtp.model.layers.moe`) routes (softmax, top-k, normalisation, the
-weights' rounding) and adds the shared expert; this op computes the rest, what the selected
-experts cost and no more (`reference` for the definition and the two sparse forms). ``impl``
-is resolved by `mtp.ops.dispatch.choose` under the op name ``"moe"`` (the model hands it
-``ExecutionConfig.impl_for("moe")``, so ``MTP_KERNELS=moe=reference`` and the global value
-apply): on a GPU ``"auto"`` runs the
-grouped-GEMM kernels of `mosaic` (Mosaic GPU; ``"interpret"`` runs them in Pallas' GPU
-interpreter), except where `mosaic.unsupported` names why they cannot take the inputs (f32,
-quantized experts, sizes their tiles do not divide) or the trace runs under a mesh (the kernels
-see whole arrays; XLA partitions the reference): those go to the reference. Under ``"auto"`` a
-call of few pairs (`pays`) runs the reference's gather form, which measured faster there.
-Block-scaled FP8 experts (`mtp.ops.fp8.BlockFp8Weight`) run the reference: its gather form over
-FP8 experts took 0.92-0.94x the bf16 experts' time on an H200 at 1-4 tokens, and a
-weight-streaming Triton kernel of one pair per program took 3.9-4.1x
-(results/kernels/fp8_few_rows_h200/results.md, 2026-12-02).
+The model's MoE layer (`mtp.model.layers.moe`) hands ``moe_ffn`` its router's output and the
+shared expert with its gate's value; the op routes (`reference.route`: softmax, top-k,
+normalisation, the weights' rounding) and computes what the selected experts cost and no more
+(`reference` for the definition and the sparse forms). ``impl`` is resolved by
+`mtp.ops.dispatch.choose` under the op name ``"moe"`` (the model hands it
+``ExecutionConfig.impl_for("moe")``, so ``MTP_KERNELS=moe=reference`` and the global value apply).
+On a GPU, ``"auto"`` runs by the token count:
+
+* up to `triton.MAX_TOKENS` (a decode, a verify, the MTP head's propose): the weight-streaming
+  kernels of `triton`, which also route (from ``moe_ffn``) and take the shared expert as one more
+  pair a token: four launches a layer where XLA's forms took ten, the 35B decode step 1.12x and the
+  80B FP8 step 1.34x faster on an H100 (results/real_shape/moe_stream_h100_2026-12-06/), bf16 and
+  block-scaled FP8 experts alike;
+* more tokens: the grouped-GEMM kernels of `mosaic` (Mosaic GPU) from ``KERNEL_MIN_PAIRS`` pairs
+  (prefill chunks), XLA's gather form below that, the shared expert beside them.
+
+Where a kernel's ``unsupported`` names why it cannot take the inputs (f32, quantized MTP-head
+experts, sizes its tiles do not divide, FP8 experts for `mosaic`) or the trace runs under a mesh
+(the kernels see whole arrays; XLA partitions the reference), the reference runs. ``"interpret"``
+runs the kernels in Pallas' interpreters.
 """
 
 from __future__ import annotations
@@ -27,13 +33,13 @@ from mtp.ops.moe import mosaic, reference, triton
 from mtp.ops.moe.reference import RouterLogits, SharedExpert, check_inputs
 
 
-# Under ``"auto"`` a call of at most this many (token, expert) pairs runs the reference's gather
-# form even on a GPU: XLA's gather + batched GEMM of the selected experts streamed them closer to
-# the active-bytes floor than the grouped-GEMM kernels at 1-16 tokens (Qwen3.5-35B-A3B's shape,
-# one H200, 2026-12-02: 1.63x / 1.22x / 1.22x / 1.36x the floor at 1 / 4 / 8 / 16 tokens of
-# top-8 against the kernel's 4.71x / 2.18x / 1.86x / 1.71x), while the kernel wins from 32 tokens
-# (Qwen3-Next's 1.12x at 32) and in prefill chunks (results/kernels/moe_kernels_h200.md). Decode,
-# verify and the MTP head's propose at batch 1 therefore stay on the gather form.
+# Above `triton.MAX_TOKENS` tokens, a call of fewer (token, expert) pairs than this runs the
+# reference's gather form under ``"auto"``: XLA's gather + batched GEMM of the selected experts
+# streamed them closer to the active-bytes floor than the grouped-GEMM kernels at 1-16 tokens
+# (Qwen3.5-35B-A3B's shape, one H200, 2026-12-02: 1.63x / 1.22x / 1.22x / 1.36x the floor at
+# 1 / 4 / 8 / 16 tokens of top-8 against the kernel's 4.71x / 2.18x / 1.86x / 1.71x), while the
+# grouped GEMMs win from 32 tokens (Qwen3-Next's 1.12x at 32) and in prefill chunks
+# (results/kernels/moe_kernels_h200.md).
 KERNEL_MIN_PAIRS = 129
 
 
