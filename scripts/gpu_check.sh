@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, in three parts: `tests` (the kernels compile and pass their own and the model's
-# tests), `ab` (each kernel that `auto` leaves on its reference, `mtp.ops.dispatch.OPT_IN`, off and on,
+# tests; greedy speculative decoding equals plain greedy on real-shape MoE models, `check_lossless`), `ab` (each kernel that `auto` leaves on its reference, `mtp.ops.dispatch.OPT_IN`, off and on,
 # interleaved twice by `experiments/ab_decode.py`: in the decode step, 1.38B model, part A, and in the
 # real decode loops, the default model, part B: plain and speculative K = 2, batch 1) and `tp` (tensor
 # parallelism, when the machine has two GPUs). (The loops' CUDA-graph options, measured on 2026-11-29
@@ -45,6 +45,10 @@ EOF
 }
 
 want tests && run tests $PY -m pytest -p no:cacheprovider "${tests[@]}"
+# Greedy speculative == plain greedy on real-shape MoE models (4 layers), bf16 and FP8, on the default
+# path (the MoE weight-streaming kernels); the tiny models on a CPU check.
+lossless=(); [[ -n "${SMALL:-}" ]] && lossless=(--models=tiny_qwen35_moe,tiny_moe:fp8 --layers=2 --new_tokens=6)
+want tests && run lossless $PY -m experiments.check_lossless "${lossless[@]}"
 want ab && for op in $($PY -c "from mtp.ops.dispatch import OPT_IN; print(*OPT_IN)"); do
   run "ab_$op" $PY experiments/ab_decode.py --rounds 2 --out_dir "$OUT/ab_$op" \
       --old_env "MTP_KERNELS=$op=reference" --new_env "MTP_KERNELS=$op=$kernel" \

@@ -311,3 +311,12 @@ def test_the_main_jobs_lossless_check_catches_a_wrong_commit(tmp_path):
     assert report["lossless"].startswith("MISMATCH: ['carry'] (against the plain greedy loop (one row a step))")
     assert "Lossless: MISMATCH: ['carry']" in proc.stdout
     assert report["process_settings"]["matmul_precision"] == "highest" and not report["process_settings"]["gpu_detected"]
+
+
+def test_check_lossless_runs_every_width_and_says_which_moe_path_ran():
+    run = subprocess.run([sys.executable, "-m", "experiments.check_lossless", "--models=tiny_qwen35_moe,tiny_moe:fp8",
+                          "--layers=2", "--widths=2,3", "--new_tokens=6"],
+                         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "4 of 4 runs token-identical" in run.stdout
+    assert run.stdout.count("'moe_stream_kernels': False") == 4  # a CPU runs the reference
