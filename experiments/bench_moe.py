@@ -151,31 +151,29 @@ def dense_form(x, ids, w, gate, up, down):
     return jnp.einsum("ne,enh->nh", routing_w, y.astype(jnp.float32))
 
 
-def parse_config(text):
-    """``"tile_k=128/stages=3"``: fields of ``GroupedGemmConfig`` that override ``default_config``'s."""
-    fields = {f.name: f.type for f in dataclasses.fields(mosaic.GroupedGemmConfig)}
+def parse_fields(text: str, cls, flag: str, convert=lambda name, value: int(value)) -> dict:
+    """``"a=1/b=2"`` (a ``--flag`` entry): fields of the dataclass ``cls`` and their values."""
+    fields = {f.name for f in dataclasses.fields(cls)}
     out = {}
     for item in text.split("/"):
         name, _, value = item.partition("=")
         if name not in fields:
-            raise ValueError(f"--configs entry {text!r}: no GroupedGemmConfig field {name!r}; the fields "
-                             f"are {', '.join(fields)}")
-        out[name] = value if name == "layout" else (value in ("1", "true", "True")) if name == "columns_minor" \
-            else int(value)
+            raise ValueError(f"--{flag} entry {text!r}: no {cls.__name__} field {name!r}; the fields "
+                             f"are {', '.join(sorted(fields))}")
+        out[name] = convert(name, value)
     return out
+
+
+def parse_config(text):
+    """``"tile_k=128/stages=3"``: fields of ``GroupedGemmConfig`` that override ``default_config``'s."""
+    def convert(name, value):
+        return value if name == "layout" else (value in ("1", "true", "True")) if name == "columns_minor" else int(value)
+    return parse_fields(text, mosaic.GroupedGemmConfig, "configs", convert)
 
 
 def parse_stream_config(text):
     """``"block_i=32/chunk=1024"``: a ``StreamConfig`` with those fields over its defaults."""
-    fields = {f.name for f in dataclasses.fields(stream.StreamConfig)}
-    out = {}
-    for item in text.split("/"):
-        name, _, value = item.partition("=")
-        if name not in fields:
-            raise ValueError(f"--stream_configs entry {text!r}: no StreamConfig field {name!r}; the fields "
-                             f"are {', '.join(sorted(fields))}")
-        out[name] = int(value)
-    return stream.StreamConfig(**out)
+    return stream.StreamConfig(**parse_fields(text, stream.StreamConfig, "stream_configs"))
 
 
 def _mosaic(overrides, impl):
