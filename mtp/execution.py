@@ -25,8 +25,8 @@ from typing import Mapping
 
 KERNEL_CHOICES = ("auto", "reference", "pallas", "interpret")
 KERNEL_OPS = ("paged_attention", "fc_gemm", "gdn_step", "add_rms_norm", "conv_step", "attn_prologue",
-              "paged_attention_triton", "moe", "fp8_gemm")  # MTP_KERNELS' per-op names (moe: mtp.ops.moe,
-# fp8_gemm: mtp.ops.fp8)
+              "paged_attention_triton", "moe", "fp8_gemm", "fp8_gemv")  # MTP_KERNELS' per-op names (moe:
+# mtp.ops.moe; fp8_gemm: mtp.ops.fp8's few-row kernel, fp8_gemv its one-row kernel)
 LOOP_GRAPH_MODES = ("0", "1", "while")
 # Kernels "auto" leaves on their references (a ``kernels`` entry of their own, such as
 # ``MTP_KERNELS=<op>=pallas``, takes them): not yet measured faster inside the model on a GPU, or

@@ -112,3 +112,49 @@ def test_kernels_lower_to_triton_for_an_h200(monkeypatch):
     for rows in (1, 4, 16):
         x = jax.ShapeDtypeStruct((rows, 300), jnp.bfloat16)
         assert "custom_call" in lower(lambda x, w: k.w8a16(x, w, config=k.Fp8GemvConfig(splits=2)), x, w)
+    w = jax.eval_shape(lambda: fp8.quantize(jnp.zeros((256, 2048), jnp.bfloat16)))
+    x = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16)
+    assert "custom_call" in lower(lambda x, w: k.gemv(x, w, out_dtype=jnp.bfloat16), x, w)
+
+
+@pytest.mark.parametrize("shape,config", [
+    ((256, 384), None),                                          # chunk 128: the gcd of 384 and 512
+    ((384, 1024), k.RowConfig(block_out=32, chunk=1024)),
+    ((128, 512), k.RowConfig(block_out=128, chunk=64, num_stages=1)),  # a chunk under one scale block
+])
+def test_the_one_row_kernel_is_the_dequantized_product(shape, config):
+    kw, kx = jax.random.split(jax.random.key(shape[0] + shape[1]))
+    w, x = _weight(kw, shape), _rows(kx, (1, shape[1]))
+    got = k.gemv(x, w, config=config, interpret=True)
+    assert got.shape == (1, shape[0]) and got.dtype == jnp.float32
+    _close(got, _exact(x, w))
+    bf16 = k.gemv(x, w, out_dtype=jnp.bfloat16, config=config, interpret=True)
+    np.testing.assert_array_equal(np.asarray(bf16), np.asarray(got.astype(jnp.bfloat16)))
+
+
+def test_one_row_takes_the_row_kernel_and_its_switch_hands_it_back(monkeypatch):
+    calls = []
+    for name in ("gemv", "w8a16"):
+        run = getattr(k, name)
+        monkeypatch.setattr(k, name, lambda *a, _run=run, _name=name, **kw: calls.append(_name) or _run(*a, **kw))
+    kw, kx = jax.random.split(jax.random.key(7))
+    w, x = _weight(kw, (256, 384)), _rows(kx, (1, 1, 384))
+    got = fp8.matmul(x, w, impl="interpret", gemv_impl="interpret")
+    assert calls == ["gemv"] and got.shape == (1, 1, 256)
+    _close(got.reshape(1, 256), _exact(x.reshape(1, 384), w))
+    fp8.matmul(x, w, impl="interpret", gemv_impl="reference")  # the few-row kernel takes the row back
+    assert calls == ["gemv", "w8a16"]
+    fp8.matmul(_rows(kx, (2, 384)), w, impl="interpret", gemv_impl="interpret")  # two rows: not the row kernel
+    assert calls == ["gemv", "w8a16", "w8a16"]
+
+
+def test_the_row_kernel_names_what_it_declines():
+    w = _weight(jax.random.key(0), (256, 384))
+    x = _rows(jax.random.key(1), (1, 384))
+    assert k.gemv_unsupported(x, w) is None
+    assert "x [1, 384]" in k.gemv_unsupported(_rows(jax.random.key(1), (2, 384)), w)
+    assert "bfloat16" in k.gemv_unsupported(x.astype(jnp.float32), w)
+    assert "whole 128-blocks" in k.gemv_unsupported(_rows(jax.random.key(1), (1, 300)), _weight(jax.random.key(0), (256, 300)))
+    assert "dividing 128" in k.gemv_unsupported(x, w, k.RowConfig(block_out=256))
+    with pytest.raises(ValueError, match="fp8 gemv kernel"):
+        k.gemv(x.astype(jnp.float32), w, interpret=True)

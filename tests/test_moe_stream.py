@@ -121,8 +121,8 @@ def test_unsupported_names_why():
     assert "shared expert's I" in unsupported(x, gate, up, down,
                                               SharedExpert(shared.gate[:8], shared.up[:8], shared.down[:, :8],
                                                            shared.weight))
-    assert "at most 128" in unsupported(x, fp8.quantize(gate.astype(jnp.float32)), up, down,
-                                        config=StreamConfig(block_i=128, block_h=256))
+    assert "blocks of rows dividing 128" in unsupported(x, gate, up, fp8.quantize(down.astype(jnp.float32)),
+                                                        config=StreamConfig(block_h=256))
     assert "BlockFp8Weight" in unsupported(x, gate.astype(jnp.float32), up, down)
     with pytest.raises(ValueError, match="power of two"):
         routed_experts_stream(x, ids, w, gate, up, down, config=StreamConfig(block_i=24))

@@ -117,7 +117,8 @@ def linear(x: jax.Array, w, execution: ExecutionConfig = DEFAULT) -> jax.Array:
     (results/decode/decode_h200.md, 2026-11-30, few-row products as reductions).
     """
     if isinstance(w, fp8.BlockFp8Weight):
-        return fp8.matmul(x, w, impl=execution.impl_for("fp8_gemm")).astype(x.dtype)
+        return fp8.matmul(x, w, impl=execution.impl_for("fp8_gemm"), gemv_impl=execution.impl_for("fp8_gemv"),
+                          out_dtype=x.dtype)
     rows = math.prod(x.shape[:-1])
     if (1 < rows <= _measured(execution.reduce_max_rows, REDUCE_MAX_ROWS)
             and w.size <= _measured(execution.reduce_max_weight, REDUCE_MAX_WEIGHT)

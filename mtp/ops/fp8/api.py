@@ -8,6 +8,10 @@ reference's signature and an ``unsupported`` that names the inputs it declines) 
 resolved path is ``"pallas"`` or ``"interpret"``; under ``"auto"`` on a GPU only where its measured
 rule (`triton.pays`) says it beats XLA.
 
+One row (a decode step's projection) goes to the one-row kernel `triton.gemv` under its own op
+name, ``"fp8_gemv"`` (``MTP_KERNELS=fp8_gemv=reference`` hands one row back to the rule below), which
+streams the weight without padding the row or splitting the sum: one launch a projection.
+
 `triton` is the kernel for ``w8a16`` at up to 16 rows (a decode or verify step, where the GEMM is
 bound by the weight's bytes): XLA's fused dequantize streamed FP8 weights 2-3x slower than bf16
 ones there. More rows, other dtypes or blocks, and ``w8a8`` run the reference, which is the only
@@ -20,6 +24,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
 from mtp.ops import dispatch
 from mtp.ops.fp8 import reference, triton
@@ -27,24 +32,33 @@ from mtp.ops.fp8.reference import BlockFp8Weight
 from mtp.ops.lowering import triton_interpret_scope
 
 OP = "fp8_gemm"
+GEMV_OP = "fp8_gemv"
 MODES = ("w8a16", "w8a8")
 
 
-def matmul(x: jax.Array, w: BlockFp8Weight, *, mode: str = "w8a16", impl: str = "auto") -> jax.Array:
-    """``x [..., in] @ w.T`` for ``w [out, in]``, f32 ``[..., out]``.
+def matmul(x: jax.Array, w: BlockFp8Weight, *, mode: str = "w8a16", impl: str = "auto", gemv_impl: str = "auto",
+           out_dtype=jnp.float32) -> jax.Array:
+    """``x [..., in] @ w.T`` for ``w [out, in]``, ``[..., out]`` in ``out_dtype`` (the sums in f32).
 
     ``mode``: ``"w8a16"`` (activations as they are; the model's path) or ``"w8a8"`` (activations
     quantized per token and 128 columns, ``activation_scheme: dynamic``; an option for prefill).
+    ``impl`` / ``gemv_impl``: the paths of ops ``"fp8_gemm"`` and ``"fp8_gemv"`` (one row).
     """
     if mode not in MODES:
         raise ValueError(f"fp8 matmul mode={mode!r}; choose one of {', '.join(MODES)}")
     rows = math.prod(x.shape[:-1])
+    x2 = x.reshape(rows, x.shape[-1])
+    if mode == "w8a16" and rows == 1:
+        path = dispatch.choose(GEMV_OP, gemv_impl, lambda: triton.gemv_unsupported(x2, w))
+        if path != "reference":
+            with triton_interpret_scope(path) as interpret:
+                return triton.gemv(x2, w, out_dtype=out_dtype, interpret=interpret).reshape(*x.shape[:-1], -1)
     path = dispatch.choose(OP, impl, lambda: unsupported(x, w) if mode == "w8a16" else f"mode {mode}",
                            kernel_pays=lambda: triton.pays(rows, w.shape[0]))
     if path == "reference":
-        return getattr(reference, mode)(x, w)
+        return getattr(reference, mode)(x, w).astype(out_dtype)
     with triton_interpret_scope(path) as interpret:
-        return triton.w8a16(x.reshape(rows, x.shape[-1]), w, interpret=interpret).reshape(*x.shape[:-1], -1)
+        return triton.w8a16(x2, w, interpret=interpret).reshape(*x.shape[:-1], -1).astype(out_dtype)
 
 
 def unsupported(x: jax.Array, w: BlockFp8Weight) -> str | None:

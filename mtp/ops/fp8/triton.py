@@ -17,6 +17,12 @@ the partials. Edge tiles (``out`` or ``in`` not multiples of the tile) are maske
 Triton lowering converts ``float8_e4m3fn`` on compute capability 8.9 and up (an H100 / H200 is
 9.0). `Fp8GemvConfig` holds the tiling; `default_config` picks it from the shape, and a caller
 tuning on a GPU passes its own; `pays` is the measured rule of where the kernel beats XLA.
+
+`gemv` is the one-row form (a decode step's projection): no dot, so the row is not padded to 16,
+and no splits, so no partial sums: each program streams ``block_out`` rows of the weight in place
+and multiplies-and-sums them against the row (`mtp.ops.weight_stream`, as the MoE decode kernels
+stream their experts), writing its outputs in the caller's dtype. Three launches a projection (the
+pad, the kernel, XLA's sum of the splits) become one.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from mtp.ops import weight_stream as ws
 from mtp.ops.fp8.reference import BlockFp8Weight
 from mtp.ops.lowering import num_sms, triton_compiler_params
 
@@ -194,3 +201,66 @@ def w8a16(x: jax.Array, w: BlockFp8Weight, *, config: Fp8GemvConfig | None = Non
     if why:
         raise ValueError(f"fp8 w8a16 kernel: {why}")
     return _w8a16(x, w, config=config or default_config(*w.shape), interpret=interpret)
+
+
+# ------------------------------------------------------------------ one row: the weight streamed
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConfig:
+    """`gemv`'s tiling: ``block_out`` weight rows a program (a power of two dividing 128),
+    ``chunk`` contraction columns a loop step (the largest power of two dividing ``in`` and at most
+    this), Triton's ``num_warps`` / ``num_stages``."""
+
+    block_out: int = 8
+    chunk: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gemv_unsupported(x: jax.Array, w: BlockFp8Weight, config: RowConfig | None = None) -> str | None:
+    """Why `gemv` cannot take ``x @ w.T``, or None: the caller then runs another path."""
+    cfg = config or RowConfig()
+    if not isinstance(w, BlockFp8Weight) or w.ndim != 2:
+        return f"the weight is a {type(w).__name__} of {len(w.shape)} dims, not a 2-D BlockFp8Weight"
+    if x.ndim != 2 or x.shape[0] != 1 or x.shape[1] != w.shape[1]:
+        return f"the row kernel takes x [1, {w.shape[1]}], got {tuple(x.shape)}"
+    if x.dtype != jnp.bfloat16:
+        return f"x is {x.dtype}; the kernel takes bfloat16 activations"
+    if why := ws.fp8_unsupported(w, cfg.block_out):
+        return why
+    if ws.chunk_of(w.shape[1], cfg.chunk) < ws.MIN_CHUNK:
+        return f"in = {w.shape[1]} has no power-of-two chunk of {ws.MIN_CHUNK} columns or more"
+    return None
+
+
+def _gemv_row_kernel(x_ref, q_ref, s_ref, o_ref, *, rows, contraction, chunk):
+    o0 = pl.program_id(0) * rows
+    ws.stream(((q_ref, s_ref),), 0, 0, x_ref, o0, rows=rows, contraction=contraction, chunk=chunk, out_ref=o_ref,
+              epilogue=lambda y: y)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "interpret"))
+def _gemv(x, w, *, config, out_dtype, interpret):
+    out, inp = w.shape
+    return pl.pallas_call(
+        functools.partial(_gemv_row_kernel, rows=config.block_out, contraction=inp, chunk=ws.chunk_of(inp, config.chunk)),
+        grid=(out // config.block_out,),
+        in_specs=[pl.no_block_spec] * 3,
+        out_specs=pl.BlockSpec((1, config.block_out), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((1, out), out_dtype),
+        interpret=interpret,
+        name=f"fp8_gemv_{out}x{inp}",  # the kernel's name in a profile (CUPTI): its weight's shape
+        **triton_compiler_params(interpret, num_warps=config.num_warps, num_stages=config.num_stages),
+    )(x, *ws.operands(ws.as_stack(w)))
+
+
+def gemv(x: jax.Array, w: BlockFp8Weight, *, out_dtype=jnp.float32, config: RowConfig | None = None,
+         interpret: bool = False) -> jax.Array:
+    """``x [1, in] @ dequantize(w).T`` in ``out_dtype``, ``[1, out]``: the weight's E4M3 values streamed
+    once, each 128-column chunk of the row scaled by its block's scale, the sums in f32. Inputs must
+    pass `gemv_unsupported`."""
+    cfg = config or RowConfig()
+    if why := gemv_unsupported(x, w, cfg):
+        raise ValueError(f"fp8 gemv kernel: {why}")
+    return _gemv(x, w, config=cfg, out_dtype=jnp.dtype(out_dtype), interpret=interpret)

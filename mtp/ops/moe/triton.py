@@ -42,20 +42,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from mtp.ops.fp8.reference import BlockFp8Weight
+from mtp.ops import weight_stream as ws
 from mtp.ops.lowering import triton_compiler_params
 from mtp.ops.moe.reference import RouterLogits, SharedExpert
 
 MAX_TOKENS = 16  # the rows of a decode or verify step; more go to the grouped GEMMs
-SCALE_BLOCK = 128  # the FP8 scale block (Qwen's checkpoints' only one)
-MIN_CHUNK = 16  # Triton's smallest tile side
 GATE_UP_KERNEL = "moe_stream_gate_up"  # the gate/up kernel's name (a profile's); routing in it, its ids are output 1
 
 
@@ -80,8 +77,8 @@ class StreamConfig:
             b = getattr(self, name)
             if b < 1 or b & (b - 1):
                 raise ValueError(f"StreamConfig.{name}={b}: a power of two")
-        if self.chunk < MIN_CHUNK:
-            raise ValueError(f"StreamConfig.chunk={self.chunk}: at least {MIN_CHUNK}")
+        if self.chunk < ws.MIN_CHUNK:
+            raise ValueError(f"StreamConfig.chunk={self.chunk}: at least {ws.MIN_CHUNK}")
         if self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"StreamConfig {self}: num_warps and num_stages must be >= 1")
 
@@ -95,12 +92,7 @@ class RouterSpec(NamedTuple):
 
 
 def _chunk_of(n: int, cfg: StreamConfig) -> int:
-    """The contraction chunk for a contraction of ``n``: the largest power of two <= ``cfg.chunk`` dividing it."""
-    return math.gcd(n, cfg.chunk)
-
-
-def _is_fp8(w) -> bool:
-    return isinstance(w, BlockFp8Weight)
+    return ws.chunk_of(n, cfg.chunk)
 
 
 def _plain(w) -> bool:
@@ -123,12 +115,13 @@ def unsupported(x, gate, up, down, shared: SharedExpert | None = None, router: R
         return f"x is {x.dtype} {tuple(x.shape)}; the kernels take bfloat16 [N, H]"
     if x.shape[0] > MAX_TOKENS:
         return f"{x.shape[0]} tokens: the kernels stream the experts for at most {MAX_TOKENS}"
-    ws = [gate, up, down] + ([] if shared is None else [shared.gate, shared.up, shared.down])
-    for w in ws:
-        if _is_fp8(w):
-            if jnp.dtype(w.values.dtype) != jnp.float8_e4m3fn or tuple(w.block) != (SCALE_BLOCK, SCALE_BLOCK):
-                return f"an FP8 weight of {w.values.dtype} in {tuple(w.block)} blocks; the kernels take " \
-                       f"float8_e4m3fn in ({SCALE_BLOCK}, {SCALE_BLOCK}) blocks"
+    weights = [(gate, cfg.block_i), (up, cfg.block_i), (down, cfg.block_h)]
+    if shared is not None:
+        weights += [(shared.gate, cfg.block_i), (shared.up, cfg.block_i), (shared.down, cfg.block_h)]
+    for w, rows in weights:
+        if ws.is_fp8(w):
+            if why := ws.fp8_unsupported(w, rows, "an FP8 expert weight"):
+                return why
         elif not _plain(w) or jnp.dtype(w.dtype) != jnp.bfloat16:
             return f"a weight of type {type(w).__name__}; the kernels take bfloat16 arrays or BlockFp8Weight"
     e, i, h = gate.shape
@@ -137,65 +130,16 @@ def unsupported(x, gate, up, down, shared: SharedExpert | None = None, router: R
         if n % block:
             return f"{name} = {n} is not a multiple of the block of {block} rows"
     for name, n in (("H", h), ("I", i), ("the shared expert's I", si)):
-        if _chunk_of(n, cfg) < MIN_CHUNK:
-            return f"{name} = {n} has no power-of-two chunk of {MIN_CHUNK} columns or more"
-    if any(_is_fp8(w) for w in ws):
-        if i % SCALE_BLOCK or si % SCALE_BLOCK or h % SCALE_BLOCK:
-            return f"FP8 weights need I = {i}, the shared expert's {si} and H = {h} in whole {SCALE_BLOCK}-blocks"
-        if cfg.block_i > SCALE_BLOCK or cfg.block_h > SCALE_BLOCK:
-            return f"FP8 weights need blocks of at most {SCALE_BLOCK} rows, one row of scale blocks"
+        if _chunk_of(n, cfg) < ws.MIN_CHUNK:
+            return f"{name} = {n} has no power-of-two chunk of {ws.MIN_CHUNK} columns or more"
     return None
 
 
 # ------------------------------------------------------------------ the kernels
 
 
-def _weight_refs(w) -> tuple:
-    """The kernel operands of one weight: ``(values,)`` or ``(values, f32 scales)``, each with a leading expert axis."""
-    if _is_fp8(w):
-        return (w.values, w.scale_inv.astype(jnp.float32))
-    return (w,)
-
-
-def _lead(w):
-    """A shared expert's 2-D weight as an expert stack of one."""
-    return jax.tree.map(lambda leaf: leaf[None], w)
-
-
-def _rows_times(refs, e, o0, k0, v, *, rows: int, chunk: int):
-    """``sum_c w[e, o0 + r, k0 + c] * v[c]`` for ``r < rows``: f32 ``[rows]``, the weight read in place.
-
-    ``refs``: ``(values,)`` or ``(values, scales)`` (`_weight_refs`); ``v``: f32 ``[chunk]``. With
-    scales, ``v`` is scaled per 128 columns first: the rows lie in one row of scale blocks.
-    """
-    w = refs[0][e, pl.ds(o0, rows), pl.ds(k0, chunk)].astype(jnp.float32)
-    if len(refs) == 2:
-        blocks = chunk // SCALE_BLOCK if chunk >= SCALE_BLOCK else 1
-        s = refs[1][e, o0 // SCALE_BLOCK, pl.ds(k0 // SCALE_BLOCK, blocks)]
-        if chunk >= SCALE_BLOCK:
-            v = (v.reshape(blocks, SCALE_BLOCK) * s[:, None]).reshape(chunk)
-        else:
-            v = v * s[0]
-    return jnp.sum(w * v[None, :], axis=1)
-
-
 def _bf16(a):
     return a.astype(jnp.bfloat16).astype(jnp.float32)
-
-
-def _stream(refs_of, e, row_of, src_ref, o0, *, rows, contraction, chunk, out_ref, epilogue):
-    """One program: rows ``[o0, o0 + rows)`` of each weight in ``refs_of`` times row ``row_of`` of
-    ``src_ref``, then ``epilogue``. (Program ids are read by the caller, outside any `pl.when`:
-    Pallas' interpreter does not take them inside one.)"""
-
-    def body(c, acc):
-        k0 = pl.multiple_of(c * chunk, chunk)
-        v = src_ref[row_of, pl.ds(k0, chunk)].astype(jnp.float32)
-        return tuple(a + _rows_times(r, e, o0, k0, v, rows=rows, chunk=chunk) for a, r in zip(acc, refs_of))
-
-    zeros = tuple(jnp.zeros((rows,), jnp.float32) for _ in refs_of)
-    acc = jax.lax.fori_loop(0, contraction // chunk, body, zeros)
-    out_ref[...] = epilogue(*acc).astype(out_ref.dtype)[None, :]
 
 
 def _split(refs, counts):
@@ -257,7 +201,7 @@ def _gate_up_kernel(route_ref, x_ref, *refs, counts, routed_pairs, k, rows, hidd
             id_ref[...] = jnp.full((1, 1), e, jnp.int32)
             w_ref[...] = jnp.full((1, 1), weight, jnp.float32)
 
-    run = functools.partial(_stream, rows=rows, contraction=hidden, chunk=chunk, out_ref=h_ref,
+    run = functools.partial(ws.stream, rows=rows, contraction=hidden, chunk=chunk, out_ref=h_ref,
                             epilogue=_silu_product)
     pl.when(jnp.logical_and(is_routed, o0 < inter))(lambda: run((gate, up), e, t, x_ref, o0))
     if shared:
@@ -271,7 +215,7 @@ def _down_kernel(e_ref, h_ref, *refs, counts, routed_pairs, rows, inter, shared_
     *weights, y_ref = refs
     down, *shared = _split(weights, counts)
     e, p, o0 = e_ref[0, 0], pl.program_id(0), pl.program_id(1) * rows
-    run = functools.partial(_stream, rows=rows, out_ref=y_ref, epilogue=lambda y: y)
+    run = functools.partial(ws.stream, rows=rows, out_ref=y_ref, epilogue=lambda y: y)
     if not shared:
         run((down,), e, p, h_ref, o0, contraction=inter, chunk=chunks[0])
         return
@@ -295,13 +239,13 @@ def _experts(x, routing, gate, up, down, shared, *, config, interpret):
     whole = pl.no_block_spec
     params = triton_compiler_params(interpret, num_warps=config.num_warps, num_stages=config.num_stages)
 
-    up_ops = [_weight_refs(gate), _weight_refs(up)]
-    down_ops = [_weight_refs(down)]
+    up_ops = [ws.operands(gate), ws.operands(up)]
+    down_ops = [ws.operands(down)]
     if shared is not None:
-        up_ops += [_weight_refs(_lead(shared.gate)), _weight_refs(_lead(shared.up))]
-        down_ops += [_weight_refs(_lead(shared.down))]
+        up_ops += [ws.operands(ws.as_stack(shared.gate)), ws.operands(ws.as_stack(shared.up))]
+        down_ops += [ws.operands(ws.as_stack(shared.down))]
     up_args, down_args = [a for o in up_ops for a in o], [a for o in down_ops for a in o]
-    name = "fp8" if _is_fp8(gate) else "bf16"
+    name = "fp8" if ws.is_fp8(gate) else "bf16"
     widest = max(i, si)
     h_shape = jax.ShapeDtypeStruct((pairs, widest), jnp.bfloat16)
     h_spec = pl.BlockSpec((1, config.block_i), lambda p, j: (p, j))
