@@ -158,3 +158,8 @@ def test_the_row_kernel_names_what_it_declines():
     assert "dividing 128" in k.gemv_unsupported(x, w, k.RowConfig(block_out=256))
     with pytest.raises(ValueError, match="fp8 gemv kernel"):
         k.gemv(x.astype(jnp.float32), w, interpret=True)
+
+
+def test_auto_takes_the_row_kernel_for_wide_weights_only():
+    """`gemv_pays`: the row kernel beat the dot kernel above 4096 outputs and lost to XLA's GEMV below."""
+    assert k.gemv_pays(12288) and k.gemv_pays(8192) and not k.gemv_pays(4096) and not k.gemv_pays(2048)

@@ -8,9 +8,10 @@ reference's signature and an ``unsupported`` that names the inputs it declines) 
 resolved path is ``"pallas"`` or ``"interpret"``; under ``"auto"`` on a GPU only where its measured
 rule (`triton.pays`) says it beats XLA.
 
-One row (a decode step's projection) goes to the one-row kernel `triton.gemv` under its own op
-name, ``"fp8_gemv"`` (``MTP_KERNELS=fp8_gemv=reference`` hands one row back to the rule below), which
-streams the weight without padding the row or splitting the sum: one launch a projection.
+One row (a decode step's projection) of a weight of more than 4096 outputs (`triton.gemv_pays`)
+goes to the one-row kernel `triton.gemv` under its own op name, ``"fp8_gemv"``
+(``MTP_KERNELS=fp8_gemv=reference`` hands one row back to the rule below), which streams the weight
+without padding the row or splitting the sum: one launch a projection.
 
 `triton` is the kernel for ``w8a16`` at up to 16 rows (a decode or verify step, where the GEMM is
 bound by the weight's bytes): XLA's fused dequantize streamed FP8 weights 2-3x slower than bf16
@@ -49,7 +50,8 @@ def matmul(x: jax.Array, w: BlockFp8Weight, *, mode: str = "w8a16", impl: str = 
     rows = math.prod(x.shape[:-1])
     x2 = x.reshape(rows, x.shape[-1])
     if mode == "w8a16" and rows == 1:
-        path = dispatch.choose(GEMV_OP, gemv_impl, lambda: triton.gemv_unsupported(x2, w))
+        path = dispatch.choose(GEMV_OP, gemv_impl, lambda: triton.gemv_unsupported(x2, w),
+                               kernel_pays=lambda: triton.gemv_pays(w.shape[0]))
         if path != "reference":
             with triton_interpret_scope(path) as interpret:
                 return triton.gemv(x2, w, out_dtype=out_dtype, interpret=interpret).reshape(*x.shape[:-1], -1)

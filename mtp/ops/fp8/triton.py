@@ -218,6 +218,18 @@ class RowConfig:
     num_stages: int = 3
 
 
+def gemv_pays(out: int) -> bool:
+    """Whether `gemv` beats the other paths for one row of a weight of ``out`` outputs.
+
+    Measured in Qwen3-Next-80B-A3B's FP8 decode step on an H100 (2026-12-06,
+    results/real_shape/moe_stream_h100_2026-12-06/, `fp8_gemv/`): 10.8 µs a call at ``[12288, 2048]``
+    against the dot kernel's 13.2 plus its row pad (1.2) and split sum (1.3), 8.2 against 10.7 plus
+    the same at ``[8192, 2048]``; but 8.6 against XLA's GEMV fusion's 5.5 at ``[2048, 4096]``, whose
+    256 programs each loop over 4096 columns. The same line as `pays`: more than 4096 outputs.
+    """
+    return out > 4096
+
+
 def gemv_unsupported(x: jax.Array, w: BlockFp8Weight, config: RowConfig | None = None) -> str | None:
     """Why `gemv` cannot take ``x @ w.T``, or None: the caller then runs another path."""
     cfg = config or RowConfig()
