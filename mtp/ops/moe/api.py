@@ -70,12 +70,13 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, shared: Sha
         return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
     mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or mosaic.unsupported(
         x, ids, expert_weights, gate, up, down), mesh_kernel=True)
-    extra = 0.0 if shared is None else reference.shared_expert(x, shared)
-    if mode != "reference":
-        if impl != "auto" or pays(ids):  # a named path runs the kernels at any size
-            return mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode) + extra
-        return reference.routed_experts_gather(x, ids, expert_weights, gate, up, down) + extra
-    return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
+    if mode == "reference":
+        return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
+    if impl != "auto" or pays(ids):  # a named path runs the kernels at any size
+        out = mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
+    else:
+        out = reference.routed_experts_gather(x, ids, expert_weights, gate, up, down)
+    return out if shared is None else out + reference.shared_expert(x, shared)
 
 
 def moe_ffn(x, router: RouterLogits, gate, up, down, *, shared: SharedExpert | None = None,
