@@ -14,7 +14,9 @@ Variants: ``dense`` (every expert on every token, weighted), the reference's two
 ``--configs`` entry (those fields of ``GroupedGemmConfig`` changed), ``tokamax``
 (``mtp.ops.moe.tokamax``, if it imports; its weight layout made beforehand, untimed), ``stream``
 (the weight-streaming kernels of ``mtp.ops.moe.triton``, the shared expert among their pairs) and
-``stream:<field>=<value>/...`` for each ``--stream_configs`` entry (fields of ``StreamConfig``), and
+``stream:<field>=<value>/...`` for each ``--stream_configs`` entry (fields of ``StreamConfig``),
+``routed`` (the same kernels routing in the gate/up kernel from bf16 router logits that select the
+row's experts and weights, ``mtp.ops.moe.triton.moe_stream``: what a model's decode step runs), and
 ``before`` (the gather form with the shared expert through `mtp.model.layers.mlp`'s GEMM layout: the
 MoE layer as it ran before the shared expert joined the op). The forms without a shared expert of
 their own (``gather``, ``segments``, ``mosaic``) add the op reference's (`reference.shared_expert`).
@@ -42,6 +44,7 @@ import os
 import statistics
 import time
 import traceback
+from typing import NamedTuple
 
 from absl import app, flags, logging
 import jax
@@ -90,16 +93,28 @@ flags.DEFINE_bool("small", False, "The tiny shape in Pallas' interpret mode, no 
 # ------------------------------------------------------------------ inputs and forms
 
 
-def routing(rng, n, e, k, kind, skew):
-    """``(ids [n, k] int32, weights [n, k] f32)``: k distinct experts a token (Gumbel top-k)."""
+class Routing(NamedTuple):
+    """A row's routing, given (``ids [n, k]`` int32, ``weights [n, k]`` f32) and as a router's bf16
+    logits ``[n, e]`` that select those experts with those weights (to bf16's precision)."""
+
+    ids: jax.Array
+    weights: jax.Array
+    logits: jax.Array
+
+
+def routing(rng, n, e, k, kind, skew) -> Routing:
+    """k distinct experts a token (Gumbel top-k), softmax weights; the other experts' logits sit
+    far below, so that the top-k's renormalised softmax is the weights."""
     log_pop = np.zeros(e) if kind == "uniform" else -skew * np.log(np.arange(1, e + 1))
     if kind not in ("uniform", "skewed"):
         raise ValueError(f"routing {kind!r}: choose uniform or skewed")
     scores = log_pop[None, :] + rng.gumbel(size=(n, e))
     ids = np.argsort(-scores, axis=1)[:, :k]
-    logits = rng.standard_normal((n, k))
-    w = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
-    return jnp.asarray(ids, jnp.int32), jnp.asarray(w, jnp.float32)
+    top = rng.standard_normal((n, k))
+    w = np.exp(top) / np.exp(top).sum(axis=1, keepdims=True)
+    logits = np.full((n, e), -30.0) + rng.standard_normal((n, e))
+    np.put_along_axis(logits, ids, top, axis=1)
+    return Routing(jnp.asarray(ids, jnp.int32), jnp.asarray(w, jnp.float32), jnp.asarray(logits, jnp.bfloat16))
 
 
 def make_weights(key, e, h, i, dtype=jnp.bfloat16):
@@ -126,16 +141,16 @@ def shared_of(ws, shared_weight):
 
 def with_shared(routed_fn):
     """A routed-only form plus the op reference's shared expert (when the row has one)."""
-    def run(x, ids, w, ws, shared_weight):
-        out = routed_fn(x, ids, w, *ws[:3])
+    def run(x, r, ws, shared_weight):
+        out = routed_fn(x, r.ids, r.weights, *ws[:3])
         shared = shared_of(ws, shared_weight)
         return out if shared is None else out + reference.shared_expert(x, shared)
     return run
 
 
-def before_form(x, ids, w, ws, shared_weight):
+def before_form(x, r, ws, shared_weight):
     """The gather form, the shared expert through `layers.mlp` (its GEMM layout) and its gated add."""
-    out = reference.routed_experts_gather(x, ids, w, *ws[:3])
+    out = reference.routed_experts_gather(x, r.ids, r.weights, *ws[:3])
     if shared_weight is None:
         return out
     p = {name: {"weight": wt} for name, wt in zip(("gate_proj", "up_proj", "down_proj"), ws[3:6])}
@@ -184,20 +199,27 @@ def _mosaic(overrides, impl):
     return run
 
 
-def _tokamax(x, ids, w, ws, shared_weight):
+def _tokamax(x, r, ws, shared_weight):
     """tokamax on its own weight layout (the set's entries from 6 on), the shared expert added."""
-    out = tokamax_backend.routed_experts_tokamax(x, ids, w, *ws[6:])
+    out = tokamax_backend.routed_experts_tokamax(x, r.ids, r.weights, *ws[6:])
     shared = shared_of(ws, shared_weight)
     return out if shared is None else out + reference.shared_expert(x, shared)
 
 
 def _stream(config, impl):
-    return lambda x, ids, w, ws, sw: stream.routed_experts_stream(x, ids, w, *ws[:3], shared_of(ws, sw),
-                                                                  impl=impl, config=config)
+    return lambda x, r, ws, sw: stream.routed_experts_stream(x, r.ids, r.weights, *ws[:3], shared_of(ws, sw),
+                                                             impl=impl, config=config)
+
+
+def _routed(impl):
+    def run(x, r, ws, sw):
+        router = reference.RouterLogits(r.logits, r.logits.shape[1], r.ids.shape[1], True)
+        return stream.moe_stream(x, router, *ws[:3], shared_of(ws, sw), impl=impl)
+    return run
 
 
 def variants(n, interpret):
-    """``{name: (fn(x, ids, w, weight_set, shared_weight), needs_tokamax_layout)}`` for N tokens."""
+    """``{name: (fn(x, routing, weight_set, shared_weight), needs_tokamax_layout)}`` for N tokens."""
     impl = "interpret" if interpret else "pallas"
     out = {}
     if "dense" in FLAGS.variants and n <= FLAGS.dense_max_tokens:
@@ -216,6 +238,8 @@ def variants(n, interpret):
         out["stream"] = (_stream(None, impl), False)
         for text in FLAGS.stream_configs:
             out[f"stream:{text}"] = (_stream(parse_stream_config(text), impl), False)
+    if "routed" in FLAGS.variants and n <= stream.MAX_TOKENS:
+        out["routed"] = (_routed(impl), False)
     if "tokamax" in FLAGS.variants and not interpret and tokamax_backend.available() is None:
         out["tokamax"] = (_tokamax, True)
     return out
@@ -265,7 +289,8 @@ def bench_row(shape_name, n, kind, weight_sets, ceilings, interpret):
     s = SHAPES[shape_name]
     e, k, h, i = s["experts"], s["top_k"], s["hidden"], s["inter"]
     rng = np.random.default_rng([FLAGS.seed, n, 0 if kind == "uniform" else 1])
-    ids, w = routing(rng, n, e, k, kind, FLAGS.skew)
+    r = routing(rng, n, e, k, kind, FLAGS.skew)
+    ids, w = r.ids, r.weights
     x = jnp.asarray(rng.standard_normal((n, h)), jnp.bfloat16)
     sw = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal(n))), jnp.float32) if FLAGS.shared else None
     distinct = int(np.unique(np.asarray(ids)).size)
@@ -285,13 +310,13 @@ def bench_row(shape_name, n, kind, weight_sets, ceilings, interpret):
         try:
             jfn = fn if interpret else jax.jit(fn)  # interpret mode is switched on eagerly, per call
             t0 = time.perf_counter()
-            out = jax.block_until_ready(jfn(x, ids, w, ws0, sw))
+            out = jax.block_until_ready(jfn(x, r, ws0, sw))
             v["first_call_s"] = time.perf_counter() - t0  # compile included
             v["rel_err"] = _rel_err(out, ref)
             v["finite"] = bool(np.isfinite(np.asarray(out)).all())
             if not v["finite"] or v["rel_err"] > FLAGS.max_err or interpret:
                 continue
-            sets = [(x, ids, w, ws, sw) for ws in weight_sets]
+            sets = [(x, r, ws, sw) for ws in weight_sets]
             t, kernels = cupti.median_seconds(jfn, sets, FLAGS.reps)
             v["device_s"] = t
             v["kernels"] = len(kernels)
