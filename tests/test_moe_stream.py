@@ -153,6 +153,24 @@ def test_the_gate_up_kernel_routes_as_the_reference(n, k, e, quant, normalize):
     assert _rel_err(got, oracle(x, *other, gate, up, down, shared)) > 1e-2
 
 
+def test_the_kernel_breaks_ties_as_the_reference():
+    """Logits on a coarse grid tie often, and ``-0`` ties ``+0``: the lower id goes first, as
+    ``lax.top_k`` takes it; f32 rows are left to the reference (the kernel orders bf16 keys)."""
+    n, k, e = 4, 6, 16
+    x, _, _, gate, up, down, shared = _inputs(7, n, k, e, 256, 128, 128)
+    levels = np.random.default_rng(3).integers(-2, 3, size=(n + 1, e)).astype(np.float32)
+    levels[levels == 0] = np.where(np.random.default_rng(4).random((levels == 0).sum()) < 0.5, -0.0, 0.0)
+    levels[n] = 0
+    for normalize in (True, False):
+        router = RouterLogits(jnp.asarray(levels, BF16), e, k, normalize)
+        ids, weights = reference.route(router, n, BF16)
+        got = moe_stream(x, router, gate, up, down, shared, impl="interpret")
+        want = routed_experts_stream(x, ids, weights, gate, up, down, shared, impl="interpret")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    f32_rows = RouterLogits(jnp.asarray(levels), e, k, True)
+    assert "bfloat16 logits" in unsupported(x, gate, up, down, shared, f32_rows)
+
+
 def test_moe_ffn_routes_in_the_kernel_or_by_the_reference(monkeypatch):
     calls = []
     run = triton.moe_stream
@@ -200,6 +218,12 @@ def test_the_kernels_lower_to_triton_for_an_h200(monkeypatch):
         args = jax.eval_shape(lambda: _inputs(0, 4, 8, 32, 2048, 512, 512, quant))
         f = lambda *a: routed_experts_stream(*a, impl="pallas")
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call") >= 2, text[:2000]
+        x, _, _, gate, up, down, shared = args
+        router = RouterLogits(jax.ShapeDtypeStruct((4, 33), BF16), 32, 8, True)
+        routed = lambda x, rows, *w: moe_stream(x, RouterLogits(rows, 32, 8, True), *w, impl="pallas")
+        text = jax.jit(routed).trace(x, router.rows, gate, up, down, shared).lower(
+            lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call") >= 2, text[:2000]
 
 

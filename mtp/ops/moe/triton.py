@@ -8,9 +8,9 @@ shared expert's gate, sigmoid and GEMMs; the combine), each a launch and a gap. 
 the shared expert one more pair of each token:
 
 1. ``gate_up`` (grid: ``P + N`` pairs x ``I / block_i``): a program finds its pair's expert, from
-   the routing it is given (`routed_experts_stream`) or from the router's logits (`moe_stream`:
-   ``k`` arg-maxes, the top ``k``'s softmax mass, in every program, since a routing kernel of its
-   own would be a launch), streams the expert's ``gate`` and ``up`` rows ``[o0, o0 + block_i)`` in
+   the routing it is given (`routed_experts_stream`) or from the router's bf16 logits (`moe_stream`:
+   the pair's expert by as many integer maxes over packed (logit, id) keys as its rank, in every
+   program, since a routing kernel of its own would be a launch), streams the expert's ``gate`` and ``up`` rows ``[o0, o0 + block_i)`` in
    place in chunks of ``chunk`` columns, multiplies them by the token's row and sums along the chunk
    in f32 (a multiply and a reduction: a dot would pad the one row to 16), and writes
    ``h = r(silu(r(g)) * r(u))`` (``r``: a rounding to bf16, the reference's) as bf16 ``[P + N, I]``;
@@ -111,6 +111,8 @@ def unsupported(x, gate, up, down, shared: SharedExpert | None = None, router: R
             return f"{e} experts, top-{router.k}: the kernel routes over a power-of-two count of experts"
         if router.rows.ndim != 2 or router.rows.shape[0] < x.shape[0] or router.rows.shape[1] < e:
             return f"router rows {tuple(router.rows.shape)} do not hold {e} logits for each of {x.shape[0]} tokens"
+        if router.rows.dtype != jnp.bfloat16:
+            return f"router rows are {router.rows.dtype}; the kernel orders bfloat16 logits"
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         return f"x is {x.dtype} {tuple(x.shape)}; the kernels take bfloat16 [N, H]"
     if x.shape[0] > MAX_TOKENS:
@@ -155,25 +157,56 @@ def _silu_product(g, u):
     return _bf16(g * jax.nn.sigmoid(g)) * u
 
 
-def _routed_pair(l_ref, t, slot, *, router: RouterSpec):
-    """Token ``t``'s ``slot``-th expert by its router logits (row ``t`` of ``l_ref``), and its weight.
+_TAKEN = -(2 ** 31)  # an order key no logit has: a picked expert's key
 
-    `reference.route`'s routing, in one program: the top ``k`` by ``k`` arg-maxes (the lower id
-    first on a tie, as ``lax.top_k``), their softmax weights renormalised over the ``k`` (or over
-    every expert), rounded to bf16.
+
+def _order_keys(logits, ids):
+    """int32 keys whose order is the logits' order, the lower id first among equal logits.
+
+    A bf16 logit's f32 bits have 16 zero bits at the bottom; flipping the magnitude bits of a negative
+    one makes the top 16 bits order as the value (``-0`` is made ``+0`` first: the two tie), and the
+    bottom 16 bits hold ``65535 - id``. One integer max then finds the top logit and its id.
+    """
+    bits = jax.lax.bitcast_convert_type(jnp.where(logits == 0, 0.0, logits), jnp.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered & -65536) | (65535 - ids)
+
+
+def _key_value(key):
+    """The expert id and the (f32) logit an `_order_keys` key stands for."""
+    top = key & -65536
+    bits = (top ^ ((top >> 31) & 0x7FFFFFFF)) & -65536
+    return 65535 - (key & 65535), jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _routed_pair(l_ref, t, slot, picks, *, router: RouterSpec):
+    """Token ``t``'s ``slot``-th expert by its router logits (row ``t`` of ``l_ref``, bf16), and its weight.
+
+    `reference.route`'s routing: the top ``k`` in order, picked one at a time (an integer max over
+    `_order_keys`, a reduction a pick), their softmax weights renormalised over the ``k`` (or over
+    every expert), rounded to bf16. Every program of the pair needs its expert, and its weight only
+    the one that writes it: a program picks ``picks`` experts (``slot + 1`` for the expert, ``k`` for
+    the weight as well, 0 for none), since the picks before its loads are the kernel's latency.
     """
     ids = jax.lax.broadcasted_iota(jnp.int32, (router.experts,), 0)
     logits = l_ref[t, pl.ds(0, router.experts)].astype(jnp.float32)
-    exps = jnp.exp(logits - jnp.max(logits))
-    left, total = logits, jnp.float32(0)
-    expert, weight = jnp.int32(0), jnp.float32(0)
-    for j in range(router.k):
-        top = jnp.argmax(left).astype(jnp.int32)
-        mass = jnp.sum(jnp.where(ids == top, exps, 0.0))
-        total += mass
-        expert, weight = jnp.where(slot == j, top, expert), jnp.where(slot == j, mass, weight)
-        left = jnp.where(ids == top, -jnp.inf, left)
-    return expert, _bf16(weight / (total if router.normalize else jnp.sum(exps)))
+
+    def pick(j, carry):
+        keys, expert, top, mass, total = carry
+        best = jnp.max(keys)
+        e, value = _key_value(best)
+        top = jnp.where(j == 0, value, top)
+        m = jnp.exp(value - top)
+        at_slot = j == slot
+        return (jnp.where(keys == best, _TAKEN, keys), jnp.where(at_slot, e, expert), top,
+                jnp.where(at_slot, m, mass), total + m)
+
+    zero = jnp.float32(0)
+    _, expert, top, mass, total = jax.lax.fori_loop(0, picks, pick,
+                                                    (_order_keys(logits, ids), jnp.int32(0), zero, zero, zero))
+    if not router.normalize:
+        total = jnp.sum(jnp.exp(logits - top))
+    return expert, _bf16(mass / total)
 
 
 def _gate_up_kernel(route_ref, x_ref, *refs, counts, routed_pairs, k, rows, hidden, chunk, inter, shared_inter,
@@ -194,9 +227,11 @@ def _gate_up_kernel(route_ref, x_ref, *refs, counts, routed_pairs, k, rows, hidd
     if router is None:
         e = route_ref[0, 0]
     else:
-        e, weight = _routed_pair(route_ref, t, p % k, router=router)
+        writes = jnp.logical_and(is_routed, j == 0)
+        picks = jnp.where(writes, k, jnp.where(is_routed, p % k + 1, 0))
+        e, weight = _routed_pair(route_ref, t, p % k, picks, router=router)
 
-        @pl.when(jnp.logical_and(is_routed, j == 0))
+        @pl.when(writes)
         def _():
             id_ref[...] = jnp.full((1, 1), e, jnp.int32)
             w_ref[...] = jnp.full((1, 1), weight, jnp.float32)
