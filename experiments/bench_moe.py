@@ -10,7 +10,7 @@ k distinct experts a token, softmax weights. ``--shared`` adds each shape's shar
 Variants: ``dense`` (every expert on every token, weighted), the reference's two sparse forms
 (``mtp.ops.moe.reference``: ``gather``, the selected experts' weights gathered per pair;
 ``segments``, the pairs sorted into tiles of one expert, a batched GEMM over the tiles),
-``mosaic`` (the kernels, ``default_config``) and ``mosaic:<field>=<value>/...`` for each
+``mosaic`` (the kernels, ``default_config``; FP8 experts dequantized whole before them, timed) and ``mosaic:<field>=<value>/...`` for each
 ``--configs`` entry (those fields of ``GroupedGemmConfig`` changed), ``tokamax``
 (``mtp.ops.moe.tokamax``, if it imports; its weight layout made beforehand, untimed), ``stream``
 (the weight-streaming kernels of ``mtp.ops.moe.triton``, the shared expert among their pairs) and
@@ -192,7 +192,9 @@ def parse_stream_config(text):
 
 
 def _mosaic(overrides, impl):
+    """The grouped-GEMM kernels; FP8 experts dequantized whole first (timed), as the api hands them over."""
     def run(x, ids, w, gate, up, down):
+        gate, up, down = (reference.in_dtype(t, x.dtype) for t in (gate, up, down))
         cfg = mosaic.default_config(x.shape[0], ids.shape[1], gate.shape[0], x.shape[1], gate.shape[1])
         cfg = dataclasses.replace(cfg, **overrides)
         return mosaic.routed_experts_mosaic(x, ids, w, gate, up, down, impl=impl, config=cfg)

@@ -103,6 +103,29 @@ def test_api_dispatches_to_the_kernels(monkeypatch):
         assert calls == [kernel]
 
 
+def test_fp8_experts_reach_the_grouped_gemms_dequantized(monkeypatch):
+    """Block-scaled FP8 experts above `triton.MAX_TOKENS` rows: the grouped-GEMM kernels take them
+    dequantized to the activations' dtype, the reference's own rounding of a gathered FP8 expert;
+    ``auto`` does so from `api.DEQUANTIZE_MIN_PAIRS_PER_EXPERT` pairs an expert."""
+    from mtp.ops import fp8
+
+    seen = []
+    run = mosaic.routed_experts_mosaic
+    monkeypatch.setattr(mosaic, "routed_experts_mosaic",
+                        lambda *a, **k: seen.append([w.dtype for w in a[3:6]]) or run(*a, **k))
+    x, ids, w, gate, up, down = _inputs(31, triton.MAX_TOKENS + 4, 3, e=8, h=128, i=128)
+    q = [fp8.quantize(t.astype(jnp.float32)) for t in (gate, up, down)]
+    out = api.routed_experts(x, ids, w, *q, impl="interpret")
+    assert seen == [[jnp.bfloat16] * 3]
+    ref = reference.routed_experts(x, ids, w, *q)
+    assert _rel_err(out, ref) < 1e-2
+    assert _rel_err(ref, reference.routed_experts(x, ids, w, gate, up, down)) > 1e-3  # the 8 bits matter
+    e = gate.shape[0]
+    per_expert = api.DEQUANTIZE_MIN_PAIRS_PER_EXPERT
+    assert api.dequantize_pays(jnp.zeros((per_expert * e,), jnp.int32), e)
+    assert not api.dequantize_pays(jnp.zeros((per_expert * e - 1,), jnp.int32), e)
+
+
 def test_plan_rows_layout():
     """Every pair has its own row, in a block of its expert; blocks past the used ones are sentinels."""
     rng = np.random.default_rng(5)
