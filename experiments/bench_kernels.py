@@ -55,7 +55,8 @@ from mtp.config import ModelConfig
 from mtp.execution import ExecutionConfig
 from mtp.model import gemm_layout
 from mtp.model.params import init_params
-from mtp.mtp_head import APPEND_BUCKETS, PREFILL_CHUNK, DrafterCache, append_rows, quantize_head
+from mtp.model.prepared import prepare_params
+from mtp.mtp_head import APPEND_BUCKETS, PREFILL_CHUNK, DrafterCache, append_rows
 from mtp.ops.fc_gemm import fc_gemm_reference, fold_fc_weight, normed_embed_rows, row_mean_squares
 from mtp.ops.fc_gemm import mosaic as fc_mosaic
 from mtp.ops.gdn_step import gdn_step, gdn_step_reference
@@ -266,7 +267,7 @@ def _prefill_model():
     """The benchmark model (``model_shapes.BIG``, or ``SMALL`` with --small), random bf16 weights,
     the fc weight folded as at load."""
     cfg = ModelConfig.from_hf(SMALL if FLAGS.small else BIG)
-    params = quantize_head(init_params(cfg, jax.random.key(1), jnp.bfloat16), "bf16", fold_fc=True)
+    params = prepare_params(init_params(cfg, jax.random.key(1), jnp.bfloat16), fold_fc=True)
     return cfg, params
 
 
@@ -291,8 +292,7 @@ def bench_prefill(batch, rows, reps, page=16):
         hiddens = (2.0 * jax.random.normal(k2, (batch, rows, cfg.hidden_size))).astype(jnp.bfloat16)
         sets.append((dcache, tokens, hiddens, jnp.zeros((batch,), jnp.int32), jnp.full((batch,), rows, jnp.int32)))
     # Jitted here without donation, so that every timed call can reuse its cache.
-    fc = params["mtp"]["fc"]
-    raw = {**params, "mtp": {**params["mtp"], "fc": {k: v for k, v in fc.items() if k != "embed_mean_square"}}}
+    raw = params.replace(fc=params.fc.replace(embed_mean_square=None))
     paths = {"t_xla_fc": ("reference", params), "t_fc_kernel": ("pallas", params),
              "t_fc_kernel_embed_raw": ("pallas", raw)}
     fns = {key: jax.jit(lambda dc, nt, hs, fk, n, impl=impl, p=p: append_rows(

@@ -91,7 +91,7 @@ from mtp.config import ModelConfig
 from mtp.execution import ExecutionConfig
 from mtp.model import params as P
 from mtp.model import target
-from mtp.mtp_head import quantize_head
+from mtp.model.prepared import prepare_params
 from mtp.ops import fp8
 from mtp.ops.moe import triton as moe_triton
 from mtp.speculative import SpecConfig, greedy_loop, speculative_loop
@@ -410,7 +410,7 @@ class ModelBench:
         self.programs, self.report, self.deadline = programs, report, deadline
         self.k_route = cfg.num_experts_per_tok if cfg.num_experts else None
         self.params_abs = abstract_params(cfg, weights=weights)
-        self.head_abs = jax.eval_shape(lambda p: quantize_head(p, "bf16", execution=execution), self.params_abs)
+        self.prepared_abs = jax.eval_shape(lambda p: prepare_params(p, execution), self.params_abs)
         self.loop_room = 2 * conf.loop_tokens + conf.spec_k + PAGE
         self.step_states: dict[str, tuple[Callable, Any]] = {}  # what -> (its state's maker, routing shapes)
         self.loop_compile = None  # (compiled, seconds) of the plain loop, once `declare_loop`'s compile is done
@@ -454,7 +454,7 @@ class ModelBench:
     def declare_loop(self):
         """The plain loop of batch 1: its compile is the one timed alone."""
         b = 1
-        args = (self.cfg, self.params_abs, self._state_abs(lambda: self._loop_cache(b)),
+        args = (self.cfg, self.prepared_abs, self._state_abs(lambda: self._loop_cache(b)),
                 jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32), self.plain_spec,
                 jax.eval_shape(lambda: jax.random.key(0)))
         self.programs.submit(f"{self.name}/greedy_loop", greedy_loop, *args)
@@ -470,7 +470,7 @@ class ModelBench:
             self._declare_step(what, chained_verify_step(c, self.execution), self.params_abs, steps.pop(what))
         if self.suite == "full":
             b = 1
-            args = (c, self.head_abs, self._state_abs(lambda: self._loop_cache(b)),
+            args = (c, self.prepared_abs, self._state_abs(lambda: self._loop_cache(b)),
                     self._state_abs(lambda: self._loop_drafter(b)), jax.ShapeDtypeStruct((b,), jnp.int32),
                     jax.ShapeDtypeStruct((b, c.hidden_size), DTYPE), jax.ShapeDtypeStruct((b,), jnp.int32),
                     self.plain_spec, jax.eval_shape(lambda: jax.random.key(0)), None,
@@ -483,7 +483,8 @@ class ModelBench:
         for what, make_state in steps.items():
             self._declare_step(what, chained_verify_step(c, self.execution), self.params_abs, make_state)
         if self.suite == "full":
-            self._declare_step("propose", chained_propose_step(c, self.execution), self.head_abs, self._propose_state)
+            self._declare_step("propose", chained_propose_step(c, self.execution), self.prepared_abs,
+                               self._propose_state)
         self._declare_prefill()
 
     def _declare_step(self, what, step, params_abs, make_state):
@@ -590,8 +591,8 @@ class ModelBench:
                 self.guarded(what, deadline, lambda what=what: step_row(what))
         if self.suite == "full":
             def propose():
-                head = quantize_head(params, "bf16", execution=self.execution)
-                row = self.time_step("propose", head, floor_of(head_dense_bytes(c, self.weights), 1, 1, 0), 1)
+                row = self.time_step("propose", prepare_params(params, self.execution),
+                                     floor_of(head_dense_bytes(c, self.weights), 1, 1, 0), 1)
                 if "decode b=1" in rows:
                     row["ratio_to_decode"] = row["ms"] / rows["decode b=1"]["ms"]
                 self.add("propose (1 draft)", batch=1, **row)
@@ -634,9 +635,10 @@ class ModelBench:
 
     def measure_loops(self, params, rows, deadline, speculative: bool):
         """The plain loop at batch 1 and, with ``speculative``, the speculative loop at each alpha."""
-        plain_ms = self.guarded("greedy loop", deadline, lambda: self._measure_plain_loop(params, rows))
+        prepared = prepare_params(params, self.execution)
+        plain_ms = self.guarded("greedy loop", deadline, lambda: self._measure_plain_loop(prepared, rows))
         if speculative and plain_ms is not None:
-            self.guarded("spec_loop", deadline, lambda: self._measure_spec_loop(params, plain_ms))
+            self.guarded("spec_loop", deadline, lambda: self._measure_spec_loop(prepared, plain_ms))
 
     def _measure_plain_loop(self, params, rows):
         conf, b = self.conf, 1
@@ -664,9 +666,8 @@ class ModelBench:
                  ratio_to_decode_step=plain_ms / rows["decode b=1"]["ms"] if "decode b=1" in rows else None)
         return plain_ms
 
-    def _measure_spec_loop(self, params, plain_ms):
+    def _measure_spec_loop(self, head, plain_ms):
         """The speculative loop at each alpha: with the full draft vocabulary, then the reduced one."""
-        head = quantize_head(params, "bf16", execution=self.execution)
         state = {"cache": self._loop_cache(1), "dcache": self._loop_drafter(1)}
         self._measure_spec_loop_at(head, state, plain_ms, "spec_loop", None, "")
         if self.draft_vocab:

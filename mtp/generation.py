@@ -25,6 +25,7 @@ from mtp.config import ModelConfig
 from mtp.metrics import AcceptanceStats
 from mtp.model import target
 from mtp.model.params import Params
+from mtp.model.prepared import prepare_params
 from mtp.mtp_head import DrafterCache, prefill_drafter, quantize_head
 from mtp.speculative import SpecConfig, greedy_loop, pick_token, speculative_loop
 
@@ -118,9 +119,9 @@ def prepare_decode(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[
             return cache.replace(block_tables=jnp.asarray(tables))
 
         cache = new_cache(TargetCache)
-        # Load-time work (quantization or the fc fold, and their compiles), kept out of prefill_s.
-        head_params = (jax.block_until_ready(quantize_head(params, mtp_quant, execution=spec.execution))
-                       if speculative else None)
+        # Load-time work (quantization, the derived tensors, and their compiles), kept out of prefill_s.
+        head_params = jax.block_until_ready(prepare_params(quantize_head(params, mtp_quant) if speculative else params,
+                                                           spec.execution, drafting=speculative))
         rng = jax.random.key(seed)
         rng, k0 = jax.random.split(rng)
         t0 = time.perf_counter()
@@ -131,7 +132,7 @@ def prepare_decode(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[
         first, hidden = first_from_prefill(out, jnp.asarray(lengths), cfg.mtp_hidden_source, spec.temperature, k0)
         budget = jnp.full((b,), spec.max_new_tokens, jnp.int32)
         if not speculative:
-            return DecodeCall(greedy_loop, (cfg, params, cache, first, budget, spec, rng), _ready_at(first) - t0)
+            return DecodeCall(greedy_loop, (cfg, head_params, cache, first, budget, spec, rng), _ready_at(first) - t0)
         dcache = new_cache(DrafterCache)
         if drafter_prefill and quant.supports_drafter_prefill(mtp_quant):
             dcache = prefill_drafter(cfg, head_params, dcache, tokens, out.mtp_hidden(cfg.mtp_hidden_source),

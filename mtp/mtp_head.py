@@ -25,9 +25,9 @@ from mtp.execution import ExecutionConfig
 from mtp.model.gemm_layout import DEFAULT, dense
 from mtp.model.layers import attention_kv, attention_out, attention_qkv, causal_attention
 from mtp.model.params import Params
+from mtp.model.prepared import PreparedParams, as_prepared
 from mtp.model.target import decoder_layer, definition_of, embed, lm_head, paged_attention_mixer
-from mtp.ops.dispatch import resolve_impl
-from mtp.ops.fc_gemm import fc_gemm, fold_fc_weight, row_mean_squares
+from mtp.ops.fc_gemm import fc_gemm
 from mtp.ops.norms import rms_norm
 from mtp.ops.paged_kv import write_pages
 
@@ -62,39 +62,25 @@ class DrafterCache:
         return self.replace(rows=self.rows - count, last_pair_key=last_pair_key)
 
 
-def quantize_head(params: Params, mtp_quant: str, *, fold_fc: bool | None = None,
-                  execution: ExecutionConfig = DEFAULT) -> Params:
-    """The params with the MTP head's projections at ``mtp_quant`` (the target untouched).
-
-    The load-time hook for the head's weights. At bf16 it also adds
-    ``mtp.fc.weight_folded = fold_fc_weight(...)`` (the fc kernel's weight, with the two
-    pre-fc norms' ``(1 + w)`` folded in) and ``mtp.fc.embed_mean_square`` (each token's
-    embedding mean square, so that the kernel's row-norm pass reads the hidden half alone)
-    when ``fold_fc`` is true, by default when ``execution`` (the run's, which the head's steps
-    take) puts the fc GEMM on its kernel path, so that no step recomputes them.
-    The reference path ignores both.
+def quantize_head(params: Params, mtp_quant: str) -> Params:
+    """The params with the MTP head's projections at ``mtp_quant`` (the target untouched; at
+    bf16, ``params`` itself): the load-time hook for the head's weights, before the tensors a
+    run derives from them (`mtp.model.prepared.prepare_params`).
     """
-    mtp_quant = quant.parse_quant(mtp_quant)
-    if mtp_quant == "bf16":
-        if fold_fc is None:
-            fold_fc = resolve_impl(execution.impl_for("fc_gemm"), op="fc_gemm") != "reference"
-        m = params["mtp"]
-        if not fold_fc or not isinstance(m["fc"]["weight"], jax.Array):  # an FP8 checkpoint's fc: `dense`
-            return params
-        folded = fold_fc_weight(m["pre_fc_norm_embedding"]["weight"], m["pre_fc_norm_hidden"]["weight"],
-                                m["fc"]["weight"])
-        ms = row_mean_squares(params["model"]["embed_tokens"]["weight"])
-        return {**params, "mtp": {**m, "fc": {**m["fc"], "weight_folded": folded, "embed_mean_square": ms}}}
+    if quant.parse_quant(mtp_quant) == "bf16":
+        return params
     head = quant.quantize_params({"mtp": params["mtp"]}, mtp_quant,
                                  lambda name: quant.is_projection_weight(name) and not name.endswith("mlp.gate.weight"))
     return {**params, "mtp": head["mtp"]}
 
 
-def fc_input(cfg: ModelConfig, params: Params, next_tokens: jax.Array, hidden: jax.Array,
+def fc_input(cfg: ModelConfig, params: Params | PreparedParams, next_tokens: jax.Array, hidden: jax.Array,
              execution: ExecutionConfig) -> jax.Array:
-    """``fc(concat(norm_e(embed(t)), norm_h(hidden)))`` for any leading shape."""
-    m = params["mtp"]
-    e = embed(params, next_tokens).astype(hidden.dtype)
+    """``fc(concat(norm_e(embed(t)), norm_h(hidden)))`` for any leading shape; the fc kernel reads
+    its inputs made at load where ``params`` has them (`mtp.model.prepared.FcPrepared`)."""
+    prepared = as_prepared(params)
+    m = prepared.params["mtp"]
+    e = embed(prepared.params, next_tokens).astype(hidden.dtype)
     w = m["fc"]["weight"]
     ne, nh = m["pre_fc_norm_embedding"]["weight"], m["pre_fc_norm_hidden"]["weight"]
     if not isinstance(w, jax.Array):  # quantized fc: no fused kernel for it
@@ -102,10 +88,11 @@ def fc_input(cfg: ModelConfig, params: Params, next_tokens: jax.Array, hidden: j
         return dense(x, w, execution=execution)
     lead = hidden.shape[:-1]
     flat = lambda a: a.reshape(-1, a.shape[-1])
-    wf, ms = m["fc"].get("weight_folded"), m["fc"].get("embed_mean_square")
+    fc = prepared.fc
+    ms = None if fc is None else fc.embed_mean_square
     out = fc_gemm(flat(e), flat(hidden), ne, nh, w.astype(hidden.dtype), eps=cfg.rms_norm_eps,
                   impl=execution.impl_for("fc_gemm"),
-                  w_folded=None if wf is None else wf.astype(hidden.dtype),
+                  w_folded=None if fc is None else fc.weight_folded.astype(hidden.dtype),
                   embed_mean_square=None if ms is None else jnp.take(ms, next_tokens.reshape(-1)))
     return out.reshape(*lead, -1)
 
@@ -164,7 +151,7 @@ def forward_sequence(cfg: ModelConfig, params: Params, tokens: jax.Array, hidden
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "execution"), donate_argnames=("dcache",))
-def append_rows(cfg: ModelConfig, params: Params, dcache: DrafterCache, next_tokens: jax.Array,
+def append_rows(cfg: ModelConfig, params: Params | PreparedParams, dcache: DrafterCache, next_tokens: jax.Array,
                 hiddens: jax.Array, first_key: jax.Array, count: jax.Array, *,
                 execution: ExecutionConfig = DEFAULT) -> DrafterCache:
     """Write rows for pair keys ``first_key[b] + i`` (``i < count[b]``) after the resident rows.
@@ -173,14 +160,16 @@ def append_rows(cfg: ModelConfig, params: Params, dcache: DrafterCache, next_tok
     A single-layer drafter's K/V depend only on its input pair, so this is fc,
     norms, k/v projections, k_norm, RoPE at ``key + 1`` and the cache write — no
     attention. Drafter prefill, the carry's tail append and the refeed catch-up
-    are all this call.
+    are all this call. ``params``: the checkpoint dict, or with the tensors a run derives from it
+    (`mtp.model.prepared.prepare_params`).
     """
+    prepared = as_prepared(params)
     t = next_tokens.shape[1]
     i = jnp.arange(t)[None, :]
     valid = i < count[:, None]
     keys = first_key[:, None] + i
-    x = fc_input(cfg, params, next_tokens, hiddens, execution)
-    p = params["mtp"]["layers"]["0"]
+    x = fc_input(cfg, prepared, next_tokens, hiddens, execution)
+    p = prepared.params["mtp"]["layers"]["0"]
     k, v = attention_kv(p["self_attn"], rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps),
                         keys + 1, cfg, execution)
     slots = dcache.rows[:, None] + i
@@ -196,22 +185,23 @@ def append_rows(cfg: ModelConfig, params: Params, dcache: DrafterCache, next_tok
     )
 
 
-def draft_step(cfg: ModelConfig, params: Params, dcache: DrafterCache, token: jax.Array,
+def draft_step(cfg: ModelConfig, params: Params | PreparedParams, dcache: DrafterCache, token: jax.Array,
                hidden: jax.Array, pair_key: jax.Array, active: jax.Array, execution: ExecutionConfig,
                draft_vocab: jax.Array | None = None):
     """One draft for every slot: pair ``(token, hidden)`` at key ``pair_key`` -> next token.
 
-    Appends the pair's row (where ``active``) and attends over all resident rows.
-    Returns ``(dcache, logits [B, V'], chained_hidden [B, H])``.
+    Appends the pair's row (where ``active``) and attends over all resident rows. ``params`` as
+    in `append_rows`. Returns ``(dcache, logits [B, V'], chained_hidden [B, H])``.
     """
-    p = params["mtp"]["layers"]["0"]
-    x = fc_input(cfg, params, token[:, None], hidden[:, None, :], execution)
+    prepared = as_prepared(params)
+    p, merged = prepared.params["mtp"]["layers"]["0"], prepared.mtp_merged
+    x = fc_input(cfg, prepared, token[:, None], hidden[:, None, :], execution)
     rows = dcache.rows[:, None]
     mixer = paged_attention_mixer(cfg, p, pair_key[:, None] + 1, rows, dcache.kv.k[0], dcache.kv.v[0],
                                   dcache.block_tables, active[:, None], jnp.where(active, dcache.rows + 1, 0),
-                                  execution)
-    x, (kp, vp) = decoder_layer(cfg, p, x, mixer, execution)
-    logits, chained = _head_out(cfg, params, x[:, 0], draft_vocab)
+                                  execution, merged)
+    x, (kp, vp) = decoder_layer(cfg, p, x, mixer, execution, merged)
+    logits, chained = _head_out(cfg, prepared.params, x[:, 0], draft_vocab)
     step = active.astype(jnp.int32)
     dcache = dcache.replace(kv=dcache.kv.replace(k=(kp,), v=(vp,)), rows=dcache.rows + step,
                             last_pair_key=jnp.where(active, pair_key, dcache.last_pair_key))
@@ -234,7 +224,7 @@ def append_chunks(count: int, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int
     return plan
 
 
-def prefill_drafter(cfg: ModelConfig, params: Params, dcache: DrafterCache, tokens, hiddens,
+def prefill_drafter(cfg: ModelConfig, params: Params | PreparedParams, dcache: DrafterCache, tokens, hiddens,
                     first_key, count, *, execution: ExecutionConfig = DEFAULT,
                     chunk: int = PREFILL_CHUNK) -> DrafterCache:
     """Host-side driver: append pair keys chunk by chunk (`append_chunks`).

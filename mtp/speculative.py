@@ -29,8 +29,9 @@ from mtp.cache.state import TargetCache
 from mtp.carry import mtp_rows_to_trim
 from mtp.config import ModelConfig
 from mtp.execution import ExecutionConfig
-from mtp.model import gemm_layout, target
+from mtp.model import target
 from mtp.model.params import Params
+from mtp.model.prepared import PreparedParams
 from mtp.mtp_head import DrafterCache, append_rows, draft_step
 from mtp.ops.gdn_step import MAX_STEPS
 
@@ -203,10 +204,12 @@ def _jit_loop(fn, donate: tuple[str, ...], options: tuple[tuple[str, str], ...])
 
 # ------------------------------------------------------------------ plain greedy
 @functools.partial(DecodeLoop, donate=("cache",))
-def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_token: jax.Array,
+def greedy_loop(cfg: ModelConfig, params: Params | PreparedParams, cache: TargetCache, first_token: jax.Array,
                 budget: jax.Array, spec: SpecConfig, rng: jax.Array | None = None):
     """Plain decoding of the target (greedy, or sampled at ``spec.temperature``).
 
+    ``params``: as `mtp.model.prepared.prepare_params` made them for ``spec.execution`` (a bare
+    checkpoint dict computes the same tokens, making the derived tensors in every step).
     ``first_token [B]`` is the token the prefill produced; ``budget [B]`` the
     number of tokens to emit per slot (0 = idle). Returns ``(cache, out, num_out)``.
     """
@@ -214,7 +217,6 @@ def greedy_loop(cfg: ModelConfig, params: Params, cache: TargetCache, first_toke
     rng = jax.random.key(0) if rng is None else rng
     state = _initial_state(cfg, cache, None, first_token, jnp.zeros((b, cfg.hidden_size), jnp.float32),
                            budget, spec, rng, b)
-    params = gemm_layout.with_merged_weights(params, spec.execution)  # once per call, not per step
 
     def body(s: LoopState) -> LoopState:
         rng, key = jax.random.split(s.rng)
@@ -383,13 +385,14 @@ def _count_step(m: DecodeMetrics, active, num_drafted, accepted, d: int) -> Deco
 
 
 @functools.partial(DecodeLoop, donate=("cache", "dcache"))
-def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcache: DrafterCache,
+def speculative_loop(cfg: ModelConfig, params: Params | PreparedParams, cache: TargetCache, dcache: DrafterCache,
                      first_token: jax.Array, first_hidden: jax.Array, budget: jax.Array,
                      spec: SpecConfig, rng: jax.Array | None = None,
                      draft_vocab: jax.Array | None = None,
                      synthetic_acceptance: jax.Array | float | None = None):
     """MTP speculative decoding of one turn for every slot of the batch.
 
+    ``params`` as in `greedy_loop`, the MTP head's included (`mtp.mtp_head.quantize_head`).
     ``first_token [B]``/``first_hidden [B, H]``: the prefill's output token and the
     target hidden that produced it (per ``cfg.mtp_hidden_source``). The drafter
     cache must already hold whatever context the policy gave it (prefill, carry,
@@ -407,7 +410,6 @@ def speculative_loop(cfg: ModelConfig, params: Params, cache: TargetCache, dcach
     rng = jax.random.key(0) if rng is None else rng
     dcache_rows, dcache_last_key, first_output_key = dcache.rows, dcache.last_pair_key, cache.lengths - 1
     state = _initial_state(cfg, cache, dcache, first_token, first_hidden, budget, spec, rng, b)
-    params = gemm_layout.with_merged_weights(params, spec.execution)  # once per call, not per step
 
     def body(s: LoopState) -> LoopState:
         rng, kp, ka = jax.random.split(s.rng, 3)

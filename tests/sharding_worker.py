@@ -338,6 +338,47 @@ def error_case() -> dict:
     return messages
 
 
+def prepared_case() -> dict:
+    """Where `prepare_params` puts the tensors it derives from sharded params (merging and the fc
+    fold forced on). Under a tensor-parallel mesh nothing is premerged (`dense_columns` merges
+    nothing there), the folded fc weight is replicated as the fc weight is, and the embedding's
+    mean squares are split as its rows are; on an expert-parallel mesh (tp = 1) each merged weight
+    is replicated and equals its parts concatenated."""
+    from mtp.execution import ExecutionConfig
+    from mtp.model.gemm_layout import MERGED_GROUPS
+    from mtp.model.prepared import prepare_params
+
+    out = {}
+    for name, tp, ep in (("tiny_tp", 2, 1), ("tiny_moe", 1, 2)):
+        cfg = tiny_config(name)
+        params = random_params(cfg, seed=8)
+        mesh = S.make_mesh(tp, ep)
+        with S.on_mesh(mesh):
+            prepared = prepare_params(S.shard_params(params, cfg, mesh), ExecutionConfig(merge_projections=True),
+                                      fold_fc=True)
+        layers = [*(params["model"]["layers"][str(i)] for i in range(cfg.num_hidden_layers)),
+                  params["mtp"]["layers"]["0"]]
+        merged = 0
+        for layer, m in zip(layers, (*prepared.merged, prepared.mtp_merged)):
+            for key, names in MERGED_GROUPS.items():
+                w = getattr(m, key)
+                if w is None:
+                    continue
+                merged += 1
+                check(w.sharding.is_fully_replicated, f"{name}: merged {key} is laid out {w.sharding}")
+                parts = [np.asarray(layer[key][n]["weight"]) for n in names]
+                check(np.array_equal(np.asarray(w), np.concatenate(parts)), f"{name}: merged {key} is not its parts")
+        fc = prepared.fc
+        embed_rows = S.spec_for("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), cfg, tp)[:1]
+        check(fc.weight_folded.sharding.is_fully_replicated, f"{name}: folded fc laid out {fc.weight_folded.sharding}")
+        check(fc.embed_mean_square.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, P(*embed_rows)), 1),
+              f"{name}: embed mean squares laid out {fc.embed_mean_square.sharding}, the embedding's rows {embed_rows}")
+        out[f"{name} tp={tp} ep={ep}"] = {"merged": merged,
+                                          "embed_mean_square": str(fc.embed_mean_square.sharding.spec)}
+    check(out["tiny_tp tp=2 ep=1"]["merged"] == 0 and out["tiny_moe tp=1 ep=2"]["merged"] > 0, f"merged: {out}")
+    return out
+
+
 def main() -> None:
     check(jax.device_count() == DEVICES, f"expected {DEVICES} host devices, got {jax.device_count()} "
           f"(XLA_FLAGS must be set before jax is imported)")
@@ -350,6 +391,7 @@ def main() -> None:
                  load_case("tiny_moe", 2, 2, seed=4)],
         "errors": error_case(),
         "kernel": kernel_case(),
+        "prepared": prepared_case(),
     }
     summary["seconds"] = round(time.time() - start, 1)
     print(json.dumps(summary))

@@ -121,7 +121,7 @@ def _carried_keys(eng, entry):
     """The pair key each of ``entry``'s rows holds, and how far the row's K is from it: the nearest
     of the keys' K computed from the true target hiddens of ``entry.tokens`` (DESIGN §2: row r
     holds key k = (embed(t[k+1]), hidden[k]) at RoPE position k + 1)."""
-    cfg, hp = eng.cfg, eng.device.head_params
+    cfg, hp = eng.cfg, eng.device.head_params.params
     t = jnp.asarray(entry.tokens, jnp.int32)[None]
     h = target.forward_with_hiddens(cfg, hp, t).mtp_hidden(cfg.mtp_hidden_source)
     x = fc_input(cfg, hp, t[:, 1:], h[:, :-1], ExecutionConfig.everywhere("reference"))
@@ -187,7 +187,7 @@ def _entry_rows(eng, entry):
 def _prefilled_rows(eng, tokens):
     """The K and V of the rows a whole-sequence drafter prefill writes for ``tokens`` (keys
     0 .. len - 2, from the target's hiddens of the same sequence), read back the same way."""
-    cfg, hp, ps = eng.cfg, eng.device.head_params, eng.ecfg.page_size
+    cfg, hp, ps = eng.cfg, eng.device.head_params.params, eng.ecfg.page_size
     n = len(tokens)
     blocks = math.ceil(n / ps)
     dcache = DrafterCache.create(cfg, 1, blocks + 1, ps, blocks, jnp.float32).replace(

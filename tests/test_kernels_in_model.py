@@ -126,7 +126,7 @@ def test_speculative_with_the_triton_attention_equals_plain(shipped, monkeypatch
 
 
 def test_speculative_with_the_fc_kernel_as_loaded_equals_plain(shipped, monkeypatch):
-    """The fc kernel as a GPU load sets it up (`quantize_head` folds the weight and adds the
+    """The fc kernel as a GPU load sets it up (`prepare_params` folds the weight and makes the
     per-token embed mean squares, so the embed rows arrive normalised): still lossless, and the
     normalised form is the one that ran."""
     from mtp.ops.fc_gemm import mosaic

@@ -148,33 +148,96 @@ def test_dense_columns_merges_projections_of_one_input():
 
 
 def test_merged_weights_are_made_once_and_used():
-    """`with_merged_weights` adds each small group's concatenated weight beside its parts (not a
-    large group's, nor with merging off), and `module_columns` multiplies by it: with the parts
-    zeroed, the columns still equal the true products, and the trace has no concatenation."""
+    """`merged_layer` concatenates each small group's weights (not a large group's, nor quantized
+    ones, nor with merging off), and `module_columns` multiplies by them: with the parts zeroed,
+    the columns still equal the true products, and the trace has no concatenation."""
     names = gemm_layout.MERGED_GROUPS["linear_attn"]
     ws = [jax.random.normal(jax.random.key(i), (n, 32)) for i, n in ((1, 48), (2, 8))]
     big = jnp.zeros((gemm_layout.PREMERGE_MAX_WEIGHT // 32 + 1, 32))
     from mtp import quant
 
     qkv = gemm_layout.MERGED_GROUPS["self_attn"]
-    params = {"layers": {"0": {"linear_attn": {n: {"weight": w} for n, w in zip(names, ws)}},
-                         "1": {"linear_attn": {names[0]: {"weight": big}, names[1]: {"weight": ws[1]}}}},
-              "mtp": {"self_attn": {n: {"weight": quant.quantize(ws[1], "fp8")} for n in qkv}}}
+    small = {"linear_attn": {n: {"weight": w} for n, w in zip(names, ws)}}
+    large = {"linear_attn": {names[0]: {"weight": big}, names[1]: {"weight": ws[1]}}}
+    quantized = {"self_attn": {n: {"weight": quant.quantize(ws[1], "fp8")} for n in qkv}}
     x = jax.random.normal(jax.random.key(0), (2, 32))
     merging = ExecutionConfig(merge_projections=True)
-    assert gemm_layout.with_merged_weights(params, ExecutionConfig(merge_projections=False)) is params
-    merged = gemm_layout.with_merged_weights(params, merging)
-    key = gemm_layout.merged_key(names)
-    assert key not in merged["layers"]["1"]["linear_attn"]  # too large: its concatenation stays fused
-    assert merged["mtp"]["self_attn"].keys() == set(qkv)  # quantized weights: `dense_columns` never merges them
-    module = merged["layers"]["0"]["linear_attn"]
-    np.testing.assert_array_equal(module[key]["weight"], jnp.concatenate(ws))
-    assert key not in params["layers"]["0"]["linear_attn"]  # the caller's params are left as they were
-    zeroed = {**module, **{n: {"weight": jnp.zeros_like(w)} for n, w in zip(names, ws)}}
-    for c, w in zip(gemm_layout.module_columns(zeroed, x, names, execution=merging), ws):
+    assert gemm_layout.merged_layer(small, ExecutionConfig(merge_projections=False)) == gemm_layout.MergedLayer()
+    assert gemm_layout.merged_layer(large, merging) == gemm_layout.MergedLayer()  # its concatenation stays fused
+    assert gemm_layout.merged_layer(quantized, merging) == gemm_layout.MergedLayer()  # `dense_columns` merges none
+    merged = gemm_layout.merged_layer(small, merging)
+    assert merged.self_attn is None and merged.mlp is None
+    np.testing.assert_array_equal(merged.linear_attn, jnp.concatenate(ws))
+    module = small["linear_attn"]
+    zeroed = {n: {"weight": jnp.zeros_like(w)} for n, w in zip(names, ws)}
+    for c, w in zip(gemm_layout.module_columns(zeroed, x, names, execution=merging, merged=merged.linear_attn), ws):
         np.testing.assert_allclose(c.view((2,)), gemm_layout.dense(x, w), rtol=1e-5, atol=1e-5)
-    assert "concatenate" not in str(jax.make_jaxpr(
-        lambda a: [c.rows for c in gemm_layout.module_columns(module, a, names, execution=merging)])(x))
+    assert "concatenate" not in str(jax.make_jaxpr(lambda a: [
+        c.rows for c in gemm_layout.module_columns(module, a, names, execution=merging, merged=merged.linear_attn)])(x))
+    with pytest.raises(ValueError, match="merged weight has 56 rows"):
+        gemm_layout.module_columns(module, x, names[:1], execution=merging, merged=merged.linear_attn)
+
+
+def test_prepared_params_hold_the_derived_tensors_beside_an_untouched_checkpoint():
+    """`prepare_params` leaves the checkpoint dict as the checkpoint names it and puts each layer's
+    merged groups, the MTP head's included, in typed fields, equal to the concatenated parts; with
+    merging off, or as a bare dict is read, there are none, and for plain decoding (``drafting=False``)
+    none of the head's."""
+    from mtp.model.params import flatten, param_shapes
+    from mtp.model.prepared import as_prepared, prepare_params
+
+    cfg = tiny_config("tiny_moe")
+    params = random_params(cfg)
+    merging = ExecutionConfig(merge_projections=True)
+    prepared = prepare_params(params, merging, fold_fc=False)
+    assert prepared.params is params and flatten(prepared.params).keys() == param_shapes(cfg).keys()
+    assert len(prepared.merged) == cfg.num_hidden_layers and prepared.fc is None
+    layers = [*(params["model"]["layers"][str(i)] for i in range(cfg.num_hidden_layers)), params["mtp"]["layers"]["0"]]
+    for layer, merged in zip(layers, (*prepared.merged, prepared.mtp_merged), strict=True):
+        for key, names in gemm_layout.MERGED_GROUPS.items():
+            parts = [layer[key][n]["weight"] for n in names if key in layer and n in layer[key]]
+            got = getattr(merged, key)
+            assert (got is None) == (len(parts) < 2), (key, layer.keys())
+            if got is not None:
+                np.testing.assert_array_equal(got, jnp.concatenate(parts))
+    assert {k for m in prepared.merged for k in gemm_layout.MERGED_GROUPS if getattr(m, k) is not None} == \
+        set(gemm_layout.MERGED_GROUPS)  # the tiny MoE model has every group
+    for bare in (prepare_params(params, ExecutionConfig(merge_projections=False), fold_fc=False), as_prepared(params)):
+        assert bare.params is params and not jax.tree.leaves((bare.merged, bare.mtp_merged, bare.fc))
+    assert as_prepared(prepared) is prepared
+    plain = prepare_params(params, merging, drafting=False, fold_fc=True)
+    assert plain.mtp_merged == gemm_layout.MergedLayer() and plain.fc is None
+    jax.tree.map(np.testing.assert_array_equal, plain.merged, prepared.merged)
+
+
+def test_cached_paths_on_prepared_params_compute_what_the_bare_dict_does():
+    """A prefill, a verify and an MTP draft step on `prepare_params`' merged weights equal, bit for
+    bit, those on the bare dict (whose steps concatenate each group themselves), and the verify's
+    trace has one concatenation fewer for each group merged at load."""
+    from mtp.model.prepared import prepare_params
+    from mtp.mtp_head import DrafterCache, draft_step
+    from tests.conftest import gemm_layout_config
+
+    cfg = tiny_config("tiny_moe")
+    params = random_params(cfg)
+    merging = gemm_layout_config("merged")
+    prepared = prepare_params(params, merging)
+    toks = jax.random.randint(jax.random.key(1), (2, 9), 0, cfg.vocab_size)
+    hidden = jax.random.normal(jax.random.key(2), (2, cfg.hidden_size))
+    step = jax.jit(draft_step, static_argnames=("cfg", "execution"))
+    outs, concatenations = [], []
+    for p in (prepared, params):
+        cache, _ = target.prefill(cfg, p, paged_cache(cfg, 2, 4), toks[:, :6], jnp.zeros(2, jnp.int32),
+                                  jnp.full(2, 6, jnp.int32), execution=merging)
+        verify = lambda c, t, p=p: target.verify.__wrapped__(cfg, p, c, t, execution=merging)
+        concatenations.append(str(jax.make_jaxpr(verify)(cache, toks[:, 6:])).count("concatenate"))
+        cache, vout = target.verify(cfg, p, cache, toks[:, 6:], execution=merging)
+        _, logits, chained = step(cfg, p, paged_cache(cfg, 2, 4, cls=DrafterCache), toks[:, 0], hidden,
+                                  jnp.zeros(2, jnp.int32), jnp.ones(2, bool), execution=merging)
+        outs.append([vout.logits, vout.hidden_pre, cache.kv.k, cache.linear.recurrent, logits, chained])
+    jax.tree.map(np.testing.assert_array_equal, outs[0], outs[1])
+    merged = sum(leaf is not None for m in prepared.merged for leaf in (m.linear_attn, m.self_attn, m.mlp))
+    assert merged > 0 and concatenations[1] - concatenations[0] == merged
 
 
 def test_a_one_row_step_pads_its_stream_once(tiny, monkeypatch):

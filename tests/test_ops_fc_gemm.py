@@ -280,9 +280,11 @@ def test_auto_on_cpu_is_the_reference():
                                   np.asarray(fc_gemm_reference(*args, eps=1e-6), np.float32))
 
 
-def test_quantize_head_folds_fc_weight_and_fc_input_uses_it():
-    """The load-time hook adds the folded weight; fc_input's kernel path then uses it."""
-    from mtp.mtp_head import fc_input, quantize_head
+def test_prepare_params_folds_fc_weight_and_fc_input_uses_it():
+    """The load-time preparation makes the fc kernel's inputs beside the checkpoint dict, which it
+    leaves as it was; fc_input's kernel path then uses them."""
+    from mtp.model.prepared import prepare_params
+    from mtp.mtp_head import fc_input
 
     h, vocab = 128, 11
     e, hid, ne, nh, w = _inputs(9, 5, h)
@@ -291,17 +293,15 @@ def test_quantize_head_folds_fc_weight_and_fc_input_uses_it():
               "mtp": {"fc": {"weight": w}, "pre_fc_norm_embedding": {"weight": ne},
                       "pre_fc_norm_hidden": {"weight": nh}}}
     # By default it folds where the kernel path is active: a GPU, not a CPU, or where the config names it.
-    assert (quantize_head(params, "bf16") is params) == (jax.default_backend() != "gpu")
-    assert quantize_head(params, "bf16", execution=ExecutionConfig.everywhere("reference")) is params
-    interpreted = quantize_head(params, "bf16", execution=ExecutionConfig.everywhere("interpret"))
-    assert "weight_folded" in interpreted["mtp"]["fc"]
-    folded = quantize_head(params, "bf16", fold_fc=True)
-    np.testing.assert_array_equal(np.asarray(folded["mtp"]["fc"]["weight_folded"], np.float32),
+    assert (prepare_params(params).fc is None) == (jax.default_backend() != "gpu")
+    assert prepare_params(params, ExecutionConfig.everywhere("reference")).fc is None
+    assert prepare_params(params, ExecutionConfig.everywhere("interpret")).fc is not None
+    folded = prepare_params(params, fold_fc=True)
+    np.testing.assert_array_equal(np.asarray(folded.fc.weight_folded, np.float32),
                                   np.asarray(fold_fc_weight(ne, nh, w), np.float32))
     tf = np.asarray(table, np.float32)
-    np.testing.assert_allclose(np.asarray(folded["mtp"]["fc"]["embed_mean_square"]), (tf * tf).mean(-1),
-                               rtol=1e-6)
-    assert folded["mtp"]["fc"]["weight"] is w and params["mtp"]["fc"].keys() == {"weight"}
+    np.testing.assert_allclose(np.asarray(folded.fc.embed_mean_square), (tf * tf).mean(-1), rtol=1e-6)
+    assert folded.params is params and params["mtp"]["fc"].keys() == {"weight"}
 
     class Cfg:
         rms_norm_eps = 1e-6
@@ -310,14 +310,12 @@ def test_quantize_head_folds_fc_weight_and_fc_input_uses_it():
     hidden = hid[None]
     ref = fc_input(Cfg, params, tokens, hidden, ExecutionConfig.everywhere("reference"))
     # A poisoned raw weight: the kernel path must read the folded one.
-    poisoned = {**folded, "mtp": {**folded["mtp"], "fc": {**folded["mtp"]["fc"],
-                                                          "weight": jnp.zeros_like(w)}}}
+    poisoned = folded.replace(params={**params, "mtp": {**params["mtp"], "fc": {"weight": jnp.zeros_like(w)}}})
     out = fc_input(Cfg, poisoned, tokens, hidden, ExecutionConfig.everywhere("interpret"))
     assert out.shape == ref.shape
     assert _rel_err(out, ref) < 1e-2
     # ... and the embed rows' norms from the per-token table, gathered by token.
-    fc = poisoned["mtp"]["fc"]
-    swapped = {**poisoned, "mtp": {**poisoned["mtp"], "fc": {**fc, "embed_mean_square": fc["embed_mean_square"][::-1]}}}
+    swapped = poisoned.replace(fc=poisoned.fc.replace(embed_mean_square=poisoned.fc.embed_mean_square[::-1]))
     assert _rel_err(fc_input(Cfg, swapped, tokens, hidden, ExecutionConfig.everywhere("interpret")), ref) > 0.05
 
 

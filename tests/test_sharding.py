@@ -78,6 +78,12 @@ def test_paged_attention_kernel_runs_per_shard(worker_summary):
     assert set(worker_summary["kernel"]["gdn_step_under_mesh"]) == {"nk2_max_error", "nk1_max_error"}
 
 
+def test_derived_tensors_are_laid_out_from_the_sharded_params(worker_summary):
+    """The worker checked each derived tensor's layout and value; this checks which cases it covered."""
+    assert worker_summary["prepared"] == {"tiny_tp tp=2 ep=1": {"merged": 0, "embed_mean_square": "P('tp',)"},
+                                          "tiny_moe tp=1 ep=2": {"merged": 9, "embed_mean_square": "P()"}}
+
+
 def test_bad_meshes_are_clear_errors(worker_summary):
     assert set(worker_summary["errors"]) == {"ep_without_experts", "experts_not_divisible", "too_few_devices"}
 

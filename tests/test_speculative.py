@@ -382,8 +382,8 @@ def _computations_calling(hlo: str, callee: str):
 @pytest.mark.parametrize("gemm_layout", ["padded_merged", "merged_reduced"], indirect=True)
 def test_gpu_gemm_layout_keeps_speculative_equal_to_plain(greedy_reference, gemm_layout):
     """``dense``'s row padding, merged projections and few-row products as reductions (each
-    on by default on a GPU), forced on; the loops' weights merged once per call
-    (`gemm_layout.with_merged_weights`) compile once."""
+    on by default on a GPU), forced on; the loops, on the weights merged at load
+    (`mtp.model.prepared.prepare_params`), compile once."""
     from mtp import speculative
 
     cfg, params, prompts, base = greedy_reference["tiny_dense"]
@@ -400,6 +400,26 @@ def test_gpu_gemm_layout_keeps_speculative_equal_to_plain(greedy_reference, gemm
     compiled = speculative.greedy_loop.jitted(plain_spec)._cache_size()
     assert generate(cfg, params, prompts, plain_spec, speculative=False).tokens == base
     assert speculative.greedy_loop.jitted(plain_spec)._cache_size() == compiled
+
+
+@pytest.mark.parametrize("gemm_layout", ["padded_merged"], indirect=True)
+def test_the_loop_on_prepared_params_returns_what_it_returns_on_the_bare_dict(greedy_reference, gemm_layout):
+    """The speculative loop on the weights merged at load (`prepare_decode`'s) returns, bit for bit,
+    what it returns on the bare checkpoint dict, which merges in its steps; only the latter's
+    program concatenates weights."""
+    cfg, params, prompts, base = greedy_reference["tiny_dense"]
+    spec = SpecConfig(max_new_tokens=MAX_NEW, verify_width=3, execution=gemm_layout)
+    runs, concatenations = [], []
+    for bare in (False, True):
+        call = prepare_decode(cfg, params, prompts, spec)
+        prepared = call.args[1]
+        assert prepared.params is params and any(m.linear_attn is not None for m in prepared.merged)
+        args = (cfg, params if bare else prepared, *call.args[2:])
+        concatenations.append(call.loop.lower(*args).as_text().count("concatenate"))
+        runs.append(jax.device_get(call.loop(*args)))
+    assert runs[0][2].tolist() == runs[1][2].tolist()  # the tokens
+    jax.tree.map(np.testing.assert_array_equal, runs[0], runs[1])
+    assert concatenations[0] < concatenations[1]
 
 
 def test_decode_loop_graph_options_are_valid_xla_options():

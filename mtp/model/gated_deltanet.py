@@ -37,7 +37,8 @@ from mtp.ops.norms import gated_rms_norm
 CHUNK = 64
 
 
-def project(p, x: jax.Array, cfg: ModelConfig, lead: tuple[int, ...], execution: ExecutionConfig = DEFAULT):
+def project(p, x: jax.Array, cfg: ModelConfig, lead: tuple[int, ...], execution: ExecutionConfig = DEFAULT,
+            merged: jax.Array | None = None):
     """The input projections ``(mixed_qkv, qkvz, ba)``; ``mixed_qkv`` in the grouped conv order.
 
     ``in_proj_qkvz`` is laid out per key-head group as ``[q, k, v.., z..]``, so the
@@ -46,9 +47,10 @@ def project(p, x: jax.Array, cfg: ModelConfig, lead: tuple[int, ...], execution:
     `gemm_layout.Columns` of the GEMM output (one GEMM where `gemm_layout.dense_columns` merges
     them, ``qkvz`` first), padding rows kept (``gemm_layout.dense_rows``): the fused step
     kernel reads z, b and a in place, so that XLA never copies a slice of them.
-    ``x`` is ``[*lead, H]`` or the padded stream's rows (`gemm_layout.stream_rows`).
+    ``x`` is ``[*lead, H]`` or the padded stream's rows (`gemm_layout.stream_rows`); ``merged``: the
+    two weights concatenated ahead (`gemm_layout.MergedLayer.linear_attn`).
     """
-    qkvz, ba = module_columns(p, x, MERGED_GROUPS["linear_attn"], lead, execution)
+    qkvz, ba = module_columns(p, x, MERGED_GROUPS["linear_attn"], lead, execution, merged)
     groups, qkv_width = qkvz_groups(qkvz.view(lead), cfg)
     mixed = groups[..., :qkv_width].reshape(*lead, -1)
     return mixed, qkvz, ba
@@ -108,17 +110,17 @@ def output(p, core: jax.Array, z: jax.Array, x_dtype, cfg: ModelConfig, executio
 
 
 def gdn_layer(p, x, cfg: ModelConfig, conv_state, rec_state, valid, per_step: bool,
-              execution: ExecutionConfig = DEFAULT):
+              execution: ExecutionConfig = DEFAULT, merged: jax.Array | None = None):
     """One Gated DeltaNet layer over ``x [B, T, H]`` (or the padded stream's rows, `gemm_layout.stream_rows`).
 
     ``valid [B, T]`` marks the real tokens, which are a prefix of each row. With
     ``per_step`` (decode and verify) the state after every position is returned as well,
     and the conv and the tokens after it are `mtp.ops.conv_step.conv_steps` and
     `mtp.ops.gdn_step.gdn_steps` (one kernel each for up to 8 tokens where ``execution``
-    picks it). Returns ``(y, new_conv, new_rec, step_states)``.
+    picks it). ``merged`` as in `project`. Returns ``(y, new_conv, new_rec, step_states)``.
     """
     lead = valid.shape
-    mixed, qkvz, ba = project(p, x, cfg, lead, execution)
+    mixed, qkvz, ba = project(p, x, cfg, lead, execution, merged)
     mixed = jnp.where(valid[..., None], mixed, 0)
     steps = None
     if per_step:  # decode and verify: the conv and the state after every token as one op

@@ -6,7 +6,7 @@ reaches XLA, from the GEMM-layout switches of ``execution`` (`mtp.execution.Exec
 static of the jitted callers), and nothing else changes a result's value beyond f32 rounding. Each
 layout is there because it measured faster on a GPU (`docs/gpu.md`, "XLA layout switches"): a
 one-row product padded to two rows (`pads_weight`), the projections of one input as one GEMM
-(`dense_columns`, `with_merged_weights`), a few-row product with a small weight as multiply + sum
+(`dense_columns`, `merged_layer`), a few-row product with a small weight as multiply + sum
 (`linear`), and a step's residual stream padded once rather than per GEMM (`stream_rows`). The
 weight may be plain, block-scaled FP8 (`mtp.ops.fp8`) or quantized (`mtp.ops.quantized`).
 """
@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from mtp.execution import ExecutionConfig
 from mtp.ops import fp8, lowering, quantized
@@ -209,9 +210,11 @@ def dense_columns(x: jax.Array, ws, lead: tuple[int, ...] | None = None,
     where `merge_projections` says (a GPU by default), for plain weights, at
     most ``MERGE_MAX_ROWS`` rows, and not under a tensor-parallel mesh (the weights are
     split on the concatenated axis there). ``x`` and ``lead`` as in ``dense_rows``;
-    ``merged``: ``ws`` already concatenated (`with_merged_weights`).
+    ``merged``: ``ws`` already concatenated (`merged_layer`).
     """
     lead = x.shape[:-1] if lead is None else lead
+    if merged is not None and merged.shape[0] != sum(w.shape[0] for w in ws):
+        raise ValueError(f"merged weight has {merged.shape[0]} rows, the weights {[w.shape[0] for w in ws]}")
     if not (_mergeable(ws, execution) and math.prod(lead) <= MERGE_MAX_ROWS):
         return [Columns(y, 0, y.shape[-1]) for y in (dense_rows(x, w, lead, execution) for w in ws)]
     rows = dense_rows(x, jnp.concatenate(ws, axis=0) if merged is None else merged, lead, execution)
@@ -231,50 +234,49 @@ MERGED_GROUPS = {"linear_attn": ("in_proj_qkvz", "in_proj_ba"), "self_attn": ("q
 PREMERGE_MAX_WEIGHT = 2048 * 4096  # elements: the default model's groups (<= 0.6M) merge once, the 1.38B's (25M) do not
 
 
-def merged_key(names) -> str:
-    """The params entry `with_merged_weights` gives a group's concatenated weight."""
-    return "+".join(names)
+@struct.dataclass
+class MergedLayer:
+    """One decoder layer's `MERGED_GROUPS` weights, each group concatenated once ahead of the steps
+    (`merged_layer`), by the module holding it; None where a group is not premerged."""
+
+    linear_attn: jax.Array | None = None  # in_proj_qkvz, in_proj_ba
+    self_attn: jax.Array | None = None  # q_proj, k_proj, v_proj
+    mlp: jax.Array | None = None  # a MoE layer's gate (router), shared_expert_gate
 
 
-def with_merged_weights(params, execution: ExecutionConfig = DEFAULT):
-    """``params`` with each ``MERGED_GROUPS`` group's weights also concatenated, once, beside them.
+def merged_layer(layer, execution: ExecutionConfig = DEFAULT) -> MergedLayer:
+    """Each ``MERGED_GROUPS`` group of a decoder layer's params (``model.layers.<i>``, ``mtp.layers.0``),
+    concatenated.
 
     ``dense_columns`` concatenates a group's weights inside the trace. Where XLA fuses
     that into its GEMM (the 1.38B model's decode) nothing is copied; where it does not
     (the default model's small weights at two rows and more: a verify, batch 8), the
     concatenation is a kernel that copies the weights, once per step inside a decode loop,
     since XLA does not hoist a concatenation (it makes a new buffer) out of a
-    ``while_loop``. A loop therefore calls this before its ``while_loop``, and
-    ``module_columns`` takes the merged weight where it finds one. Only for groups of at
-    most ``PREMERGE_MAX_WEIGHT`` elements (a large group's copy would cost memory, and XLA
-    fused its concatenation in every program counted: `experiments/count_kernels.py`), and where
-    ``dense_columns`` would merge at all (``merge_projections``, no tensor-parallel mesh,
-    plain weights of one dtype). Counted for an H200, the default model's loops lose the 6
-    concatenation kernels per iteration: speculative K = 2 at batch 1 119 -> 113 launches,
-    plain at batch 8 93 -> 87.
+    ``while_loop``. So the concatenated weights are made at load (`mtp.model.prepared`) and
+    ``module_columns`` multiplies by them. Only for groups of at most ``PREMERGE_MAX_WEIGHT``
+    elements (a large group's copy would cost memory, and XLA fused its concatenation in every
+    program counted: `experiments/count_kernels.py`), and where ``dense_columns`` would merge at
+    all (``merge_projections``, no tensor-parallel mesh, plain weights of one dtype): under a
+    tensor-parallel mesh nothing is premerged, and a merged weight of replicated parts is
+    replicated. Counted for an H200, the default model's loops lose the 6 concatenation kernels
+    per iteration: speculative K = 2 at batch 1 119 -> 113 launches, plain at batch 8 93 -> 87.
     """
-    merged = []
 
-    def visit(tree):
-        out = {k: visit(v) if isinstance(v, dict) else v for k, v in tree.items()}
-        for key, names in MERGED_GROUPS.items():
-            module = out.get(key)
-            ws = [module.get(n, {}).get("weight") for n in names] if isinstance(module, dict) else []
-            if _mergeable(ws, execution) and sum(w.size for w in ws) <= PREMERGE_MAX_WEIGHT:
-                out[key] = {**module, merged_key(names): {"weight": jnp.concatenate(ws, axis=0)}}
-                merged.append(key)
-        return out
+    def merged(module, names):
+        ws = [module.get(n, {}).get("weight") for n in names] if isinstance(module, dict) else []
+        if _mergeable(ws, execution) and sum(w.size for w in ws) <= PREMERGE_MAX_WEIGHT:
+            return jnp.concatenate(ws, axis=0)
+        return None
 
-    out = visit(params)
-    return out if merged else params  # nothing to merge: the caller's tree itself
+    return MergedLayer(**{key: merged(layer.get(key), names) for key, names in MERGED_GROUPS.items()})
 
 
 def module_columns(p, x: jax.Array, names, lead: tuple[int, ...] | None = None,
-                   execution: ExecutionConfig = DEFAULT) -> list[Columns]:
-    """`dense_columns` of a module's named projections, on the merged weight where `with_merged_weights` made one."""
-    merged = p.get(merged_key(names))
-    return dense_columns(x, [p[n]["weight"] for n in names], lead,
-                         merged=None if merged is None else merged["weight"], execution=execution)
+                   execution: ExecutionConfig = DEFAULT, merged: jax.Array | None = None) -> list[Columns]:
+    """`dense_columns` of a module's named projections; ``merged``: the group's weights concatenated
+    ahead (the module's field of its layer's `MergedLayer`), for exactly these ``names``."""
+    return dense_columns(x, [p[n]["weight"] for n in names], lead, merged=merged, execution=execution)
 
 
 def stream_rows(x: jax.Array, pad: bool, execution: ExecutionConfig = DEFAULT) -> jax.Array:

@@ -29,9 +29,11 @@ def attention_qkv(p, x: jax.Array, positions: jax.Array, cfg: ModelConfig, execu
                   lead, cfg)
 
 
-def attention_columns(p, x: jax.Array, lead: tuple[int, ...], execution: ExecutionConfig = DEFAULT) -> list[Columns]:
-    """The q (with its gate), k and v projections of ``x``, as `module_columns`."""
-    return module_columns(p, x, MERGED_GROUPS["self_attn"], lead, execution)
+def attention_columns(p, x: jax.Array, lead: tuple[int, ...], execution: ExecutionConfig = DEFAULT,
+                      merged: jax.Array | None = None) -> list[Columns]:
+    """The q (with its gate), k and v projections of ``x``, as `module_columns` (``merged``: its
+    `gemm_layout.MergedLayer.self_attn`)."""
+    return module_columns(p, x, MERGED_GROUPS["self_attn"], lead, execution, merged)
 
 
 def _lead(x, positions):
@@ -79,16 +81,17 @@ def mlp(p, x: jax.Array, execution: ExecutionConfig = DEFAULT) -> jax.Array:
                  execution=execution)
 
 
-def router(p, x: jax.Array, cfg: ModelConfig,
-           execution: ExecutionConfig = DEFAULT) -> tuple[RouterLogits, jax.Array | None]:
+def router(p, x: jax.Array, cfg: ModelConfig, execution: ExecutionConfig = DEFAULT,
+           merged: jax.Array | None = None) -> tuple[RouterLogits, jax.Array | None]:
     """The router's logits for every row of ``x`` (`mtp.ops.moe.RouterLogits`, which the op routes
     by as Hugging Face's Qwen3-Next does) and the shared expert's gate ``sigmoid(shared_expert_gate(x))``,
     f32 ``[N]`` (None without a shared expert). The router and the shared expert's gate are one
-    GEMM where the layout merges them (`gemm_layout.MERGED_GROUPS`): a launch less a layer.
+    GEMM where the layout merges them (`gemm_layout.MERGED_GROUPS`): a launch less a layer;
+    ``merged``: the two concatenated ahead (`gemm_layout.MergedLayer.mlp`).
     """
     names = MERGED_GROUPS["mlp"] if "shared_expert_gate" in p else ("gate",)
     lead = x.shape[:-1]
-    columns = module_columns(p, x, names, lead, execution)
+    columns = module_columns(p, x, names, lead, execution, merged)
     logits = RouterLogits(columns[0].rows, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     shared_gate = None
     if len(columns) > 1:
@@ -97,7 +100,7 @@ def router(p, x: jax.Array, cfg: ModelConfig,
 
 
 def moe(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None,
-        execution: ExecutionConfig = DEFAULT) -> jax.Array:
+        execution: ExecutionConfig = DEFAULT, merged: jax.Array | None = None) -> jax.Array:
     """The router (`router`), its top-k routed experts and the sigmoid-gated shared expert.
 
     Routing and experts run as one sparse op (`mtp.ops.moe.moe_ffn`, which reads only the selected
@@ -108,11 +111,11 @@ def moe(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None,
     (`stream_rows`), its first rows are the tokens and the rest zeros. Only the tokens go to the op:
     a zero row's router logits tie, so it would select (and read) k experts of its own, doubling
     the experts a batch-1 decode step streams; the padding rows' output is zero, as an FFN of a
-    zero row gives.
+    zero row gives. ``merged``: the router's, as in `router`.
     """
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0] if real_rows is None else real_rows
-    logits, shared_gate = router(p, x2, cfg, execution)  # on the stream's rows as they are
+    logits, shared_gate = router(p, x2, cfg, execution, merged)  # on the stream's rows as they are
     shared = None
     if shared_gate is not None:
         s = p["shared_expert"]
@@ -127,6 +130,7 @@ def moe(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None,
 
 
 def ffn(p, x: jax.Array, cfg: ModelConfig, real_rows: int | None = None,
-        execution: ExecutionConfig = DEFAULT) -> jax.Array:
-    """The layer's FFN; ``real_rows`` as in `moe` (a dense MLP is row-wise and needs no telling)."""
-    return moe(p, x, cfg, real_rows, execution) if "gate" in p else mlp(p, x, execution)
+        execution: ExecutionConfig = DEFAULT, merged: jax.Array | None = None) -> jax.Array:
+    """The layer's FFN; ``real_rows`` and ``merged`` (the router's) as in `moe` (a dense MLP is
+    row-wise and needs no telling, and merges nothing)."""
+    return moe(p, x, cfg, real_rows, execution, merged) if "gate" in p else mlp(p, x, execution)

@@ -23,9 +23,10 @@ from mtp.config import ModelConfig
 from mtp.execution import ExecutionConfig
 from mtp.model import gated_deltanet as gdn
 from mtp.model import gemm_layout, layers
-from mtp.model.gemm_layout import first_rows, stream_rows
+from mtp.model.gemm_layout import MergedLayer, first_rows, stream_rows
 from mtp.model.layers import attention_out, attention_qkv, causal_attention, ffn
 from mtp.model.params import Params
+from mtp.model.prepared import PreparedParams, as_prepared
 from mtp.ops import fp8
 from mtp.ops.add_rms_norm import add_rms_norm
 from mtp.ops.attn_prologue import AttentionShape, attn_prologue
@@ -76,34 +77,38 @@ def definition_of(execution: ExecutionConfig) -> ExecutionConfig:
     return execution.with_kernels(**{op: "reference" for op in DEFINITION_OPS})
 
 
-def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer, execution: ExecutionConfig):
+def decoder_layer(cfg: ModelConfig, p, x: jax.Array, mixer, execution: ExecutionConfig,
+                  merged: MergedLayer = MergedLayer()):
     """Pre-norm residual block; ``mixer(h) -> (y, new_state)`` is the layer's token mixer on normed input.
 
     Returns ``(x, new_state)``, the mixer's state (its written KV pages, its recurrent state)
     passed through as gemma's attention returns its cache. ``x`` is ``[*lead, H]`` or the
     padded stream's rows (`gemm_layout.stream_rows`): the norms and the FFN are row-wise, and the
     mixer's ``y`` is ``[*lead, H]``. The mixer's residual add and the FFN's norm are one op
-    (`mtp.ops.add_rms_norm`, a kernel where ``execution`` picks it).
+    (`mtp.ops.add_rms_norm`, a kernel where ``execution`` picks it). ``merged``: the layer's
+    premerged weights (`mtp.model.prepared.PreparedParams`); the FFN reads its router's.
     """
     y, state = mixer(rms_norm(x, p["input_layernorm"]["weight"], cfg.rms_norm_eps))
     x, h = add_rms_norm(x, y, p["post_attention_layernorm"]["weight"], eps=cfg.rms_norm_eps,
                         impl=execution.impl_for("add_rms_norm"))
-    return x + ffn(p["mlp"], h, cfg, real_rows=math.prod(y.shape[:-1]), execution=execution), state
+    return x + ffn(p["mlp"], h, cfg, real_rows=math.prod(y.shape[:-1]), execution=execution,
+                   merged=merged.mlp), state
 
 
 def paged_attention_mixer(cfg, p, rope_positions, slots, k_pages, v_pages, block_tables, write,
-                          attn_lengths, execution: ExecutionConfig):
+                          attn_lengths, execution: ExecutionConfig, merged: MergedLayer = MergedLayer()):
     """Gated attention that writes this step's K/V into pages, then attends over them.
 
     ``rope_positions`` are sequence positions; ``slots`` are where the K/V land in
     the pages. They coincide for the target; the drafter's rows are compacted, so
-    its slots are row indices while RoPE stays in sequence space.
+    its slots are row indices while RoPE stays in sequence space. ``merged``: the layer's premerged
+    weights, of which the q/k/v projections read theirs.
     Returns the mixer; its new state is the updated ``(k_pages, v_pages)``.
     """
 
     def mixer(h):
         attn = p["self_attn"]
-        columns = layers.attention_columns(attn, h, rope_positions.shape, execution)
+        columns = layers.attention_columns(attn, h, rope_positions.shape, execution, merged.self_attn)
         q, gate, kp, vp = attn_prologue(columns, attn["q_norm"]["weight"], attn["k_norm"]["weight"], rope_positions,
                                         slots, k_pages, v_pages, block_tables, write, heads=AttentionShape.of(cfg),
                                         impl=execution.impl_for("attn_prologue"))
@@ -170,31 +175,33 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array,
 
 
 # ------------------------------------------------------------------ cached paths
-def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, attn_lengths,
+def _run_cached(cfg, prepared: PreparedParams, cache: TargetCache, tokens, start, valid, write, attn_lengths,
                 per_step: bool, execution: ExecutionConfig, linear_init: LinearState):
     """Shared body of prefill and verify: the stack over cached state."""
     b, t = tokens.shape
+    params = prepared.params
     positions = start[:, None] + jnp.arange(t)[None, :]
     x = stream_rows(embed(params, tokens), _pads_stream(params, execution), execution)
     ks, vs, convs, recs, conv_steps, rec_steps = [], [], [], [], [], []
     for i, kind in enumerate(cfg.layer_types):
-        p = params["model"]["layers"][str(i)]
+        p, merged = params["model"]["layers"][str(i)], prepared.merged[i]
         if kind == "full_attention":
             j = len(ks)
             mixer = paged_attention_mixer(cfg, p, positions, positions, cache.kv.k[j], cache.kv.v[j],
-                                          cache.block_tables, write, attn_lengths, execution)
-            x, (k, v) = decoder_layer(cfg, p, x, mixer, execution)
+                                          cache.block_tables, write, attn_lengths, execution, merged)
+            x, (k, v) = decoder_layer(cfg, p, x, mixer, execution, merged)
             ks.append(k)
             vs.append(v)
         else:
             j = len(convs)
 
-            def mixer(h, p=p, j=j):
+            def mixer(h, p=p, j=j, merged=merged):
                 y, conv, rec, steps = gdn.gdn_layer(p["linear_attn"], h, cfg, linear_init.conv[j],
-                                                    linear_init.recurrent[j], valid, per_step, execution)
+                                                    linear_init.recurrent[j], valid, per_step, execution,
+                                                    merged.linear_attn)
                 return y, (conv, rec, steps)
 
-            x, (conv, rec, steps) = decoder_layer(cfg, p, x, mixer, execution)
+            x, (conv, rec, steps) = decoder_layer(cfg, p, x, mixer, execution, merged)
             convs.append(conv)
             recs.append(rec)
             if per_step:
@@ -206,7 +213,7 @@ def _run_cached(cfg, params, cache: TargetCache, tokens, start, valid, write, at
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "execution", "all_logits"), donate_argnames=("cache",))
-def prefill(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array,
+def prefill(cfg: ModelConfig, params: Params | PreparedParams, cache: TargetCache, tokens: jax.Array,
             start: jax.Array, num_new: jax.Array, write_from: jax.Array | None = None, *,
             execution: ExecutionConfig = gemm_layout.DEFAULT, all_logits: bool = True) -> tuple[TargetCache, StepOutput]:
     """Prefill ``num_new[b]`` tokens of ``tokens[b]`` at positions ``start[b]...`` of each slot.
@@ -217,8 +224,10 @@ def prefill(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Ar
     positions ``>= write_from[b]``: a prefix shared with other sequences is read,
     never rewritten. Slots with ``num_new == 0`` are left as they were.
     Returns logits for every position (or only each slot's last, with
-    ``all_logits=False``) and the hiddens of every position.
+    ``all_logits=False``) and the hiddens of every position. ``params``: the checkpoint dict,
+    or with the tensors a run derives from it (`mtp.model.prepared.prepare_params`).
     """
+    prepared = as_prepared(params)
     b, t = tokens.shape
     write_from = start if write_from is None else write_from
     valid = jnp.arange(t)[None, :] < num_new[:, None]
@@ -226,10 +235,10 @@ def prefill(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Ar
     write = valid & (positions >= write_from[:, None])
     zeros = LinearState.zeros(cfg, b, cache.linear.conv[0].dtype if cache.linear.conv else jnp.float32)
     init = cache.linear.select_slots(start > 0, zeros)
-    x, kv, linear, _ = _run_cached(cfg, params, cache, tokens, start, valid, write,
+    x, kv, linear, _ = _run_cached(cfg, prepared, cache, tokens, start, valid, write,
                                    start + t, False, execution, init)
     active = num_new > 0
-    out = _final(cfg, params, x, (b, t), None if all_logits else jnp.maximum(num_new - 1, 0))
+    out = _final(cfg, prepared.params, x, (b, t), None if all_logits else jnp.maximum(num_new - 1, 0))
     new_cache = cache.replace(
         kv=kv,
         linear=linear.select_slots(active, cache.linear),
@@ -239,7 +248,7 @@ def prefill(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Ar
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "execution"), donate_argnames=("cache",))
-def verify(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array,
+def verify(cfg: ModelConfig, params: Params | PreparedParams, cache: TargetCache, tokens: jax.Array,
            active: jax.Array | None = None, *,
            execution: ExecutionConfig = gemm_layout.DEFAULT) -> tuple[TargetCache, VerifyOutput]:
     """Run ``Q`` new tokens per slot after its ``lengths[b]`` cached positions.
@@ -248,13 +257,15 @@ def verify(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Arr
     state: the caller decides how many positions to keep (`commit`), choosing
     among the per-position states returned here. ``active [B]`` (default: all):
     an inactive slot's tokens run as padding, which writes no K/V and returns the slot's
-    Gated DeltaNet state unchanged at every position (`commit`'s ``masked_verify``).
+    Gated DeltaNet state unchanged at every position (`commit`'s ``masked_verify``). ``params`` as
+    in `prefill`.
     """
+    prepared = as_prepared(params)
     b, q = tokens.shape
     valid = jnp.ones((b, q), bool) if active is None else jnp.broadcast_to(active[:, None], (b, q))
-    x, kv, _, steps = _run_cached(cfg, params, cache, tokens, cache.lengths, valid, valid,
+    x, kv, _, steps = _run_cached(cfg, prepared, cache, tokens, cache.lengths, valid, valid,
                                   cache.lengths + q, True, execution, cache.linear)
-    out = _final(cfg, params, x, (b, q), None)
+    out = _final(cfg, prepared.params, x, (b, q), None)
     return cache.replace(kv=kv), VerifyOutput(**out, conv_steps=steps[0], rec_steps=steps[1])
 
 
@@ -285,7 +296,7 @@ def commit(cache: TargetCache, out: VerifyOutput, num_keep: jax.Array, masked_ve
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "execution"), donate_argnames=("cache",))
-def decode(cfg: ModelConfig, params: Params, cache: TargetCache, tokens: jax.Array, *,
+def decode(cfg: ModelConfig, params: Params | PreparedParams, cache: TargetCache, tokens: jax.Array, *,
            execution: ExecutionConfig = gemm_layout.DEFAULT) -> tuple[TargetCache, VerifyOutput]:
     """One or more new tokens per slot, all kept: verify followed by a full commit."""
     cache, out = verify(cfg, params, cache, tokens, execution=execution)

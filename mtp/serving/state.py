@@ -27,6 +27,7 @@ from mtp.cache.prefix import Snapshot
 from mtp.cache.state import LinearState, TargetCache
 from mtp.config import ModelConfig
 from mtp.model.params import Params
+from mtp.model.prepared import prepare_params
 from mtp.mtp_head import APPEND_BUCKETS, DrafterCache, quantize_head
 from mtp.serving import steps
 from mtp.serving.config import SNAPSHOT_INTERVAL, EngineConfig
@@ -39,9 +40,8 @@ class DeviceState:
 
     def __init__(self, cfg: ModelConfig, params: Params, ecfg: EngineConfig, spec: SpecConfig, mesh):
         self.cfg, self.ecfg, self.spec = cfg, ecfg, spec
-        self.params = params
-        self.head_params = (quantize_head(params, ecfg.mtp_quant, execution=ecfg.execution)
-                            if ecfg.speculative else params)
+        self.head_params = prepare_params(quantize_head(params, ecfg.mtp_quant) if ecfg.speculative else params,
+                                          ecfg.execution, drafting=ecfg.speculative)
         dtype = params["model"]["embed_tokens"]["weight"].dtype
         ps, b = ecfg.page_size, ecfg.batch_slots
         self.max_blocks = math.ceil((ecfg.max_context + spec.verify_width + 1) / ps)
@@ -164,7 +164,7 @@ class DeviceState:
             self.cache, self.dcache, toks, n, metrics = speculative_loop(
                 self.cfg, self.head_params, self.cache, self.dcache, first, hidden, jnp.asarray(budget), spec, key)
         else:
-            self.cache, toks, n = greedy_loop(self.cfg, self.params, self.cache, first, jnp.asarray(budget), spec,
+            self.cache, toks, n = greedy_loop(self.cfg, self.head_params, self.cache, first, jnp.asarray(budget), spec,
                                               key)
             metrics = None
         toks, n = np.asarray(toks), np.asarray(n)
