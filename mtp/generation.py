@@ -1,9 +1,10 @@
 """One-shot batched generation: prompts in, tokens and acceptance metrics out.
 
 This is the host side of a single turn with no prefix reuse: allocate pages,
-prefill the target (capturing every position's hidden), prefill the drafter from
-those hiddens, then run one jitted decode loop. The multi-turn session engine
-(`mtp.serving`) reuses the same steps with prefix caching and the drafter carry.
+prefill the target (capturing every position's hidden), start the turn from that
+prefill (`mtp.turn_start.start_turn`: the first token and the drafter rows from those
+hiddens, as the multi-turn session engine `mtp.serving` starts each of its turns), then
+run one jitted decode loop.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from mtp.metrics import AcceptanceStats
 from mtp.model import target
 from mtp.model.params import Params
 from mtp.model.prepared import prepare_params
-from mtp.mtp_head import DrafterCache, prefill_drafter, quantize_head
-from mtp.speculative import SpecConfig, greedy_loop, pick_token, speculative_loop
+from mtp.mtp_head import DrafterCache, quantize_head
+from mtp.speculative import SpecConfig, greedy_loop, speculative_loop
+from mtp.turn_start import drafter_rows, start_turn
 
 PREFILL_BUCKET = 64  # prompt lengths are padded to a multiple of this: few compiles
 
@@ -61,15 +63,6 @@ def pad_batch(seqs: Sequence[Sequence[int]], length: int) -> np.ndarray:
     for i, s in enumerate(seqs):
         out[i, : len(s)] = s
     return out
-
-
-def first_from_prefill(out: target.StepOutput, lengths: jax.Array, source: str, temperature: float, rng):
-    """The prefill's output token and the hidden that produced it, per slot."""
-    last = jnp.maximum(lengths - 1, 0)
-    logits = out.logits[:, -1] if out.logits.shape[1] == 1 else jnp.take_along_axis(
-        out.logits, last[:, None, None], axis=1)[:, 0]
-    hidden = jnp.take_along_axis(out.mtp_hidden(source), last[:, None, None], axis=1)[:, 0]
-    return pick_token(logits, temperature, rng), hidden
 
 
 @dataclasses.dataclass
@@ -129,14 +122,16 @@ def prepare_decode(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[
         zeros = jnp.zeros((b,), jnp.int32)
         cache, out = target.prefill(cfg, params, cache, tokens, zeros, jnp.asarray(lengths), execution=spec.execution,
                                     all_logits=False)
-        first, hidden = first_from_prefill(out, jnp.asarray(lengths), cfg.mtp_hidden_source, spec.temperature, k0)
+        dcache = new_cache(DrafterCache) if speculative else None
+        # Every prompt starts at key 0 and fills keys 0 .. L-2: the engine's cold turn, batched.
+        appends = (drafter_rows(tokens, np.zeros_like(lengths), np.maximum(lengths - 1, 0))
+                   if speculative and drafter_prefill and quant.supports_drafter_prefill(mtp_quant) else [])
+        first, hidden, dcache = start_turn(cfg, head_params, out, jnp.asarray(lengths),
+                                           out.mtp_hidden(cfg.mtp_hidden_source), dcache, appends,
+                                           temperature=spec.temperature, key=k0, execution=spec.execution)
         budget = jnp.full((b,), spec.max_new_tokens, jnp.int32)
         if not speculative:
             return DecodeCall(greedy_loop, (cfg, head_params, cache, first, budget, spec, rng), _ready_at(first) - t0)
-        dcache = new_cache(DrafterCache)
-        if drafter_prefill and quant.supports_drafter_prefill(mtp_quant):
-            dcache = prefill_drafter(cfg, head_params, dcache, tokens, out.mtp_hidden(cfg.mtp_hidden_source),
-                                     zeros, np.maximum(lengths - 1, 0), execution=spec.execution)
         return DecodeCall(speculative_loop, (cfg, head_params, cache, dcache, first, hidden, budget, spec, rng,
                                              draft_vocab), _ready_at((first, dcache.rows)) - t0)
 

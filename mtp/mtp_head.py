@@ -224,32 +224,6 @@ def append_chunks(count: int, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int
     return plan
 
 
-def prefill_drafter(cfg: ModelConfig, params: Params | PreparedParams, dcache: DrafterCache, tokens, hiddens,
-                    first_key, count, *, execution: ExecutionConfig = DEFAULT,
-                    chunk: int = PREFILL_CHUNK) -> DrafterCache:
-    """Host-side driver: append pair keys chunk by chunk (`append_chunks`).
-
-    ``tokens [B, L]`` and ``hiddens [B, L, H]`` are in sequence space; keys
-    ``first_key[b] ... first_key[b] + count[b] - 1`` are written (key k reads
-    ``tokens[k + 1]`` and ``hiddens[k]``).
-    """
-    import numpy as np
-
-    first_key = np.asarray(first_key, np.int32)
-    count = np.asarray(count, np.int32)
-    b, length = tokens.shape
-    for off, width in append_chunks(int(count.max(initial=0)), chunk):
-        n = np.clip(count - off, 0, width).astype(np.int32)
-        keys = first_key[:, None] + off + np.arange(width)[None, :]
-        tok_idx = np.clip(keys + 1, 0, length - 1)
-        hid_idx = np.clip(keys, 0, length - 1)
-        nt = jnp.take_along_axis(tokens, jnp.asarray(tok_idx), axis=1)
-        hs = jnp.take_along_axis(hiddens, jnp.asarray(hid_idx)[..., None], axis=1)
-        dcache = append_rows(cfg, params, dcache, nt, hs, jnp.asarray(first_key + off), jnp.asarray(n),
-                             execution=execution)
-    return dcache
-
-
 __all__ = ["APPEND_BUCKETS", "DrafterCache", "PREFILL_CHUNK", "append_chunks", "append_rows", "draft_step",
            "draft_vocabulary", "fc_input",
-           "forward_sequence", "prefill_drafter", "quantize_head"]
+           "forward_sequence", "quantize_head"]

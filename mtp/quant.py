@@ -47,8 +47,8 @@ def supports_drafter_prefill(quant: str) -> bool:
     """Whether the drafter is prefilled from the prompt with the head at this precision.
 
     A policy, not a limit of the code: `mtp.ops.quantized.linear` runs a quantized weight at any row count,
-    so `prefill_drafter` works with an fp8/nvfp4 head, as the refeed's batched appends
-    already do. The reference system prefills the drafter only for a bf16 head, and this
+    so the drafter prefill (`turn_start.append_from_hiddens`) works with an fp8/nvfp4 head, as the
+    refeed's batched appends already do. The reference system prefills the drafter only for a bf16 head, and this
     follows it so that quantized-head runs measure the configuration it serves (the
     README's MTP-precision sweep). The engine arms its cross-turn carry only with it.
     """

@@ -16,9 +16,10 @@ from mtp.execution import ExecutionConfig
 from mtp.serving import Engine, EngineConfig, TurnRequest, run_sessions, session_hash, session_waves
 from mtp.model import target
 from mtp.model.layers import attention_kv
-from mtp.mtp_head import DrafterCache, fc_input, prefill_drafter
+from mtp.mtp_head import DrafterCache, fc_input
 from mtp.ops.norms import rms_norm
 from mtp.speculative import SpecConfig
+from mtp.turn_start import append_from_hiddens, drafter_rows
 from tests.conftest import IdPrompts, agreeing_params, id_sessions, random_params, tiny_config
 
 MAX_NEW = 10
@@ -194,7 +195,8 @@ def _prefilled_rows(eng, tokens):
         block_tables=jnp.arange(1, blocks + 1, dtype=jnp.int32)[None])
     t = jnp.asarray(tokens, jnp.int32)[None]
     h = target.forward_with_hiddens(cfg, hp, t).mtp_hidden(cfg.mtp_hidden_source)
-    dcache = prefill_drafter(cfg, hp, dcache, t, h, [0], [n - 1], execution=ExecutionConfig.everywhere("reference"))
+    for rows in drafter_rows(t, [0], [n - 1]):
+        dcache = append_from_hiddens(cfg, hp, dcache, rows, h, execution=ExecutionConfig.everywhere("reference"))
     pages = [np.asarray(dcache.kv.k[0]), np.asarray(dcache.kv.v[0])]
     return [np.stack([a[1 + r // ps, r % ps] for r in range(n - 1)]) for a in pages]
 

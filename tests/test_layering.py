@@ -21,7 +21,7 @@ LAYERS = (
     ("head and weight formats", ("mtp.mtp_head", "mtp.quant", "mtp.hf_layout")),
     ("checkpoint I/O and analysis", ("mtp.checkpoint", "mtp.analysis")),
     ("sharding", ("mtp.sharding",)),
-    ("decode loops", ("mtp.speculative", "mtp.generation", "mtp.train")),
+    ("decode loops", ("mtp.speculative", "mtp.turn_start", "mtp.generation", "mtp.train")),
     ("serving", ("mtp.serving",)),
     ("experiments", ("experiments", "configs")),
 )

@@ -256,7 +256,9 @@ def test_supports_drafter_prefill_only_bf16():
 def test_a_quantized_head_can_prefill_the_drafter(quant):
     """Skipping the prefill for a quantized head is policy (`supports_drafter_prefill`):
     the batched prefill runs such a head and writes every row."""
-    from mtp.mtp_head import DrafterCache, prefill_drafter, quantize_head
+    from mtp.execution import ExecutionConfig
+    from mtp.mtp_head import DrafterCache, quantize_head
+    from mtp.turn_start import append_from_hiddens, drafter_rows
     from mtp.model import target
     from tests.conftest import random_params, tiny_config
 
@@ -265,7 +267,8 @@ def test_a_quantized_head_can_prefill_the_drafter(quant):
     toks = jax.random.randint(jax.random.key(0), (1, 9), 0, cfg.vocab_size)
     hid = target.forward_with_hiddens(cfg, params, toks).hidden_post
     dcache = DrafterCache.create(cfg, 1, 3, 4, 2, jnp.float32).replace(block_tables=jnp.array([[1, 2]], jnp.int32))
-    out = prefill_drafter(cfg, quantize_head(params, quant), dcache, toks, hid, [0], [8])
+    (rows,) = drafter_rows(toks, [0], [8])
+    out = append_from_hiddens(cfg, quantize_head(params, quant), dcache, rows, hid, execution=ExecutionConfig())
     assert out.rows.tolist() == [8]
     for kv in (out.kv.k[0], out.kv.v[0]):
         rows = np.asarray(kv[1:3]).reshape(8, -1)  # pages 1 and 2: keys 0..7

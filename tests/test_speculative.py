@@ -13,10 +13,11 @@ from mtp import speculative as speculative_mod
 from mtp.analysis import first_divergence
 from mtp.execution import ExecutionConfig
 from mtp.generation import generate, prepare_decode
-from mtp.mtp_head import DrafterCache, draft_step, forward_sequence, prefill_drafter, quantize_head
+from mtp.mtp_head import DrafterCache, draft_step, forward_sequence, quantize_head
 from mtp.model import target
 from mtp.model.params import flatten, unflatten
 from mtp.speculative import SpecConfig
+from mtp.turn_start import append_from_hiddens, drafter_rows
 from tests.conftest import agreeing_params, random_params, tiny_config
 
 MAX_NEW = 14
@@ -194,7 +195,9 @@ def test_drafter_prefill_rows_equal_step_by_step_drafts():
     hid = target.forward_with_hiddens(cfg, params, toks).hidden_post
     make = lambda: DrafterCache.create(cfg, b, 9, 4, 4, jnp.float32).replace(
         block_tables=jnp.asarray(np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int32)))
-    batch = prefill_drafter(cfg, params, make(), toks, hid, [0, 0], [length - 1, 6], chunk=4)
+    batch = make()
+    for rows in drafter_rows(toks, [0, 0], [length - 1, 6], chunk=4):
+        batch = append_from_hiddens(cfg, params, batch, rows, hid, execution=ExecutionConfig())
     step = make()
     for k in range(length - 1):
         active = jnp.array([True, k < 6])
@@ -273,7 +276,7 @@ def test_plain_loop_at_verify_width_decodes_the_same_tokens(greedy_reference):
 def test_a_finished_slot_keeps_its_state(greedy_reference, loop):
     """The loops run finished slots as padding and commit without a select against the old
     state: a slot that stops early ends with the cache of a run that stopped with it."""
-    from mtp.generation import first_from_prefill
+    from mtp.turn_start import first_from_prefill
     from mtp.speculative import greedy_loop, speculative_loop
     from tests.conftest import paged_cache
 

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 from flax import struct
 
+from mtp.turn_start import DrafterRows
+
 # On the host an int or a numpy array; in a step a [1] (one column) or [1, w] (a span) int32 slice.
 Column = Any
 
@@ -94,10 +96,11 @@ class DrafterAppend(_PackedRow):
     count: Column
 
     @classmethod
-    def read(cls, row) -> "DrafterAppend":
-        """The append a whole row holds: its span is what the two counts leave."""
+    def read(cls, row) -> DrafterRows:
+        """The rows a whole row holds, as `turn_start.append_from_hiddens` takes them: its span
+        is what the two counts leave."""
         append, _ = cls.unpack(row, tokens=row.shape[1] - 2)
-        return append
+        return DrafterRows(tokens=append.tokens, first_key=append.first_key, count=append.count)
 
 
 @struct.dataclass

@@ -18,9 +18,9 @@ from flax import struct
 from mtp.cache.state import LinearState, TargetCache
 from mtp.execution import ExecutionConfig
 from mtp.model import target
-from mtp.mtp_head import DrafterCache, append_rows
+from mtp.mtp_head import DrafterCache
 from mtp.serving.metadata import ChunkMeta, DrafterAppend, PageCopy, TurnSetup
-from mtp.speculative import pick_token
+from mtp.turn_start import append_from_hiddens, start_turn
 
 _FIRST_TOKEN_KEY = 1  # a turn's first token is sampled with fold_in(key(this), the turn's generation)
 
@@ -67,9 +67,10 @@ def prefill_slot(cfg, params, cache: TargetCache, hiddens, dcache: DrafterCache 
     costs neither a dispatch nor a host-to-device copy of its own (on a GPU a small model's
     warm TTFT is mostly dispatches). The slot's first token is picked here too, from
     the chunk's last position, into ``starts`` (the last chunk's pick is the turn's), so that
-    a turn's start dispatches nothing after its last chunk; sampled, its key depends on the
-    turn alone (not on how many chunks ran before), so every policy draws the same number for
-    the same turn. Returns the cache, the hidden store, the drafter cache (None without one)
+    a turn's start dispatches nothing after its last chunk. The pick and the append are
+    `turn_start.start_turn`, the start one-shot generation makes too. Sampled, the token's key
+    depends on the turn alone (not on how many chunks ran before), so every policy draws the
+    same number for the same turn. Returns the cache, the hidden store, the drafter cache (None without one)
     and ``starts``.
     """
     meta, append = ChunkMeta.unpack(chunk, tokens=width)
@@ -81,14 +82,15 @@ def prefill_slot(cfg, params, cache: TargetCache, hiddens, dcache: DrafterCache 
     hiddens = jax.lax.dynamic_update_slice(hiddens, h, (b, start[0], 0))
     cache = cache.replace(kv=view.kv, linear=_put_slot(cache.linear, b, view.linear),
                           lengths=_put_slot(cache.lengths, b, view.lengths))
-    if dcache is not None:
-        dcache = _append_of_slot(cfg, params, dcache, hiddens, b, append, execution=execution)
-    last = num_new[0] - 1
     key = jax.random.fold_in(jax.random.key(_FIRST_TOKEN_KEY), meta.turn[0])
-    token = pick_token(out.logits[:, last], temperature, key)
-    hidden = jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False).astype(starts.hidden.dtype)
+    drafter = None if dcache is None else _drafter_of_slot(dcache, b)
+    token, hidden, drafter = start_turn(cfg, params, out, num_new, _slot(hiddens, b), drafter,
+                                        () if dcache is None else (DrafterAppend.read(append),),
+                                        temperature=temperature, key=key, execution=execution)
+    if dcache is not None:
+        dcache = _put_drafter(dcache, b, drafter)
     starts = TurnStarts(token=jax.lax.dynamic_update_slice(starts.token, token, (b,)),
-                        hidden=jax.lax.dynamic_update_slice(starts.hidden, hidden, (b, 0)))
+                        hidden=jax.lax.dynamic_update_slice(starts.hidden, hidden.astype(starts.hidden.dtype), (b, 0)))
     return cache, hiddens, dcache, starts
 
 
@@ -138,19 +140,24 @@ def begin_turn(cache: TargetCache, dcache: DrafterCache | None, setup, linear: L
     return cache, dcache
 
 
+def _drafter_of_slot(dcache: DrafterCache, b) -> DrafterCache:
+    """Slot ``b``'s drafter as a batch of one, over the whole (shared) page pool."""
+    return dcache.replace(block_tables=_slot(dcache.block_tables, b), rows=_slot(dcache.rows, b),
+                          last_pair_key=_slot(dcache.last_pair_key, b))
+
+
+def _put_drafter(dcache: DrafterCache, b, view: DrafterCache) -> DrafterCache:
+    return dcache.replace(kv=view.kv, rows=_put_slot(dcache.rows, b, view.rows),
+                          last_pair_key=_put_slot(dcache.last_pair_key, b, view.last_pair_key))
+
+
 def _append_of_slot(cfg, params, dcache: DrafterCache, hiddens, b, append, *, execution: ExecutionConfig):
     """Drafter rows for keys ``first_key ...`` of slot ``b``; key ``k`` reads ``hiddens[b, k]``.
 
     ``append``: a packed `DrafterAppend`."""
-    rows = DrafterAppend.read(append)
-    tokens, first_key, count = rows.tokens, rows.first_key, rows.count
-    keys = jnp.clip(first_key[:, None] + jnp.arange(tokens.shape[1])[None, :], 0, hiddens.shape[1] - 1)
-    h = jnp.take(jax.lax.dynamic_index_in_dim(hiddens, b, axis=0, keepdims=False), keys[0], axis=0)[None]
-    view = dcache.replace(block_tables=_slot(dcache.block_tables, b), rows=_slot(dcache.rows, b),
-                          last_pair_key=_slot(dcache.last_pair_key, b))
-    view = append_rows(cfg, params, view, tokens, h, first_key, count, execution=execution)
-    return dcache.replace(kv=view.kv, rows=_put_slot(dcache.rows, b, view.rows),
-                          last_pair_key=_put_slot(dcache.last_pair_key, b, view.last_pair_key))
+    view = append_from_hiddens(cfg, params, _drafter_of_slot(dcache, b), DrafterAppend.read(append),
+                               _slot(hiddens, b), execution=execution)
+    return _put_drafter(dcache, b, view)
 
 
 append_slot = functools.partial(jax.jit, static_argnames=("cfg", "execution"), donate_argnames=("dcache",))(
