@@ -15,6 +15,8 @@ Variants: ``dense`` (every expert on every token, weighted), the reference's two
 (``mtp.ops.moe.tokamax``, if it imports; its weight layout made beforehand, untimed), ``stream``
 (the weight-streaming kernels of ``mtp.ops.moe.triton``, the shared expert among their pairs) and
 ``stream:<field>=<value>/...`` for each ``--stream_configs`` entry (fields of ``StreamConfig``),
+``fp8_grouped`` (FP8 experts only: the grouped GEMMs of ``mtp.ops.moe.triton_grouped``, reading the
+8-bit values) and ``fp8_grouped:<field>=<value>/...`` for each ``--fp8_grouped_configs`` entry,
 ``routed`` (the same kernels routing in the gate/up kernel from bf16 router logits that select the
 row's experts and weights, ``mtp.ops.moe.triton.moe_stream``: what a model's decode step runs), and
 ``before`` (the gather form with the shared expert through `mtp.model.layers.mlp`'s GEMM layout: the
@@ -57,7 +59,7 @@ from experiments.results_io import write_atomic, write_json
 from mtp.execution import ExecutionConfig
 from mtp.model import layers
 from mtp.ops import fp8
-from mtp.ops.moe import mosaic, reference
+from mtp.ops.moe import mosaic, reference, triton_grouped
 from mtp.ops.moe import tokamax as tokamax_backend
 from mtp.ops.moe import triton as stream
 
@@ -77,6 +79,8 @@ flags.DEFINE_float("skew", 1.2, "Zipf exponent of the skewed routing's expert po
 flags.DEFINE_list("variants", ["dense", "gather", "segments", "mosaic", "tokamax"], "Variants to run.")
 flags.DEFINE_list("configs", [], "Extra mosaic configs, each GroupedGemmConfig fields over default_config's, "
                   "e.g. tile_k=128/stages=3.")
+flags.DEFINE_list("fp8_grouped_configs", [], "Extra FP8 grouped-GEMM configs, each GroupedFp8Config fields "
+                  "over its defaults, e.g. tile_i=128/num_warps=8.")
 flags.DEFINE_list("stream_configs", [], "Extra stream configs, each StreamConfig fields over its defaults, "
                   "e.g. block_i=32/chunk=1024.")
 flags.DEFINE_enum("dtype", "bf16", ["bf16", "fp8"], "The experts' storage: bf16, or block-scaled FP8 (Qwen's).")
@@ -213,6 +217,12 @@ def _stream(config, impl):
                                                              impl=impl, config=config)
 
 
+def _fp8_grouped(config, impl):
+    def run(x, ids, w, gate, up, down):
+        return triton_grouped.routed_experts_fp8(x, ids, w, gate, up, down, impl=impl, config=config)
+    return run
+
+
 def _routed(impl):
     def run(x, r, ws, sw):
         router = reference.RouterLogits(r.logits, r.logits.shape[1], r.ids.shape[1], True)
@@ -240,6 +250,12 @@ def variants(n, interpret):
         out["stream"] = (_stream(None, impl), False)
         for text in FLAGS.stream_configs:
             out[f"stream:{text}"] = (_stream(parse_stream_config(text), impl), False)
+    if "fp8_grouped" in FLAGS.variants and FLAGS.dtype == "fp8":
+        out["fp8_grouped"] = (with_shared(_fp8_grouped(None, impl)), False)
+        for text in FLAGS.fp8_grouped_configs:
+            cfg = triton_grouped.GroupedFp8Config(**parse_fields(text, triton_grouped.GroupedFp8Config,
+                                                                 "fp8_grouped_configs"))
+            out[f"fp8_grouped:{text}"] = (with_shared(_fp8_grouped(cfg, impl)), False)
     if "routed" in FLAGS.variants and n <= stream.MAX_TOKENS:
         out["routed"] = (_routed(impl), False)
     if "tokamax" in FLAGS.variants and not interpret and tokamax_backend.available() is None:

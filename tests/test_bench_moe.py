@@ -34,12 +34,12 @@ def test_a_bad_config_field_is_named(tmp_path):
 
 
 def test_small_run_checks_the_stream_kernels_on_fp8_with_the_shared_expert(tmp_path):
-    run = _bench(tmp_path, "--variants=before,stream,routed", "--stream_configs=block_i=32/chunk=128", "--dtype=fp8",
-                 "--shared")
+    run = _bench(tmp_path, "--variants=before,stream,routed,fp8_grouped", "--stream_configs=block_i=32/chunk=128",
+                 "--dtype=fp8", "--shared")
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads((tmp_path / "moe_bench.json").read_text())["rows"]
     assert row["dtype"] == "fp8" and row["shared"]
-    assert set(row["variants"]) == {"before", "stream", "stream:block_i=32/chunk=128", "routed"}
+    assert set(row["variants"]) == {"before", "stream", "stream:block_i=32/chunk=128", "routed", "fp8_grouped"}
     for v in row["variants"].values():
         assert v["finite"] and v["rel_err"] < 2e-2, v
     bad = _bench(tmp_path, "--variants=stream", "--stream_configs=block_q=3")

@@ -6,8 +6,10 @@ import pytest
 
 import jax.numpy as jnp
 
-from mtp.ops.moe import api, mosaic, reference, triton
+from mtp.ops import fp8
+from mtp.ops.moe import api, mosaic, reference, triton, triton_grouped
 from mtp.ops.moe.mosaic import GroupedGemmConfig, plan_rows, plan_slots, routed_experts_mosaic, unsupported
+from mtp.ops.moe.triton_grouped import GroupedFp8Config
 
 
 def _inputs(seed, n, k, e, h, i, dtype=jnp.bfloat16, skew=None):
@@ -103,27 +105,61 @@ def test_api_dispatches_to_the_kernels(monkeypatch):
         assert calls == [kernel]
 
 
-def test_fp8_experts_reach_the_grouped_gemms_dequantized(monkeypatch):
-    """Block-scaled FP8 experts above `triton.MAX_TOKENS` rows: the grouped-GEMM kernels take them
-    dequantized to the activations' dtype, the reference's own rounding of a gathered FP8 expert;
-    ``auto`` does so from `api.DEQUANTIZE_MIN_PAIRS_PER_EXPERT` pairs an expert."""
-    from mtp.ops import fp8
+def _fp8(args):
+    x, ids, w, gate, up, down = args
+    return (x, ids, w, *(fp8.quantize(t.astype(jnp.float32)) for t in (gate, up, down)))
 
-    seen = []
-    run = mosaic.routed_experts_mosaic
-    monkeypatch.setattr(mosaic, "routed_experts_mosaic",
-                        lambda *a, **k: seen.append([w.dtype for w in a[3:6]]) or run(*a, **k))
-    x, ids, w, gate, up, down = _inputs(31, triton.MAX_TOKENS + 4, 3, e=8, h=128, i=128)
-    q = [fp8.quantize(t.astype(jnp.float32)) for t in (gate, up, down)]
-    out = api.routed_experts(x, ids, w, *q, impl="interpret")
-    assert seen == [[jnp.bfloat16] * 3]
-    ref = reference.routed_experts(x, ids, w, *q)
+
+@pytest.mark.parametrize("n,k,e,skew,config", [
+    (20, 3, 8, None, None),
+    (80, 2, 6, 0.9, None),  # expert 0 over two 64-row blocks, others nearly empty
+    (24, 4, 16, None, GroupedFp8Config(tile_i=32, tile_h=64, num_warps=4, num_stages=2)),
+])
+def test_the_fp8_grouped_gemms_are_the_reference(n, k, e, skew, config):
+    """`triton_grouped` (interpreted) on block-scaled FP8 experts against the reference on the same
+    8-bit experts: uneven, empty and multi-block groups, and another tiling."""
+    args = _fp8(_inputs(n + e, n, k, e=e, h=256, i=128, skew=skew))
+    out = triton_grouped.routed_experts_fp8(*args, impl="interpret", config=config)
+    ref = reference.routed_experts(*args)
+    assert out.dtype == jnp.float32 and _rel_err(out, ref) < 1e-2
+    x, ids, w, gate, up, down = args
+    assert _rel_err(out, reference.routed_experts(x, ids, w, up, gate, down)) > 0.1  # gate and up matter
+
+
+def test_the_fp8_grouped_gemms_lower_to_triton_for_an_h200(monkeypatch):
+    """Both kernels through Pallas' Triton lowering for compute capability 9.0, on the CPU (no PTX)."""
+    import jax
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
+    args = jax.eval_shape(lambda: _fp8(_inputs(0, 96, 10, e=64, h=2048, i=512)))
+    text = jax.jit(lambda *a: triton_grouped.routed_experts_fp8(*a)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("moe_gate_up_fp8") >= 1 and text.count("moe_down_fp8") >= 1, text[:2000]
+
+
+def test_fp8_experts_run_the_fp8_grouped_gemms(monkeypatch):
+    """Above `triton.MAX_TOKENS` rows the api hands block-scaled FP8 experts to `triton_grouped`
+    (``auto``: from `api.FP8_GROUPED_MIN_PAIRS` pairs), the shared expert added beside them; bf16
+    inputs it cannot take (f32 activations) go to the reference."""
+    calls = []
+    run = triton_grouped.routed_experts_fp8
+    monkeypatch.setattr(triton_grouped, "routed_experts_fp8", lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k))
+    args = _fp8(_inputs(31, triton.MAX_TOKENS + 4, 3, e=8, h=256, i=128))
+    out = api.routed_experts(*args, impl="interpret")
+    assert calls == [triton.MAX_TOKENS + 4]
+    ref = reference.routed_experts(*args)
     assert _rel_err(out, ref) < 1e-2
-    assert _rel_err(ref, reference.routed_experts(x, ids, w, gate, up, down)) > 1e-3  # the 8 bits matter
-    e = gate.shape[0]
-    per_expert = api.DEQUANTIZE_MIN_PAIRS_PER_EXPERT
-    assert api.dequantize_pays(jnp.zeros((per_expert * e,), jnp.int32), e)
-    assert not api.dequantize_pays(jnp.zeros((per_expert * e - 1,), jnp.int32), e)
+    x, ids, w, gate, up, down = args
+    assert _rel_err(ref, reference.routed_experts(x, ids, w, *(t.dequantize() for t in (gate, up, down)))) < 1e-2
+    np.testing.assert_array_equal(api.routed_experts(x.astype(jnp.float32), ids, w, gate, up, down, impl="interpret"),
+                                  reference.routed_experts(x.astype(jnp.float32), ids, w, gate, up, down))
+    assert calls == [triton.MAX_TOKENS + 4]
+    assert "bfloat16" in triton_grouped.unsupported(x.astype(jnp.float32), gate, up, down)
+    assert "BlockFp8Weight" in triton_grouped.unsupported(x, gate.dequantize(), up, down)
+    assert api.fp8_grouped_pays(jnp.zeros((api.FP8_GROUPED_MIN_PAIRS,), jnp.int32))
+    assert not api.fp8_grouped_pays(jnp.zeros((api.FP8_GROUPED_MIN_PAIRS - 1,), jnp.int32))
 
 
 def test_plan_rows_layout():

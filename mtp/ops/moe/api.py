@@ -15,9 +15,9 @@ On a GPU, ``"auto"`` runs by the token count:
   80B FP8 step 1.34x faster on an H100 (results/real_shape/moe_stream_h100_2026-12-06/), bf16 and
   block-scaled FP8 experts alike;
 * more tokens: the grouped-GEMM kernels of `mosaic` (Mosaic GPU) from ``KERNEL_MIN_PAIRS`` pairs
-  (prefill chunks), XLA's gather form below that, the shared expert beside them. Block-scaled FP8
-  experts go to the kernels dequantized whole from ``DEQUANTIZE_MIN_PAIRS_PER_EXPERT`` pairs an
-  expert (`dequantize_pays`), to the reference below.
+  (prefill chunks), XLA's gather form below that, the shared expert beside them; block-scaled FP8
+  experts the grouped GEMMs of `triton_grouped`, which read the 8-bit values, from
+  ``FP8_GROUPED_MIN_PAIRS`` pairs (`fp8_grouped_pays`), the reference below.
 
 Where a kernel's ``unsupported`` names why it cannot take the inputs (f32, quantized MTP-head
 experts, sizes its tiles do not divide) or the trace runs under a mesh
@@ -30,8 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mtp.ops import dispatch
-from mtp.ops.moe import mosaic, reference, triton
+from mtp.ops import dispatch, weight_stream
+from mtp.ops.moe import mosaic, reference, triton, triton_grouped
 from mtp.ops.moe.reference import RouterLogits, SharedExpert, check_inputs
 
 
@@ -44,11 +44,13 @@ from mtp.ops.moe.reference import RouterLogits, SharedExpert, check_inputs
 # (results/kernels/moe_kernels_h200.md).
 KERNEL_MIN_PAIRS = 129
 
-# Block-scaled FP8 experts reach the grouped-GEMM kernels (which read 16-bit weights) dequantized:
-# one XLA pass over every expert (its 8-bit values read, its bf16 copy written) before the kernels,
-# from this many (token, expert) pairs an expert on. Below it the reference runs, dequantizing
-# only the experts it gathers. See `dequantize_pays` for the measurement.
-DEQUANTIZE_MIN_PAIRS_PER_EXPERT = 1
+# Above `triton.MAX_TOKENS` tokens, block-scaled FP8 experts run the FP8 grouped GEMMs
+# (`triton_grouped`) from this many (token, expert) pairs, the reference below. One H100
+# (2026-12-06, results/kernels/moe_fp8_grouped_h100_2026-12-06/, CUPTI, L2 cold): at Qwen3-Next's
+# shape the reference's gather form took 250 / 347 us at 17 / 24 tokens (170 / 240 pairs) against
+# the kernels' 393 / 484, its segments form 1710 us at 32 tokens (320 pairs) against 627 and 5725
+# at 512 against 1317 (the bf16 experts' Mosaic GPU kernels: 1339); Qwen3.5-35B-A3B's shape alike.
+FP8_GROUPED_MIN_PAIRS = 256
 
 
 def pays(expert_ids) -> bool:
@@ -56,16 +58,10 @@ def pays(expert_ids) -> bool:
     return expert_ids.size >= KERNEL_MIN_PAIRS
 
 
-def dequantize_pays(expert_ids, num_experts: int) -> bool:
-    """Whether `auto` dequantizes quantized experts whole for the grouped GEMMs
-    (``DEQUANTIZE_MIN_PAIRS_PER_EXPERT``): a prefill chunk touches every expert, and the
-    reference's tiles gather and dequantize an expert once per tile it fills."""
-    return expert_ids.size >= DEQUANTIZE_MIN_PAIRS_PER_EXPERT * num_experts
-
-
-def _as_kernel_weight(w, dtype):
-    """``w`` as the grouped-GEMM kernels read it: a quantized weight dequantized to ``dtype``."""
-    return reference.in_dtype(w, dtype) if hasattr(w, "dequantize") else w
+def fp8_grouped_pays(expert_ids) -> bool:
+    """Whether `auto` hands FP8 experts above `triton.MAX_TOKENS` rows to `triton_grouped`
+    (``FP8_GROUPED_MIN_PAIRS``)."""
+    return expert_ids.size >= FP8_GROUPED_MIN_PAIRS
 
 
 def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, shared: SharedExpert | None = None,
@@ -88,16 +84,18 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, shared: Sha
         if mode != "reference":
             return triton.routed_experts_stream(x, ids, expert_weights, gate, up, down, shared, impl=mode)
         return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
-    quantized = any(hasattr(w, "dequantize") for w in (gate, up, down))
-    if quantized and impl == "auto" and not dequantize_pays(ids, reference.num_experts(gate)):
-        return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
-    as_read = [jax.eval_shape(lambda w: _as_kernel_weight(w, x.dtype), w) for w in (gate, up, down)]
+    if all(weight_stream.is_fp8(w) for w in (gate, up, down)):
+        mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or triton_grouped.unsupported(
+            x, gate, up, down), kernel_pays=lambda: fp8_grouped_pays(ids), mesh_kernel=True)
+        if mode == "reference":
+            return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
+        out = triton_grouped.routed_experts_fp8(x, ids, expert_weights, gate, up, down, impl=mode)
+        return out if shared is None else out + reference.shared_expert(x, shared)
     mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or mosaic.unsupported(
-        x, ids, expert_weights, *as_read), mesh_kernel=True)
+        x, ids, expert_weights, gate, up, down), mesh_kernel=True)
     if mode == "reference":
         return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
     if impl != "auto" or pays(ids):  # a named path runs the kernels at any size
-        gate, up, down = (_as_kernel_weight(w, x.dtype) for w in (gate, up, down))
         out = mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
     else:
         out = reference.routed_experts_gather(x, ids, expert_weights, gate, up, down)

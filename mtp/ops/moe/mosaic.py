@@ -330,7 +330,7 @@ def _grouped_matmul(block_expert, a, weights, epilogue, *, tile_n, num_blocks, s
     )(block_expert, a, *weights)
 
 
-def _activation(dtype):
+def activation(dtype):
     """The gate/up epilogue: ``rnd(rnd(silu(rnd(g))) * rnd(u))`` from the f32 accumulators."""
     rnd = lambda v: v.astype(dtype).astype(jnp.float32)
 
@@ -341,8 +341,10 @@ def _activation(dtype):
     return act
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _routed_experts(x, expert_ids, expert_weights, gate, up, down, *, config):
+def grouped_ffn(grouped_matmul, x, expert_ids, expert_weights, gate, up, down, *, config):
+    """The routed experts' weighted sum through ``grouped_matmul``: the row plan, gate/up with the
+    activation, down, and the combine. ``grouped_matmul`` has `_grouped_matmul`'s signature; the
+    FP8 grouped GEMM (`mtp.ops.moe.triton_grouped`) is the other that plugs in."""
     n, k = expert_ids.shape
     e = gate.shape[0]
     shared = config.layout == "tokens"
@@ -353,12 +355,15 @@ def _routed_experts(x, expert_ids, expert_weights, gate, up, down, *, config):
         rows, block_expert, row_token = plan_rows(expert_ids, e, config.block_rows)
         xs = x[row_token]
     kw = dict(num_blocks=block_expert.shape[0], shared_rows=shared, cfg=config)
-    hs = _grouped_matmul(block_expert, xs, (gate, up), _activation(x.dtype), tile_n=config.tile_i,
-                         name="moe_gate_up", **kw)
-    ys = _grouped_matmul(block_expert, hs, (down,), lambda y: y, tile_n=config.tile_h,
-                         name="moe_down", **{**kw, "shared_rows": False})
+    hs = grouped_matmul(block_expert, xs, (gate, up), activation(x.dtype), tile_n=config.tile_i,
+                        name="moe_gate_up", **kw)
+    ys = grouped_matmul(block_expert, hs, (down,), lambda y: y, tile_n=config.tile_h,
+                        name="moe_down", **{**kw, "shared_rows": False})
     picked = ys[rows.reshape(-1)].astype(jnp.float32).reshape(n, k, -1)
     return jnp.einsum("nk,nkh->nh", expert_weights.astype(jnp.float32), picked)
+
+
+_routed_experts = jax.jit(functools.partial(grouped_ffn, _grouped_matmul), static_argnames=("config",))
 
 
 def routed_experts_mosaic(x, expert_ids, expert_weights, gate, up, down, *, impl="pallas",

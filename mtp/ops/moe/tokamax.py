@@ -22,6 +22,13 @@ That gain needs its own weight layout: a second copy of every expert (3.2 GB a l
 shape) beside the one the decode kernels read, or a transpose per call (a full read and write
 of the weights, ~1.6 ms). It also imports ``xprof`` (32 MB) at import time and brings
 pydantic and qwix.
+
+Qwen's block-scaled FP8 experts are not an operand its Hopper path takes (its source, read
+2026-12-06, `tokamax/_src/ops/ragged_dot/pallas_mosaic_gpu_kernel_sm90_quant*.py`): the sm90
+quantized kernels read a ``qwix.QArray`` of integer values (int8 / int4, upcast in registers)
+with one scale per output column and ``block_k`` inputs, and its FP8 kernel is for sm100. Taking
+the checkpoint's E4M3 values would mean re-quantizing them to integers, which changes the weights;
+so FP8 experts run the project's own grouped GEMMs that read the E4M3 values (`triton_grouped`).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ the shared expert one more pair of each token:
 1. ``gate_up`` (grid: ``P + N`` pairs x ``I / block_i``): a program finds its pair's expert, from
    the routing it is given (`routed_experts_stream`) or from the router's bf16 logits (`moe_stream`:
    the pair's expert by as many integer maxes over packed (logit, id) keys as its rank, in every
-   program, since a routing kernel of its own would be a launch), streams the expert's ``gate`` and ``up`` rows ``[o0, o0 + block_i)`` in
-   place in chunks of ``chunk`` columns, multiplies them by the token's row and sums along the chunk
+   program, since a routing kernel of its own would be a launch), streams the expert's ``gate``
+   and ``up`` rows ``[o0, o0 + block_i)`` in place in chunks of ``chunk`` columns, multiplies them by the token's row and sums along the chunk
    in f32 (a multiply and a reduction: a dot would pad the one row to 16), and writes
    ``h = r(silu(r(g)) * r(u))`` (``r``: a rounding to bf16, the reference's) as bf16 ``[P + N, I]``;
    routing, the pair's first program also writes the pair's expert id and weight.
