@@ -583,15 +583,17 @@ class ModelBench:
         goals = [w for w in ("decode b=1", f"verify K={conf.spec_k}") if w in order]
         for what in goals:
             self.guarded(what, deadline, lambda what=what: step_row(what))
+        # The loops and the propose step take the derived tensors, made once for both.
+        prepared = prepare_params(params, self.execution) if self.suite == "full" else None
         if self.suite == "full":
-            self.measure_loops(params, rows, deadline, speculative=True)
+            self.measure_loops(prepared, rows, deadline, speculative=True)
         after_goals()
         for what in order:
             if what not in goals:
                 self.guarded(what, deadline, lambda what=what: step_row(what))
         if self.suite == "full":
             def propose():
-                row = self.time_step("propose", prepare_params(params, self.execution),
+                row = self.time_step("propose", prepared,
                                      floor_of(head_dense_bytes(c, self.weights), 1, 1, 0), 1)
                 if "decode b=1" in rows:
                     row["ratio_to_decode"] = row["ms"] / rows["decode b=1"]["ms"]
@@ -633,9 +635,9 @@ class ModelBench:
         ms, ms_call = per_step_slope({n: call_of(n) for n in budgets}, self.conf.reps)
         return ms, ms_call, extras
 
-    def measure_loops(self, params, rows, deadline, speculative: bool):
-        """The plain loop at batch 1 and, with ``speculative``, the speculative loop at each alpha."""
-        prepared = prepare_params(params, self.execution)
+    def measure_loops(self, prepared, rows, deadline, speculative: bool):
+        """The plain loop at batch 1 and, with ``speculative``, the speculative loop at each alpha;
+        ``prepared``: the params with their derived tensors (`prepare_params`)."""
         plain_ms = self.guarded("greedy loop", deadline, lambda: self._measure_plain_loop(prepared, rows))
         if speculative and plain_ms is not None:
             self.guarded("spec_loop", deadline, lambda: self._measure_spec_loop(prepared, plain_ms))
@@ -968,7 +970,7 @@ def run_peer(peer: ModelBench, conf, report: Report, deadline: Deadline):
         params = device_params(peer.cfg, conf.seed)
         peer.loop_compile = peer.programs.get(f"{peer.name}/greedy_loop", deadline)
         rows_before = len(report.data["rows"])
-        peer.measure_loops(params, {}, deadline, speculative=False)
+        peer.measure_loops(prepare_params(params, peer.execution), {}, deadline, speculative=False)
         ours = next(r for r in report.data["rows"][rows_before:] if r["what"] == "plain greedy loop")
         from experiments import hf_peer
 

@@ -29,6 +29,21 @@ def chunk_of(n: int, chunk: int) -> int:
     return math.gcd(n, chunk)
 
 
+def check_tiling(config, tiles, low: int = 1, high: int | None = None,
+                 counts=("num_warps", "num_stages")) -> None:
+    """Raise a ValueError that names the field unless each of ``tiles`` is a power of two in
+    ``[low, high]`` and each of ``counts`` at least 1: the check the streaming kernels' tiling
+    configs share."""
+    kind = type(config).__name__
+    for field in tiles:
+        t = getattr(config, field)
+        if t < low or (high is not None and t > high) or t & (t - 1):
+            bounds = (f" from {low}" if low > 1 else "") + (f" to {high}" if high is not None else "")
+            raise ValueError(f"{kind}.{field}={t}: a power of two{bounds}")
+    if any(getattr(config, field) < 1 for field in counts):
+        raise ValueError(f"{kind} {config}: {', '.join(counts)} must be >= 1")
+
+
 def is_fp8(w) -> bool:
     return isinstance(w, BlockFp8Weight)
 

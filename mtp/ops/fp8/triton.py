@@ -41,7 +41,7 @@ from mtp.ops.lowering import num_sms, triton_compiler_params
 
 MAX_ROWS = 16  # the rows the kernel is for: a decode or verify step
 DOT_ROWS = 16  # Triton's smallest dot M: the rows are padded to it
-SCALE_BLOCK = 128  # the only scale block the kernels take (Qwen's checkpoints)
+SCALE_BLOCK = ws.SCALE_BLOCK  # the only scale block the kernels take (Qwen's checkpoints)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +61,7 @@ class Fp8GemvConfig:
     num_stages: int = 3
 
     def check(self) -> None:
-        for name in ("block_out", "block_in"):
-            b = getattr(self, name)
-            if b < 16 or b > SCALE_BLOCK or b & (b - 1):
-                raise ValueError(f"Fp8GemvConfig.{name}={b}: a power of two from 16 to {SCALE_BLOCK}")
-        if self.splits < 1 or self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"Fp8GemvConfig {self}: splits, num_warps and num_stages must be >= 1")
+        ws.check_tiling(self, ("block_out", "block_in"), 16, SCALE_BLOCK, counts=("splits", "num_warps", "num_stages"))
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -73,8 +73,9 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, shared: Sha
     ``expert_weights`` f32 ``[N, k]``, ``gate``/``up`` ``[E, I, H]``, ``down`` ``[E, H, I]``.
     Up to `triton.MAX_TOKENS` rows (a decode or verify step) the kernel path is the weight-streaming
     kernels of `triton`, which take the shared expert as one more pair a token; more rows go to the
-    grouped GEMMs of `mosaic` (from ``KERNEL_MIN_PAIRS`` pairs under ``"auto"``), the shared expert
-    beside them.
+    grouped GEMMs of `mosaic` (from ``KERNEL_MIN_PAIRS`` pairs under ``"auto"``), or of
+    `triton_grouped` for block-scaled FP8 experts (from ``FP8_GROUPED_MIN_PAIRS``), the shared
+    expert beside them.
     """
     check_inputs(x, expert_ids, expert_weights, gate, up, down, shared)
     ids = expert_ids.astype(jnp.int32)
@@ -84,18 +85,18 @@ def routed_experts(x, expert_ids, expert_weights, gate, up, down, *, shared: Sha
         if mode != "reference":
             return triton.routed_experts_stream(x, ids, expert_weights, gate, up, down, shared, impl=mode)
         return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
-    if all(weight_stream.is_fp8(w) for w in (gate, up, down)):
+    fp8 = all(weight_stream.is_fp8(w) for w in (gate, up, down))
+    if fp8:
         mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or triton_grouped.unsupported(
             x, gate, up, down), kernel_pays=lambda: fp8_grouped_pays(ids), mesh_kernel=True)
-        if mode == "reference":
-            return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
-        out = triton_grouped.routed_experts_fp8(x, ids, expert_weights, gate, up, down, impl=mode)
-        return out if shared is None else out + reference.shared_expert(x, shared)
-    mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or mosaic.unsupported(
-        x, ids, expert_weights, gate, up, down), mesh_kernel=True)
+    else:
+        mode = dispatch.choose("moe", impl, lambda: _mesh_unsupported() or mosaic.unsupported(
+            x, ids, expert_weights, gate, up, down), mesh_kernel=True)
     if mode == "reference":
         return reference.routed_experts(x, ids, expert_weights, gate, up, down, shared)
-    if impl != "auto" or pays(ids):  # a named path runs the kernels at any size
+    if fp8:
+        out = triton_grouped.routed_experts_fp8(x, ids, expert_weights, gate, up, down, impl=mode)
+    elif impl != "auto" or pays(ids):  # a named path runs the kernels at any size
         out = mosaic.routed_experts_mosaic(x, ids, expert_weights, gate, up, down, impl=mode)
     else:
         out = reference.routed_experts_gather(x, ids, expert_weights, gate, up, down)

@@ -73,14 +73,8 @@ class StreamConfig:
     num_stages: int = 3
 
     def check(self) -> None:
-        for name in ("block_i", "block_h", "chunk"):
-            b = getattr(self, name)
-            if b < 1 or b & (b - 1):
-                raise ValueError(f"StreamConfig.{name}={b}: a power of two")
-        if self.chunk < ws.MIN_CHUNK:
-            raise ValueError(f"StreamConfig.chunk={self.chunk}: at least {ws.MIN_CHUNK}")
-        if self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"StreamConfig {self}: num_warps and num_stages must be >= 1")
+        ws.check_tiling(self, ("block_i", "block_h"))
+        ws.check_tiling(self, ("chunk",), ws.MIN_CHUNK, counts=())
 
 
 class RouterSpec(NamedTuple):

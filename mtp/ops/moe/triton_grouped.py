@@ -54,12 +54,7 @@ class GroupedFp8Config:
     num_stages: int = 3
 
     def check(self) -> None:
-        for name in ("tile_i", "tile_h"):
-            t = getattr(self, name)
-            if t < 16 or t > ws.SCALE_BLOCK or t & (t - 1):
-                raise ValueError(f"GroupedFp8Config.{name}={t}: a power of two from 16 to {ws.SCALE_BLOCK}")
-        if self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"GroupedFp8Config {self}: num_warps and num_stages must be >= 1")
+        ws.check_tiling(self, ("tile_i", "tile_h"), 16, ws.SCALE_BLOCK)
 
 
 def unsupported(x, gate, up, down, config: GroupedFp8Config | None = None) -> str | None:
