@@ -486,3 +486,27 @@ def test_greedy_speculative_decoding_on_the_fp8_kernel_is_token_identical(tmp_pa
     assert calls and max(calls) <= triton.MAX_ROWS, calls
     assert res.tokens == plain
     assert res.stats.accepted > 0, res.stats
+
+
+def test_greedy_speculative_decoding_on_the_fp8_grouped_gemms_is_token_identical(tmp_path, monkeypatch):
+    """FP8 MoE experts above 16 rows a call (six prompts, verify width 3: 18 rows; the prefill's
+    padded chunk) on `mtp.ops.moe.triton_grouped` (interpreted) in both loops. The tiny MoE model
+    is widened to whole 128 x 128 scale blocks, which the kernels take."""
+    from mtp.ops.moe import triton, triton_grouped
+
+    calls = []
+    run = triton_grouped.routed_experts_fp8
+    monkeypatch.setattr(triton_grouped, "routed_experts_fp8", lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k))
+    cfg = tiny_config("tiny_moe").replace(tie_word_embeddings=False, hidden_size=128, moe_intermediate_size=128,
+                                          shared_expert_intermediate_size=128)
+    path = save_pretrained(tmp_path / "m", cfg, agreeing_params(cfg, 11, 0.01))
+    cfg, params = load_pretrained(path, dtype=jnp.bfloat16, weight_quant="fp8")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (5, 9, 3, 12, 7, 4)]
+    spec = SpecConfig(max_new_tokens=6, verify_width=3, plain_width=3,
+                      execution=ExecutionConfig().with_kernels(moe="interpret"))
+    plain = generate(cfg, params, prompts, spec, speculative=False).tokens
+    res = generate(cfg, params, prompts, spec)
+    assert calls and min(calls) > triton.MAX_TOKENS, calls
+    assert res.tokens == plain
+    assert res.stats.accepted > 0, res.stats
