@@ -49,7 +49,7 @@ KERNEL_MIN_PAIRS = 129
 # (2026-12-06, results/kernels/moe_fp8_grouped_h100_2026-12-06/, CUPTI, L2 cold): at Qwen3-Next's
 # shape the reference's gather form took 250 / 347 us at 17 / 24 tokens (170 / 240 pairs) against
 # the kernels' 393 / 484, its segments form 1710 us at 32 tokens (320 pairs) against 627 and 5725
-# at 512 against 1317 (the bf16 experts' Mosaic GPU kernels: 1339); Qwen3.5-35B-A3B's shape alike.
+# at 512 against 1317 (the bf16 experts' Mosaic GPU kernels: 1339, in another call); Qwen3.5-35B-A3B's shape alike.
 FP8_GROUPED_MIN_PAIRS = 256
 
 

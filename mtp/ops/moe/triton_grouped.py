@@ -19,9 +19,9 @@ bf16 first).
 results/kernels/moe_fp8_grouped_h100_2026-12-06/, Qwen3-Next-80B-A3B's layer, CUPTI, L2 cold) it
 took 627 / 1317 / 1421 us at 32 / 512 / 2048 tokens, 2.4-2.6x the FP8 experts' bytes floor: 2.5x
 faster than the Mosaic kernels on a dequantized bf16 copy of the experts (2599 / 3402 / 3495 us,
-the copy included) and as fast as those kernels on bf16 experts (1339 us at 512 tokens). The
-default tiling (128-column tiles, 8 warps) was 2-5% faster there than 64-column gate/up tiles at
-4 warps, and 1.3-1.5x faster than 32 / 64. Below 256 pairs the reference's gather form is faster
+the copy included) and about as fast as those kernels on bf16 experts (1339 us at 512 tokens, in
+another call on another H100 that day). The default tiling (128-column tiles, 8 warps) was 2-5%
+faster there than 64-column gate/up tiles at 4 warps, and 1.3-1.5x faster than 32 / 64. Below 256 pairs the reference's gather form is faster
 (`api.FP8_GROUPED_MIN_PAIRS`).
 """
 
